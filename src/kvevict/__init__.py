@@ -1,0 +1,17 @@
+"""kvevict: generate with any transformers decoder under a fixed KV-cache budget.
+
+    model, tok = kvevict.load_model("smollm2-135m")
+    cache = kvevict.make_cache(model, policy="h2o", budget=0.2)
+    model.generate(**inputs, past_key_values=cache)
+"""
+
+from .attention import ATTN_NAME, register
+from .cache import EvictingCache, EvictingLayer, make_cache
+from .models import load_model
+from .policies import POLICIES, Policy, make_policy
+
+register()
+
+__all__ = ["ATTN_NAME", "EvictingCache", "EvictingLayer", "POLICIES", "Policy", "load_model",
+           "make_cache", "make_policy", "register"]
+__version__ = "0.1.0"

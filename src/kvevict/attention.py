@@ -1,0 +1,239 @@
+"""The ``kvevict`` attention function and its mask function, registered through transformers'
+public ``AttentionInterface`` / ``AttentionMaskInterface`` (no monkey-patching).
+
+The attention returns what SDPA returns and, when the layer's cache is an eviction layer, hands
+that layer the per-key attention statistics its policy asks for:
+
+    sum[i]   = sum_t a_t(i)              (H2O's accumulated attention, AAS)
+    sq[i]    = sum_t a_t(i)^2            (RoCo's variance)
+    count[i] = #queries t that saw key i (MAS / RoCo's n_i)
+    last[i]  = a_T(i)                    (TOVA / LTAS: last query only)
+    obs[i]   = sum_{t in last w queries} a_t(i)   (SnapKV's observation window)
+
+where a_t(i) is the softmax probability query t gives key i, summed over the query heads that
+share key i's KV head (GQA). Queries are processed in chunks, so at most ``chunk x n`` scores
+exist at once; no ``n x n`` matrix is ever built, not even as a mask: our mask function passes the
+2-D padding mask through instead of expanding it.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+ATTN_NAME = "kvevict"
+
+# Upper bound on scores held per query chunk (floats); 2**24 floats = 64 MiB in fp32.
+_CHUNK_ELEMENTS = 1 << 24
+
+
+@dataclass
+class PaddingInfo:
+    """What the mask function hands attention: the 2-D padding mask (True = real token) and offsets."""
+
+    padding: torch.Tensor | None  # (batch, seen + q_length) bool, or None when nothing is padded
+    q_offset: int
+    kv_offset: int
+
+
+def kvevict_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                 attention_mask=None, **kwargs):
+    """Mask function for ``AttentionMaskInterface``: keep the 2-D padding mask, build nothing."""
+    if isinstance(q_offset, torch.Tensor):  # static caches hand a tensor; ours and dynamic ones an int
+        q_offset = int(q_offset)
+    padding = attention_mask
+    if padding is not None and bool(padding.all()):
+        padding = None  # the common unpadded case costs nothing later
+    return PaddingInfo(padding=padding, q_offset=q_offset, kv_offset=kv_offset)
+
+
+# The eviction layer that just ran ``update`` on this thread hands itself to the attention call
+# that follows it in the same decoder layer: transformers does not pass the cache to attention.
+_handoff = threading.local()
+
+
+def hand_off(layer) -> None:
+    if getattr(_handoff, "layer", None) is not None:
+        raise RuntimeError(
+            "kvevict: a cache layer was updated but no kvevict attention consumed it. The model must run "
+            f"with attn_implementation='{ATTN_NAME}' (make_cache sets it; did something reset it?)."
+        )
+    _handoff.layer = layer
+
+
+def _take_handoff(key: torch.Tensor):
+    layer = getattr(_handoff, "layer", None)
+    _handoff.layer = None
+    if layer is not None and layer.returned_keys is not key:
+        raise ValueError(
+            "kvevict: this model changes the cached keys between the cache update and attention, so its "
+            "attention cannot be hooked for eviction. Use a standard decoder architecture (Llama, Qwen2, Mistral, ...)."
+        )
+    return layer
+
+
+@dataclass
+class _Segments:
+    """Keys split into a past part (stored slots, any order) and the new tokens (in order)."""
+
+    k_past: torch.Tensor  # (b, hkv, n_past, d)
+    v_past: torch.Tensor
+    pos_past: torch.Tensor | None  # (b|1, hkv|1, n_past) positions, for sliding windows
+    valid_past: torch.Tensor | None  # (b, hkv|1, n_past) bool, None = all valid
+    k_new: torch.Tensor  # (b, hkv, q, d), the queries' own keys
+    v_new: torch.Tensor
+    pos_new: torch.Tensor  # (b|1, q) positions of the new tokens
+    valid_new: torch.Tensor | None  # (b, q) bool, None = all real
+
+
+def _generic_segments(key, value, q_len, info: PaddingInfo | None) -> _Segments:
+    """Any cache that stores keys in order (DynamicCache, none): the last q keys are the new tokens."""
+    n = key.shape[2]
+    kv_offset = info.kv_offset if info is not None else 0
+    times = torch.arange(kv_offset, kv_offset + n, device=key.device)
+    valid = None
+    if info is not None and info.padding is not None:
+        pad = info.padding
+        if pad.shape[-1] < kv_offset + n:
+            pad = torch.nn.functional.pad(pad, (0, kv_offset + n - pad.shape[-1]), value=True)
+        valid = pad[:, kv_offset: kv_offset + n]
+    np_ = n - q_len
+    return _Segments(
+        k_past=key[:, :, :np_], v_past=value[:, :, :np_],
+        pos_past=times[:np_].view(1, 1, -1),
+        valid_past=None if valid is None else valid[:, None, :np_],
+        k_new=key[:, :, np_:], v_new=value[:, :, np_:],
+        pos_new=times[np_:].view(1, -1),
+        valid_new=None if valid is None else valid[:, np_:],
+    )
+
+
+def kvevict_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                      sliding_window=None, softcap=None, **kwargs):
+    """SDPA-equivalent attention over (past slots + new tokens), collecting per-key statistics."""
+    if dropout and module.training:
+        raise ValueError("kvevict attention is for inference; call model.eval() (dropout must be off).")
+    if kwargs.get("s_aux") is not None:
+        raise ValueError("kvevict attention does not support attention sinks (s_aux) models such as gpt-oss.")
+    if attention_mask is not None and not isinstance(attention_mask, PaddingInfo):
+        raise ValueError(
+            "kvevict attention got a prepared 4-D attention mask; pass a 2-D attention_mask "
+            "(batch, length) as generate() does."
+        )
+    layer = _take_handoff(key)
+    q_len = query.shape[2]
+    if layer is not None:
+        seg = layer.segments(value, attention_mask, q_len)
+        wanted = layer.policy.stats
+        observe = getattr(layer.policy, "window", 0) if "obs" in wanted else 0
+    else:
+        seg = _generic_segments(key, value, q_len, attention_mask)
+        wanted, observe = (), 0
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out, stats = attend(query, seg, scale, sliding_window, softcap, wanted, observe)
+    if layer is not None:
+        layer.absorb(stats, seg.valid_new, seg.pos_new)
+    return out, None
+
+
+def attend(query, seg: _Segments, scale, window, softcap, wanted=(), observe=0):
+    """Chunked softmax attention. Returns output (b, q, hq, d) and a dict of per-key statistics
+    over the concatenated keys [past, new] of shape (b, hkv, n_past + q)."""
+    b, hq, q, d = query.shape
+    hkv = seg.k_past.shape[1]
+    g = hq // hkv
+    n_past = seg.k_past.shape[2]
+    n_all = n_past + q
+    qg = query.view(b, hkv, g, q, d)
+    kp = seg.k_past.unsqueeze(2).transpose(-1, -2)  # (b, hkv, 1, d, n_past)
+    vp = seg.v_past.unsqueeze(2)
+    kn = seg.k_new.unsqueeze(2).transpose(-1, -2)
+    vn = seg.v_new.unsqueeze(2)
+    acc_dtype = torch.float32
+    stats = {name: torch.zeros(b, hkv, n_all, dtype=acc_dtype, device=query.device)
+             for name in wanted if name in ("sum", "sq", "count", "obs")}
+    out = torch.empty(b, hkv, g, q, d, dtype=query.dtype, device=query.device)
+    chunk = max(1, min(q, _CHUNK_ELEMENTS // max(1, b * hq * n_all)))
+    pos_new = seg.pos_new
+    new_idx = torch.arange(q, device=query.device)
+    last_row = None
+    for s in range(0, q, chunk):
+        e = min(q, s + chunk)
+        qc = qg[:, :, :, s:e]
+        # causal: this chunk's queries see new keys [0, e) only, so later keys are never scored
+        scores = torch.cat([torch.matmul(qc, kp), torch.matmul(qc, kn[..., :e])], dim=-1).float() * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        mask = _chunk_mask(seg, s, e, window, new_idx, pos_new)  # (b|1, hkv|1, 1, c, n_past + e) or None
+        if mask is not None:
+            scores.masked_fill_(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        if seg.valid_new is not None:  # padding queries (fully masked rows give NaN) count for nothing
+            qvalid = seg.valid_new[:, None, None, s:e, None]
+            probs = torch.where(qvalid, probs, 0.0)
+        pc = probs.to(query.dtype)
+        out[:, :, :, s:e] = torch.matmul(pc[..., :n_past], vp) + torch.matmul(pc[..., n_past:], vn[:, :, :, :e])
+        if stats or "last" in wanted:
+            pg = probs.sum(2)  # (b, hkv, c, n_past + e): summed over the query heads of each KV group
+            _accumulate(stats, pg, mask, seg.valid_new, s, e, n_past, q, observe)
+            if e == q:
+                last_row = pg[:, :, -1]
+    if "last" in wanted:
+        stats["last"] = torch.nn.functional.pad(last_row, (0, n_all - last_row.shape[-1]))
+    return out.view(b, hq, q, d).transpose(1, 2).contiguous(), stats
+
+
+def _chunk_mask(seg: _Segments, s, e, window, new_idx, pos_new):
+    """Visibility of [past slots, new keys < e] for queries [s, e): validity, causality, window."""
+    c = e - s
+    parts_needed = seg.valid_past is not None or seg.valid_new is not None or c > 1 or window is not None
+    if not parts_needed:
+        return None
+    b = seg.k_past.shape[0]
+    n_past = seg.k_past.shape[2]
+    dev = seg.k_past.device
+    qi = new_idx[s:e]
+    # new keys: causal within the chunk (key j <= query i), and real
+    m_new = (new_idx[:e].view(1, -1) <= qi.view(-1, 1)).view(1, 1, 1, c, e)
+    if seg.valid_new is not None:
+        m_new = m_new & seg.valid_new[:, None, None, None, :e]
+    m_past = torch.ones(1, 1, 1, 1, n_past, dtype=torch.bool, device=dev)
+    if seg.valid_past is not None:
+        m_past = m_past & seg.valid_past[:, :, None, None, :]
+    if window is not None:
+        qpos = pos_new[:, s:e]  # (b|1, c)
+        if seg.pos_past is not None and n_past:
+            dist = qpos.view(qpos.shape[0], 1, 1, c, 1) - seg.pos_past.unsqueeze(2).unsqueeze(2)
+            m_past = m_past & (dist < window)
+        dist_new = qpos.view(qpos.shape[0], 1, 1, c, 1) - pos_new[:, :e].view(pos_new.shape[0], 1, 1, 1, e)
+        m_new = m_new & (dist_new < window)
+    bb = max(m_past.shape[0], m_new.shape[0], b if seg.valid_past is not None or seg.valid_new is not None else 1)
+    hh = max(m_past.shape[1], m_new.shape[1])
+    return torch.cat([m_past.expand(bb, hh, 1, c, n_past), m_new.expand(bb, hh, 1, c, e)], dim=-1)
+
+
+def _accumulate(stats, pg, mask, valid_new, s, e, n_past, q, observe):
+    """Add this chunk's column statistics (pg: probs summed over the KV group) into ``stats``."""
+    n = pg.shape[-1]
+    if "sum" in stats:
+        stats["sum"][..., :n] += pg.sum(2)
+    if "sq" in stats:
+        stats["sq"][..., :n] += pg.square().sum(2)
+    if "count" in stats:
+        seen = mask.squeeze(2) if mask is not None else torch.ones_like(pg, dtype=torch.bool)
+        if valid_new is not None:
+            seen = seen & valid_new[:, None, s:e, None]
+        stats["count"][..., :n] += seen.sum(2).to(stats["count"].dtype).expand_as(stats["count"][..., :n])
+    if "obs" in stats and e > q - observe:
+        lo = max(s, q - observe) - s
+        stats["obs"][..., :n] += pg[:, :, lo:].sum(2)
+
+
+def register() -> None:
+    """Register the ``kvevict`` attention and mask functions (idempotent, no global patching)."""
+    AttentionInterface.register(ATTN_NAME, kvevict_attention)
+    AttentionMaskInterface.register(ATTN_NAME, kvevict_mask)

@@ -1,0 +1,1 @@
+"""Subcommands of the ``kvevict`` CLI, discovered by kvevict.cli."""

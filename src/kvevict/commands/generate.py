@@ -1,0 +1,51 @@
+"""kvevict generate: answer one prompt under a KV budget and report the memory held."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from ._common import add_model_args, mib, parse_budget, setup_threads
+
+NAME = "generate"
+HELP = "answer a prompt under a KV budget; print the answer and the KV bytes held vs the full cache"
+
+
+def add_arguments(p):
+    add_model_args(p)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the prompt text")
+    src.add_argument("--prompt-file", help="file with the prompt text ('-' for stdin)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--raw", action="store_true", help="no chat template: continue the text as is")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def run(args):
+    from ..generate import generate
+    from ..models import load_model
+
+    if args.prompt_file:
+        path = args.prompt_file
+        if path != "-" and not Path(path).is_file():
+            raise ValueError(f"prompt file {path!r} does not exist.")
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    else:
+        text = args.prompt
+    if not text.strip():
+        raise ValueError("the prompt is empty.")
+    setup_threads(args)
+    model, tok = load_model(args.model)
+    prompt = text if args.raw else [{"role": "user", "content": text}]
+    res = generate(model, tok, prompt, args.policy, parse_budget(args.budget), args.max_new_tokens,
+                   **({} if args.recent is None else {"recent": args.recent}))
+    if args.json:
+        print(json.dumps(res.as_dict()))
+        return 0
+    print(res.text)
+    ratio = res.kv_bytes / res.full_kv_bytes if res.full_kv_bytes else 1.0
+    print(f"\n[{res.policy} budget={res.budget}] prompt {res.prompt_tokens} tokens, {res.new_tokens} new, "
+          f"{res.seconds:.2f} s; KV held {mib(res.kv_bytes)} vs full cache {mib(res.full_kv_bytes)} "
+          f"({ratio:.0%})", file=sys.stderr)
+    return 0

@@ -1,0 +1,1 @@
+"""Offline text and tasks from registry packages (see shared DATA.md)."""

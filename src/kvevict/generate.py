@@ -1,0 +1,65 @@
+"""One prompt in, one answer out, with the KV memory and time it took: what the CLI, the demo and
+the server share."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from transformers import DynamicCache
+
+from .cache import make_cache
+
+FULL = ("full", "none")
+
+
+@dataclass
+class Result:
+    policy: str
+    budget: object
+    text: str
+    prompt_tokens: int
+    new_tokens: int
+    kv_bytes: int
+    full_kv_bytes: int
+    seconds: float
+
+    def as_dict(self):
+        return asdict(self)
+
+
+def encode_chat(tokenizer, messages: list[dict] | str) -> torch.Tensor:
+    """Token ids of a chat (list of messages) with the generation prompt, or of raw text."""
+    if isinstance(messages, str):
+        return tokenizer(messages, return_tensors="pt")["input_ids"]
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    return out["input_ids"]
+
+
+def dynamic_kv_bytes(cache: DynamicCache) -> int:
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.is_initialized)
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompt, policy="h2o", budget=0.2, max_new_tokens=64, **policy_params) -> Result:
+    """Greedy generation of one prompt (chat messages or raw text) under ``policy`` and ``budget``;
+    ``policy="full"`` runs the stock transformers DynamicCache with SDPA as the reference."""
+    ids = encode_chat(tokenizer, prompt) if not isinstance(prompt, torch.Tensor) else prompt
+    if policy in FULL:
+        model.set_attn_implementation("sdpa")
+        cache = DynamicCache(config=model.config)
+    else:
+        cache = make_cache(model, policy, budget, **policy_params)
+    start = time.perf_counter()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, do_sample=False,
+                         max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+    seconds = time.perf_counter() - start
+    new = out[0, ids.shape[1]:]
+    if policy in FULL:
+        held = full = dynamic_kv_bytes(cache)
+    else:
+        held, full = cache.kv_bytes(), cache.full_kv_bytes()
+    return Result(policy=policy, budget=None if policy in FULL else budget,
+                  text=tokenizer.decode(new, skip_special_tokens=True).strip(), prompt_tokens=ids.shape[1],
+                  new_tokens=len(new), kv_bytes=held, full_kv_bytes=full, seconds=seconds)

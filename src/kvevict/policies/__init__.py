@@ -1,0 +1,8 @@
+"""Eviction policies: each a small dataclass defining its score (and, if it differs from the
+recent window + sinks, its eviction scope). See base.py for the decomposition."""
+
+from . import h2o  # noqa: F401  (registers)
+from .base import Candidates, Policy
+from .registry import POLICIES, make_policy, register
+
+__all__ = ["Candidates", "Policy", "POLICIES", "make_policy", "register"]

