@@ -7,11 +7,12 @@
 
 from .attention import ATTN_NAME, register
 from .cache import EvictingCache, EvictingLayer, make_cache
+from .prefill import prefill
 from .models import load_model
 from .policies import POLICIES, Policy, make_policy
 
 register()
 
 __all__ = ["ATTN_NAME", "EvictingCache", "EvictingLayer", "POLICIES", "Policy", "load_model",
-           "make_cache", "make_policy", "register"]
+           "make_cache", "make_policy", "prefill", "register"]
 __version__ = "0.1.0"

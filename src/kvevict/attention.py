@@ -9,6 +9,8 @@ that layer the per-key attention statistics its policy asks for:
     count[i] = #queries t that saw key i (MAS / RoCo's n_i)
     last[i]  = a_T(i)                    (TOVA / LTAS: last query only)
     obs[i]   = sum_{t in last w queries} a_t(i)   (SnapKV's observation window)
+    hits[i]  = sum_t 1[a_t(i) >= G / n_t]         (AQAS: attention above uniform, quantised)
+    hits_ema[i] = sum_t gamma^(T-t) 1[a_t(i) >= G / n_t]   (Scissorhands' history window, decayed)
 
 where a_t(i) is the softmax probability query t gives key i, summed over the query heads that
 share key i's KV head (GQA). Queries are processed in chunks, so at most ``chunk x n`` scores
@@ -128,21 +130,22 @@ def kvevict_attention(module, query, key, value, attention_mask, scaling=None, d
     q_len = query.shape[2]
     if layer is not None:
         seg = layer.segments(value, attention_mask, q_len)
-        wanted = layer.policy.stats
-        observe = getattr(layer.policy, "window", 0) if "obs" in wanted else 0
+        wanted, params = layer.policy.stats, layer.policy.attention_params()
     else:
         seg = _generic_segments(key, value, q_len, attention_mask)
-        wanted, observe = (), 0
+        wanted, params = (), {}
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out, stats = attend(query, seg, scale, sliding_window, softcap, wanted, observe)
+    out, stats = attend(query, seg, scale, sliding_window, softcap, wanted, **params)
     if layer is not None:
         layer.absorb(stats, seg.valid_new, seg.pos_new)
     return out, None
 
 
-def attend(query, seg: _Segments, scale, window, softcap, wanted=(), observe=0):
+def attend(query, seg: _Segments, scale, window, softcap, wanted=(), observe=0, gamma=1.0):
     """Chunked softmax attention. Returns output (b, q, hq, d) and a dict of per-key statistics
-    over the concatenated keys [past, new] of shape (b, hkv, n_past + q)."""
+    over the concatenated keys [past, new] of shape (b, hkv, n_past + q).
+
+    observe: how many of the last queries count for "obs"; gamma: decay per query for "hits_ema"."""
     b, hq, q, d = query.shape
     hkv = seg.k_past.shape[1]
     g = hq // hkv
@@ -155,7 +158,7 @@ def attend(query, seg: _Segments, scale, window, softcap, wanted=(), observe=0):
     vn = seg.v_new.unsqueeze(2)
     acc_dtype = torch.float32
     stats = {name: torch.zeros(b, hkv, n_all, dtype=acc_dtype, device=query.device)
-             for name in wanted if name in ("sum", "sq", "count", "obs")}
+             for name in wanted if name != "last"}
     out = torch.empty(b, hkv, g, q, d, dtype=query.dtype, device=query.device)
     chunk = max(1, min(q, _CHUNK_ELEMENTS // max(1, b * hq * n_all)))
     pos_new = seg.pos_new
@@ -179,7 +182,7 @@ def attend(query, seg: _Segments, scale, window, softcap, wanted=(), observe=0):
         out[:, :, :, s:e] = torch.matmul(pc[..., :n_past], vp) + torch.matmul(pc[..., n_past:], vn[:, :, :, :e])
         if stats or "last" in wanted:
             pg = probs.sum(2)  # (b, hkv, c, n_past + e): summed over the query heads of each KV group
-            _accumulate(stats, pg, mask, seg.valid_new, s, e, n_past, q, observe)
+            _accumulate(stats, pg, mask, seg.valid_new, s, e, q, g, observe, gamma)
             if e == q:
                 last_row = pg[:, :, -1]
     if "last" in wanted:
@@ -216,18 +219,31 @@ def _chunk_mask(seg: _Segments, s, e, window, new_idx, pos_new):
     return torch.cat([m_past.expand(bb, hh, 1, c, n_past), m_new.expand(bb, hh, 1, c, e)], dim=-1)
 
 
-def _accumulate(stats, pg, mask, valid_new, s, e, n_past, q, observe):
+def _accumulate(stats, pg, mask, valid_new, s, e, q, g, observe, gamma):
     """Add this chunk's column statistics (pg: probs summed over the KV group) into ``stats``."""
     n = pg.shape[-1]
+    qvalid = None if valid_new is None else valid_new[:, None, s:e, None]  # (b, 1, c, 1)
     if "sum" in stats:
         stats["sum"][..., :n] += pg.sum(2)
     if "sq" in stats:
         stats["sq"][..., :n] += pg.square().sum(2)
+    seen = mask.squeeze(2) if mask is not None else None  # (b|1, hkv|1, c, n) which query saw which key
     if "count" in stats:
-        seen = mask.squeeze(2) if mask is not None else torch.ones_like(pg, dtype=torch.bool)
-        if valid_new is not None:
-            seen = seen & valid_new[:, None, s:e, None]
-        stats["count"][..., :n] += seen.sum(2).to(stats["count"].dtype).expand_as(stats["count"][..., :n])
+        cnt = seen if seen is not None else torch.ones(1, 1, e - s, n, dtype=torch.bool, device=pg.device)
+        if qvalid is not None:
+            cnt = cnt & qvalid
+        stats["count"][..., :n] += cnt.sum(2).to(torch.float32)
+    if "hits" in stats or "hits_ema" in stats:
+        # above-uniform attention: a_t(i) >= G / n_t, n_t = keys query t sees
+        n_vis = seen.sum(-1, keepdim=True) if seen is not None else torch.full((1, 1, 1, 1), n, device=pg.device)
+        hit = (pg * n_vis >= g).to(torch.float32)
+        if qvalid is not None:
+            hit = hit * qvalid
+        if "hits" in stats:
+            stats["hits"][..., :n] += hit.sum(2)
+        if "hits_ema" in stats:  # weight gamma^(age of the query at the end of this forward)
+            w = gamma ** torch.arange(q - 1 - s, q - 1 - e, -1, device=pg.device, dtype=torch.float32)
+            stats["hits_ema"][..., :n] += (hit * w.view(1, 1, -1, 1)).sum(2)
     if "obs" in stats and e > q - observe:
         lo = max(s, q - observe) - s
         stats["obs"][..., :n] += pg[:, :, lo:].sum(2)

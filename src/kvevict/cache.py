@@ -52,6 +52,7 @@ class EvictingLayer(CacheLayerMixin):
         self.filled = 0  # slots written so far; equal for every (sequence, head)
         self.seen = 0  # tokens this layer has been given, padding included
         self.evicted = 0  # tokens evicted per (sequence, head)
+        self.peak_entries = 0  # most key/value entries held at once (storage + incoming chunk)
         self.returned_keys = None
         self._new = None
         self._padded = False  # whether any slot may hold padding (then attention needs the mask)
@@ -80,6 +81,8 @@ class EvictingLayer(CacheLayerMixin):
                 "make a new cache for a new batch."
             )
         self._new = (key_states, value_states)
+        # entries this layer holds during this step: stored slots + the incoming tokens
+        self.peak_entries = max(self.peak_entries, self.filled + key_states.shape[2])
         self.returned_keys = self.keys[:, :, : self.filled]
         hand_off(self)
         return self.returned_keys, self.values[:, :, : self.filled]
@@ -148,6 +151,8 @@ class EvictingLayer(CacheLayerMixin):
         for name, st in self.stats.items():
             if name == "last":
                 st[..., :f] = stats[name][..., :f]
+            elif name == "hits_ema":  # older hits fade: a history window of about 1 / (1 - gamma) steps
+                st[..., :f].mul_(self.policy.decay() ** m).add_(stats[name][..., :f])
             else:
                 st[..., :f] += stats[name][..., :f]
         new = {
@@ -225,9 +230,14 @@ class EvictingCache(Cache):
     """A list of ``EvictingLayer``, one per decoder layer, passed to ``generate`` as ``past_key_values``."""
 
     def __init__(self, policy: Policy, budget, num_layers: int):
-        budgets = budget if isinstance(budget, (list, tuple)) else [budget] * num_layers
-        super().__init__(layers=[EvictingLayer(policy, b, i) for i, b in enumerate(budgets)])
+        super().__init__(layers=[EvictingLayer(policy, b, i) for i, b in enumerate(layer_budgets(policy, budget, num_layers))])
         self.policy = policy
+
+    def set_prompt_length(self, n: int) -> None:
+        """Fix fractional budgets against the whole prompt before it is fed in chunks."""
+        for layer in self.layers:
+            if not layer.is_initialized:
+                layer.budget_spec = resolve_budget(layer.budget_spec, n)
 
     def kv_bytes(self) -> int:
         """Bytes held by the key/value storage of every layer now."""
@@ -242,9 +252,25 @@ class EvictingCache(Cache):
                 total += b * h * layer.seen * (d + layer.values.shape[-1]) * layer.keys.element_size()
         return total
 
+    def peak_entries(self) -> int:
+        """Most entries any layer held at once, per (sequence, KV head): budget + largest chunk."""
+        return max(layer.peak_entries for layer in self.layers)
+
     @property
     def budget(self) -> int | None:
         return self.layers[0].budget
+
+
+def layer_budgets(policy: Policy, budget, num_layers: int) -> list:
+    """One budget per layer: uniform, or the policy's own schedule (PyramidKV). A fractional budget
+    stays fractional, scaled per layer, and is resolved against the prompt length."""
+    schedule = getattr(policy, "layer_budgets", None)
+    if schedule is None:
+        return [budget] * num_layers
+    if isinstance(budget, float):
+        nominal = 1 << 20
+        return [budget * b / nominal for b in schedule(nominal, num_layers)]
+    return schedule(budget, num_layers)
 
 
 def _check_hookable(model) -> int:
@@ -284,9 +310,17 @@ def make_cache(model, policy="h2o", budget=0.2, recent=None, **policy_params) ->
             raise ValueError(f"recent must be an int number of tokens, got {recent!r}.")
         policy_params["recent"] = recent
     pol = make_policy(policy, **policy_params)
-    if isinstance(budget, int):
-        pol.check(budget)
     num_layers = _check_hookable(model)
+    if isinstance(budget, int):
+        per_layer = layer_budgets(pol, budget, num_layers)
+        for b in sorted(set(per_layer)):
+            try:
+                pol.check(b)
+            except ValueError as err:
+                if len(set(per_layer)) == 1:
+                    raise
+                raise ValueError(f"{err} ({pol.name} gives the layers budgets from {min(per_layer)} "
+                                 f"to {max(per_layer)} tokens.)") from None
     register()
     model.set_attn_implementation(ATTN_NAME)
     if model.config._attn_implementation != ATTN_NAME:

@@ -10,6 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from .cache import make_cache
+from .prefill import check_mode, prefill
 
 FULL = ("full", "none")
 
@@ -42,9 +43,12 @@ def dynamic_kv_bytes(cache: DynamicCache) -> int:
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prompt, policy="h2o", budget=0.2, max_new_tokens=64, **policy_params) -> Result:
+def generate(model, tokenizer, prompt, policy="h2o", budget=0.2, max_new_tokens=64, prefill_mode="full",
+             stride=None, **policy_params) -> Result:
     """Greedy generation of one prompt (chat messages or raw text) under ``policy`` and ``budget``;
-    ``policy="full"`` runs the stock transformers DynamicCache with SDPA as the reference."""
+    ``policy="full"`` runs the stock transformers DynamicCache with SDPA as the reference.
+    ``prefill_mode``: full, token or block (with ``stride``), see kvevict.prefill."""
+    check_mode(prefill_mode, stride)
     ids = encode_chat(tokenizer, prompt) if not isinstance(prompt, torch.Tensor) else prompt
     if policy in FULL:
         model.set_attn_implementation("sdpa")
@@ -52,6 +56,8 @@ def generate(model, tokenizer, prompt, policy="h2o", budget=0.2, max_new_tokens=
     else:
         cache = make_cache(model, policy, budget, **policy_params)
     start = time.perf_counter()
+    if policy not in FULL:
+        prefill(model, cache, ids, mode=prefill_mode, stride=stride)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, do_sample=False,
                          max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
     seconds = time.perf_counter() - start

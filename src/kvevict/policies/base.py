@@ -50,6 +50,14 @@ class Policy:
     def score(self, c: Candidates) -> torch.Tensor:
         raise NotImplementedError
 
+    def attention_params(self) -> dict:
+        """Extra parameters the attention needs to collect this policy's statistics."""
+        return {}
+
+    def decay(self) -> float:
+        """Per-token decay of the "hits_ema" statistic (1.0 = none)."""
+        return 1.0
+
     def protected(self, c: Candidates) -> torch.Tensor:
         """Candidates outside the eviction scope: the recent window and the sinks."""
         keep = c.pos > c.newest - self.recent_for(c.budget)

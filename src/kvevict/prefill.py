@@ -1,0 +1,47 @@
+"""How a prompt enters a budgeted cache (the RoCo paper's prefill modes).
+
+- ``full``: one forward over the whole prompt; each layer attends over all of it, then keeps its
+  budget (at most one layer holds the whole prompt at a time).
+- ``token``: the greedy rule as each prompt token arrives, one eviction per token (stride 1).
+- ``block``: the prompt goes in chunks of ``stride`` tokens; after each chunk ``stride`` tokens are
+  evicted, so the KV memory peaks at budget + stride per layer whatever the prompt length.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MODES = ("full", "token", "block")
+
+
+def check_mode(mode: str, stride: int | None) -> int | None:
+    if mode not in MODES:
+        raise ValueError(f"unknown prefill mode {mode!r}; choose one of {', '.join(MODES)}.")
+    if mode == "token":
+        return 1
+    if mode == "block":
+        if not isinstance(stride, int) or isinstance(stride, bool) or stride < 1:
+            raise ValueError(f"block prefill needs a stride >= 1 tokens, got {stride!r}.")
+        return stride
+    return None
+
+
+@torch.no_grad()
+def prefill(model, cache, input_ids, attention_mask=None, mode: str = "full", stride: int | None = None,
+            keep_last: int = 1):
+    """Feed ``input_ids`` except the last ``keep_last`` tokens into ``cache`` the ``mode`` way, so
+    that ``model.generate(input_ids, past_key_values=cache)`` continues from there.
+    Returns the logits of the last fed token (or None for mode ``full``, where generate does it all)."""
+    step = check_mode(mode, stride)
+    if step is None:
+        return None
+    if hasattr(cache, "set_prompt_length"):
+        cache.set_prompt_length(input_ids.shape[1])
+    end = input_ids.shape[1] - keep_last
+    logits = None
+    for start in range(cache.get_seq_length(), end, step):
+        stop = min(end, start + step)
+        mask = None if attention_mask is None else attention_mask[:, :stop]
+        logits = model(input_ids[:, start:stop], attention_mask=mask, past_key_values=cache,
+                       use_cache=True, logits_to_keep=1).logits
+    return logits
