@@ -95,6 +95,15 @@ def test_attention_statistics_match_their_definitions():
 ALL = sorted({cls.name for cls in kvevict.POLICIES.values()})
 
 
+def _policy(name, model, ids, mask=None):
+    """The policy by name; the oracle first records the future of this very batch."""
+    if name != "oracle":
+        return name
+    from kvevict.policies.oracle import Oracle
+
+    return Oracle.record(model, ids, attention_mask=mask)
+
+
 def _padded_batch():
     torch.manual_seed(5)
     lens = (36, 22, 30)
@@ -111,7 +120,8 @@ def test_every_policy_and_prefill_mode_on_a_padded_gqa_batch(name, mode, stride)
     model = tiny_model("llama-gqa")
     ids, mask = _padded_batch()
     budget = 12
-    cache = kvevict.make_cache(model, name, budget=budget, **({} if name in ("tova", "pyramidkv") else {"recent": 4}))
+    params = {} if name in ("tova", "pyramidkv", "oracle") else {"recent": 4}
+    cache = kvevict.make_cache(model, _policy(name, model, ids, mask), budget=budget, **params)
     kvevict.prefill(model, cache, ids, mask, mode=mode, stride=stride)
     out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=10, min_new_tokens=10,
                          do_sample=False, pad_token_id=0)
@@ -149,7 +159,7 @@ def test_every_policy_with_a_covering_budget_equals_the_full_cache(name):
     ids, steps = torch.randint(0, 128, (2, 20)), torch.randint(0, 128, (2, 4))
     ref_cache = DynamicCache(config=model.config)
     budget = 24 * 20 if name == "pyramidkv" else 24  # pyramid: the top layer gets budget / 20
-    cache = kvevict.make_cache(model, name, budget=budget)
+    cache = kvevict.make_cache(model, _policy(name, model, torch.cat([ids, steps], 1)), budget=budget)
     assert min(layer.budget_spec for layer in cache.layers) >= 24
     with torch.no_grad():
         for part in [ids] + [steps[:, i:i + 1] for i in range(4)]:
@@ -182,3 +192,30 @@ def test_bad_policy_parameters_are_clear():
         kvevict.make_cache(model, "h2o", budget=8, windowz=3)
     with pytest.raises(ValueError, match="kernel must be an odd"):
         kvevict.make_cache(model, "snapkv", budget=64, kernel=4)
+
+
+@pytest.mark.parametrize("budget, cut", [(8, 24), (12, 30)])
+def test_oracle_keeps_the_keys_the_future_attends_most(budget, cut):
+    from kvevict.policies.oracle import Oracle
+
+    model = tiny_model("llama-gqa")
+    torch.manual_seed(6)
+    ids = torch.randint(0, 128, (2, 48))
+    oracle = Oracle.record(model, ids, block=1)
+    model.set_attn_implementation("eager")  # the reference: explicit attention matrices of the full run
+    with torch.no_grad():
+        att = model(ids, output_attentions=True).attentions
+    cache = kvevict.make_cache(model, oracle, budget=budget)
+    with torch.no_grad():
+        model(ids[:, :cut], past_key_values=cache)
+    g = model.config.num_attention_heads // model.config.num_key_value_heads
+    for layer, a in zip(cache.layers, att):
+        b, hq, n, _ = a.shape
+        future = a.view(b, hq // g, g, n, n).sum(2)[:, :, cut:, :cut].sum(2)  # queries after the prefill
+        want = future.topk(budget, dim=-1).indices.sort(-1).values
+        assert torch.equal(layer.pos.sort(-1).values, want)
+
+
+def test_oracle_without_a_recording_is_a_clear_error():
+    with pytest.raises(ValueError, match="the oracle needs the future"):
+        kvevict.make_cache(tiny_model("llama-gqa"), "oracle", budget=8)

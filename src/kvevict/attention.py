@@ -93,23 +93,26 @@ class _Segments:
 
 
 def _generic_segments(key, value, q_len, info: PaddingInfo | None) -> _Segments:
-    """Any cache that stores keys in order (DynamicCache, none): the last q keys are the new tokens."""
+    """Any cache that stores keys in order (DynamicCache, none): the last q keys are the new tokens.
+    Positions count real tokens only (as generate's position ids do), so padding shifts nothing."""
     n = key.shape[2]
     kv_offset = info.kv_offset if info is not None else 0
-    times = torch.arange(kv_offset, kv_offset + n, device=key.device)
-    valid = None
+    valid = pos = None
     if info is not None and info.padding is not None:
         pad = info.padding
         if pad.shape[-1] < kv_offset + n:
             pad = torch.nn.functional.pad(pad, (0, kv_offset + n - pad.shape[-1]), value=True)
+        pos = (pad[:, : kv_offset + n].long().cumsum(1) - 1).clamp(min=0)[:, kv_offset:]
         valid = pad[:, kv_offset: kv_offset + n]
+    else:
+        pos = torch.arange(kv_offset, kv_offset + n, device=key.device).view(1, -1)
     np_ = n - q_len
     return _Segments(
         k_past=key[:, :, :np_], v_past=value[:, :, :np_],
-        pos_past=times[:np_].view(1, 1, -1),
+        pos_past=pos[:, None, :np_],
         valid_past=None if valid is None else valid[:, None, :np_],
         k_new=key[:, :, np_:], v_new=value[:, :, np_:],
-        pos_new=times[np_:].view(1, -1),
+        pos_new=pos[:, np_:],
         valid_new=None if valid is None else valid[:, np_:],
     )
 
@@ -141,11 +144,13 @@ def kvevict_attention(module, query, key, value, attention_mask, scaling=None, d
     return out, None
 
 
-def attend(query, seg: _Segments, scale, window, softcap, wanted=(), observe=0, gamma=1.0):
+def attend(query, seg: _Segments, scale, window, softcap, wanted=(), observe=0, gamma=1.0, block=0):
     """Chunked softmax attention. Returns output (b, q, hq, d) and a dict of per-key statistics
     over the concatenated keys [past, new] of shape (b, hkv, n_past + q).
 
-    observe: how many of the last queries count for "obs"; gamma: decay per query for "hits_ema"."""
+    observe: how many of the last queries count for "obs"; gamma: decay per query for "hits_ema";
+    block: with "blocks" wanted, column sums per block of ``block`` query positions,
+    shape (b, hkv, n_blocks, n_past + q) (the oracle's record of the future)."""
     b, hq, q, d = query.shape
     hkv = seg.k_past.shape[1]
     g = hq // hkv
@@ -158,7 +163,10 @@ def attend(query, seg: _Segments, scale, window, softcap, wanted=(), observe=0, 
     vn = seg.v_new.unsqueeze(2)
     acc_dtype = torch.float32
     stats = {name: torch.zeros(b, hkv, n_all, dtype=acc_dtype, device=query.device)
-             for name in wanted if name != "last"}
+             for name in wanted if name not in ("last", "blocks")}
+    if "blocks" in wanted:
+        n_blocks = int(seg.pos_new.max()) // block + 1
+        stats["blocks"] = torch.zeros(b, hkv, n_blocks, n_all, dtype=acc_dtype, device=query.device)
     out = torch.empty(b, hkv, g, q, d, dtype=query.dtype, device=query.device)
     chunk = max(1, min(q, _CHUNK_ELEMENTS // max(1, b * hq * n_all)))
     pos_new = seg.pos_new
@@ -183,6 +191,9 @@ def attend(query, seg: _Segments, scale, window, softcap, wanted=(), observe=0, 
         if stats or "last" in wanted:
             pg = probs.sum(2)  # (b, hkv, c, n_past + e): summed over the query heads of each KV group
             _accumulate(stats, pg, mask, seg.valid_new, s, e, q, g, observe, gamma)
+            if "blocks" in stats:
+                idx = (pos_new[:, s:e] // block).view(pos_new.shape[0], 1, e - s, 1).expand_as(pg)
+                stats["blocks"][..., : pg.shape[-1]].scatter_add_(2, idx, pg)
             if e == q:
                 last_row = pg[:, :, -1]
     if "last" in wanted:
@@ -247,6 +258,36 @@ def _accumulate(stats, pg, mask, valid_new, s, e, q, g, observe, gamma):
     if "obs" in stats and e > q - observe:
         lo = max(s, q - observe) - s
         stats["obs"][..., :n] += pg[:, :, lo:].sum(2)
+
+
+_RECORD = "kvevict_record"
+_recorded: dict = {}
+
+
+def _record_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                      sliding_window=None, softcap=None, **kwargs):
+    """Full-cache attention that keeps, per layer, the attention each key gets per query block."""
+    seg = _generic_segments(key, value, query.shape[2], attention_mask)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out, stats = attend(query, seg, scale, sliding_window, softcap, ("blocks",), block=_recorded["block"])
+    _recorded[module.layer_idx] = stats["blocks"]
+    return out, None
+
+
+def record_attention_blocks(model, input_ids, block: int, attention_mask=None) -> list:
+    """One full-cache forward over ``input_ids``; per layer (b, hkv, n_blocks, n) attention sums,
+    blocks taken over real positions (padding excluded), keys in input order."""
+    AttentionInterface.register(_RECORD, _record_attention)
+    AttentionMaskInterface.register(_RECORD, kvevict_mask)
+    _recorded.clear()
+    _recorded["block"] = block
+    model.set_attn_implementation(_RECORD)
+    try:
+        model(input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
+    finally:
+        model.set_attn_implementation(ATTN_NAME)
+    n_layers = len([k for k in _recorded if isinstance(k, int)])
+    return [_recorded.pop(i) for i in range(n_layers)]
 
 
 def register() -> None:

@@ -50,6 +50,13 @@ def generate(model, tokenizer, prompt, policy="h2o", budget=0.2, max_new_tokens=
     ``prefill_mode``: full, token or block (with ``stride``), see kvevict.prefill."""
     check_mode(prefill_mode, stride)
     ids = encode_chat(tokenizer, prompt) if not isinstance(prompt, torch.Tensor) else prompt
+    if policy == "oracle":  # Belady needs the future: the full cache's own continuation, recorded
+        from .policies.oracle import Oracle
+
+        future = generate(model, tokenizer, ids, "full", None, max_new_tokens)
+        full_seq = torch.cat([ids, torch.tensor([tokenizer(future.text, add_special_tokens=False)["input_ids"]])], 1)
+        policy = Oracle.record(model, full_seq, **policy_params)
+        policy_params = {}
     if policy in FULL:
         model.set_attn_implementation("sdpa")
         cache = DynamicCache(config=model.config)
@@ -66,6 +73,6 @@ def generate(model, tokenizer, prompt, policy="h2o", budget=0.2, max_new_tokens=
         held = full = dynamic_kv_bytes(cache)
     else:
         held, full = cache.kv_bytes(), cache.full_kv_bytes()
-    return Result(policy=policy, budget=None if policy in FULL else budget,
+    return Result(policy=getattr(policy, "name", policy), budget=None if policy in FULL else budget,
                   text=tokenizer.decode(new, skip_special_tokens=True).strip(), prompt_tokens=ids.shape[1],
                   new_tokens=len(new), kv_bytes=held, full_kv_bytes=full, seconds=seconds)
