@@ -29,8 +29,8 @@ from transformers.masking_utils import AttentionMaskInterface
 
 ATTN_NAME = "kvevict"
 
-# Upper bound on scores held per query chunk (floats); 2**24 floats = 64 MiB in fp32.
-_CHUNK_ELEMENTS = 1 << 24
+# Scores held per query chunk (floats): 2**21 fp32 = 8 MiB, small enough to stay in cache.
+_CHUNK_ELEMENTS = 1 << 21
 
 
 @dataclass
@@ -156,44 +156,56 @@ def attend(query, seg: _Segments, scale, window, softcap, wanted=(), observe=0, 
     g = hq // hkv
     n_past = seg.k_past.shape[2]
     n_all = n_past + q
-    qg = query.view(b, hkv, g, q, d)
-    kp = seg.k_past.unsqueeze(2).transpose(-1, -2)  # (b, hkv, 1, d, n_past)
-    vp = seg.v_past.unsqueeze(2)
-    kn = seg.k_new.unsqueeze(2).transpose(-1, -2)
-    vn = seg.v_new.unsqueeze(2)
-    acc_dtype = torch.float32
-    stats = {name: torch.zeros(b, hkv, n_all, dtype=acc_dtype, device=query.device)
+    dev = query.device
+    qs = (query * scale).view(b, hkv, g, q, d)  # scaling the few query rows beats scaling every score
+    kp_t, kn_t = seg.k_past.transpose(-1, -2), seg.k_new.transpose(-1, -2)
+    stats = {name: torch.zeros(b, hkv, n_all, dtype=torch.float32, device=dev)
              for name in wanted if name not in ("last", "blocks")}
     if "blocks" in wanted:
         n_blocks = int(seg.pos_new.max()) // block + 1
-        stats["blocks"] = torch.zeros(b, hkv, n_blocks, n_all, dtype=acc_dtype, device=query.device)
-    out = torch.empty(b, hkv, g, q, d, dtype=query.dtype, device=query.device)
+        stats["blocks"] = torch.zeros(b, hkv, n_blocks, n_all, dtype=torch.float32, device=dev)
+    need_seen = "count" in stats or "hits" in stats or "hits_ema" in stats
+    out = torch.empty(b, hkv, g, q, d, dtype=query.dtype, device=dev)
     chunk = max(1, min(q, _CHUNK_ELEMENTS // max(1, b * hq * n_all)))
-    pos_new = seg.pos_new
-    new_idx = torch.arange(q, device=query.device)
+    idx = torch.arange(q, device=dev)
     last_row = None
     for s in range(0, q, chunk):
         e = min(q, s + chunk)
-        qc = qg[:, :, :, s:e]
-        # causal: this chunk's queries see new keys [0, e) only, so later keys are never scored
-        scores = torch.cat([torch.matmul(qc, kp), torch.matmul(qc, kn[..., :e])], dim=-1).float() * scale
+        c = e - s
+        # one GEMM per KV head for all its query heads; causal: this chunk sees new keys [0, e) only
+        qc = qs[:, :, :, s:e].reshape(b, hkv, g * c, d)
+        scores = torch.matmul(qc, kn_t[..., :e])
+        if n_past:
+            scores = torch.cat([torch.matmul(qc, kp_t), scores], dim=-1)
+        if scores.dtype != torch.float32:
+            scores = scores.float()
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
-        mask = _chunk_mask(seg, s, e, window, new_idx, pos_new)  # (b|1, hkv|1, 1, c, n_past + e) or None
-        if mask is not None:
-            scores.masked_fill_(~mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        s5 = scores.view(b, hkv, g, c, n_past + e)
+        hide_past, hide_new, later = _hidden(seg, s, e, window, idx)
+        if hide_past is not None:
+            s5[..., :n_past].masked_fill_(hide_past, float("-inf"))
+        if hide_new is not None:
+            s5[..., n_past:].masked_fill_(hide_new, float("-inf"))
+        if later is not None:  # causality only bites on the chunk's own diagonal block
+            s5[..., n_past + s:].masked_fill_(later, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).view(b, hkv, g, c, n_past + e)
         if seg.valid_new is not None:  # padding queries (fully masked rows give NaN) count for nothing
-            qvalid = seg.valid_new[:, None, None, s:e, None]
-            probs = torch.where(qvalid, probs, 0.0)
-        pc = probs.to(query.dtype)
-        out[:, :, :, s:e] = torch.matmul(pc[..., :n_past], vp) + torch.matmul(pc[..., n_past:], vn[:, :, :, :e])
-        if stats or "last" in wanted:
+            probs = torch.where(seg.valid_new[:, None, None, s:e, None], probs, 0.0)
+        pc = probs.to(query.dtype).view(b, hkv, g * c, n_past + e)
+        o = torch.matmul(pc[..., n_past:], seg.v_new[:, :, :e])
+        if n_past:
+            o += torch.matmul(pc[..., :n_past], seg.v_past)
+        out[:, :, :, s:e] = o.view(b, hkv, g, c, d)
+        if wanted == ("sum",):  # H2O: one pass over the chunk, summed over heads and queries at once
+            stats["sum"][..., : n_past + e] += probs.sum(dim=(2, 3))
+        elif stats or "last" in wanted:
             pg = probs.sum(2)  # (b, hkv, c, n_past + e): summed over the query heads of each KV group
-            _accumulate(stats, pg, mask, seg.valid_new, s, e, q, g, observe, gamma)
+            seen = _seen(hide_past, hide_new, later, b, c, n_past, s, e, dev) if need_seen else None
+            _accumulate(stats, pg, seen, seg.valid_new, s, e, q, g, observe, gamma)
             if "blocks" in stats:
-                idx = (pos_new[:, s:e] // block).view(pos_new.shape[0], 1, e - s, 1).expand_as(pg)
-                stats["blocks"][..., : pg.shape[-1]].scatter_add_(2, idx, pg)
+                bi = (seg.pos_new[:, s:e] // block).view(seg.pos_new.shape[0], 1, c, 1).expand_as(pg)
+                stats["blocks"][..., : pg.shape[-1]].scatter_add_(2, bi, pg)
             if e == q:
                 last_row = pg[:, :, -1]
     if "last" in wanted:
@@ -201,36 +213,49 @@ def attend(query, seg: _Segments, scale, window, softcap, wanted=(), observe=0, 
     return out.view(b, hq, q, d).transpose(1, 2).contiguous(), stats
 
 
-def _chunk_mask(seg: _Segments, s, e, window, new_idx, pos_new):
-    """Visibility of [past slots, new keys < e] for queries [s, e): validity, causality, window."""
+def _hidden(seg: _Segments, s, e, window, idx):
+    """What queries [s, e) must not see, as masks broadcastable to (b, hkv, g, c, keys), or None:
+    past slots (invalid, or out of the sliding window), new keys [0, e) (padding, window), and
+    ``later``: the (c, c) causal mask of the chunk's diagonal block, new keys [s, e)."""
     c = e - s
-    parts_needed = seg.valid_past is not None or seg.valid_new is not None or c > 1 or window is not None
-    if not parts_needed:
-        return None
-    b = seg.k_past.shape[0]
-    n_past = seg.k_past.shape[2]
-    dev = seg.k_past.device
-    qi = new_idx[s:e]
-    # new keys: causal within the chunk (key j <= query i), and real
-    m_new = (new_idx[:e].view(1, -1) <= qi.view(-1, 1)).view(1, 1, 1, c, e)
-    if seg.valid_new is not None:
-        m_new = m_new & seg.valid_new[:, None, None, None, :e]
-    m_past = torch.ones(1, 1, 1, 1, n_past, dtype=torch.bool, device=dev)
+    hide_past = None
     if seg.valid_past is not None:
-        m_past = m_past & seg.valid_past[:, :, None, None, :]
+        hide_past = ~seg.valid_past[:, :, None, None, :]
+    later = None
+    if c > 1:
+        later = (idx[:c].view(1, -1) > idx[:c].view(-1, 1)).view(1, 1, 1, c, c)
+    hide_new = None
+    if seg.valid_new is not None:
+        pad = ~seg.valid_new[:, None, None, None, :e]
+        hide_new = pad if hide_new is None else hide_new | pad
     if window is not None:
-        qpos = pos_new[:, s:e]  # (b|1, c)
-        if seg.pos_past is not None and n_past:
-            dist = qpos.view(qpos.shape[0], 1, 1, c, 1) - seg.pos_past.unsqueeze(2).unsqueeze(2)
-            m_past = m_past & (dist < window)
-        dist_new = qpos.view(qpos.shape[0], 1, 1, c, 1) - pos_new[:, :e].view(pos_new.shape[0], 1, 1, 1, e)
-        m_new = m_new & (dist_new < window)
-    bb = max(m_past.shape[0], m_new.shape[0], b if seg.valid_past is not None or seg.valid_new is not None else 1)
-    hh = max(m_past.shape[1], m_new.shape[1])
-    return torch.cat([m_past.expand(bb, hh, 1, c, n_past), m_new.expand(bb, hh, 1, c, e)], dim=-1)
+        qpos = seg.pos_new[:, s:e]
+        qpos = qpos.view(qpos.shape[0], 1, 1, c, 1)
+        if seg.pos_past is not None and seg.pos_past.shape[-1]:
+            far = (qpos - seg.pos_past.unsqueeze(2).unsqueeze(2)) >= window
+            hide_past = far if hide_past is None else hide_past | far
+        far = (qpos - seg.pos_new[:, :e].view(seg.pos_new.shape[0], 1, 1, 1, e)) >= window
+        hide_new = far if hide_new is None else hide_new | far
+    return hide_past, hide_new, later
 
 
-def _accumulate(stats, pg, mask, valid_new, s, e, q, g, observe, gamma):
+def _seen(hide_past, hide_new, later, b, c, n_past, s, e, dev):
+    """(b|1, hkv|1, c, n_past + e) bool: which query of the chunk saw which key (for counts)."""
+    if later is not None:
+        causal = torch.nn.functional.pad(later.view(1, 1, 1, c, c), (s, 0))
+        hide_new = causal if hide_new is None else hide_new | causal
+    parts = []
+    for hide, n in ((hide_past, n_past), (hide_new, e)):
+        if hide is None:
+            parts.append(torch.ones(1, 1, c, n, dtype=torch.bool, device=dev))
+        else:
+            parts.append(~hide.squeeze(2).expand(-1, -1, c, n))
+    bb = max(p.shape[0] for p in parts)
+    hh = max(p.shape[1] for p in parts)
+    return torch.cat([p.expand(bb, hh, c, -1) for p in parts], dim=-1)
+
+
+def _accumulate(stats, pg, seen, valid_new, s, e, q, g, observe, gamma):
     """Add this chunk's column statistics (pg: probs summed over the KV group) into ``stats``."""
     n = pg.shape[-1]
     qvalid = None if valid_new is None else valid_new[:, None, s:e, None]  # (b, 1, c, 1)
@@ -238,7 +263,6 @@ def _accumulate(stats, pg, mask, valid_new, s, e, q, g, observe, gamma):
         stats["sum"][..., :n] += pg.sum(2)
     if "sq" in stats:
         stats["sq"][..., :n] += pg.square().sum(2)
-    seen = mask.squeeze(2) if mask is not None else None  # (b|1, hkv|1, c, n) which query saw which key
     if "count" in stats:
         cnt = seen if seen is not None else torch.ones(1, 1, e - s, n, dtype=torch.bool, device=pg.device)
         if qvalid is not None:
