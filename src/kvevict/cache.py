@@ -15,6 +15,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .attention import ATTN_NAME, PaddingInfo, _Segments, hand_off, register
 from .policies import Candidates, Policy, make_policy
+from .rope import compact_positions, rope_inv_freq, shift_keys
 
 
 def resolve_budget(budget, prompt_len: int) -> int:
@@ -43,9 +44,10 @@ class EvictingLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, policy: Policy, budget, layer_idx: int):
+    def __init__(self, policy: Policy, budget, layer_idx: int, inv_freq=None):
         super().__init__()
         self.policy = policy
+        self.inv_freq = inv_freq  # set: compact positions (keys re-rotated to their rank each step)
         self.budget_spec = budget
         self.layer_idx = layer_idx
         self.budget: int | None = None
@@ -97,7 +99,7 @@ class EvictingLayer(CacheLayerMixin):
         return -1  # any number of tokens can stream through
 
     def reset(self) -> None:
-        self.__init__(self.policy, self.budget_spec, self.layer_idx)
+        self.__init__(self.policy, self.budget_spec, self.layer_idx, self.inv_freq)
 
     def _map_batch(self, fn) -> None:
         if not self.is_initialized:
@@ -135,8 +137,15 @@ class EvictingLayer(CacheLayerMixin):
         else:
             pos_new = self.n_real[:, None] + valid_new.long().cumsum(1) - 1
         f = self.filled
+        k_past, pos_past = self.returned_keys, self.pos[:, :, :f]
+        if self.inv_freq is not None and f:
+            # compact: kept keys move to their rank, new tokens follow at f, f + 1, ...; the shift
+            # d = (first new position) - f maps compact positions onto the queries' own rotation
+            shift = (self.n_real - f).view(-1, 1, 1)
+            pos_past = compact_positions(pos_past, self.valid[:, :, :f]) + shift
+            k_past = shift_keys(k_past, pos_past - self.pos[:, :, :f], self.inv_freq)
         return _Segments(
-            k_past=self.returned_keys, v_past=value_view, pos_past=self.pos[:, :, :f],
+            k_past=k_past, v_past=value_view, pos_past=pos_past,
             valid_past=self.valid[:, :, :f] if self._padded else None,
             k_new=k_new, v_new=v_new, pos_new=pos_new, valid_new=valid_new,
         )
@@ -229,8 +238,9 @@ class EvictingLayer(CacheLayerMixin):
 class EvictingCache(Cache):
     """A list of ``EvictingLayer``, one per decoder layer, passed to ``generate`` as ``past_key_values``."""
 
-    def __init__(self, policy: Policy, budget, num_layers: int):
-        super().__init__(layers=[EvictingLayer(policy, b, i) for i, b in enumerate(layer_budgets(policy, budget, num_layers))])
+    def __init__(self, policy: Policy, budget, num_layers: int, inv_freq=None):
+        budgets = layer_budgets(policy, budget, num_layers)
+        super().__init__(layers=[EvictingLayer(policy, b, i, inv_freq) for i, b in enumerate(budgets)])
         self.policy = policy
 
     def set_prompt_length(self, n: int) -> None:
@@ -296,13 +306,15 @@ def _check_hookable(model) -> int:
     return n
 
 
-def make_cache(model, policy="h2o", budget=0.2, recent=None, **policy_params) -> EvictingCache:
+def make_cache(model, policy="h2o", budget=0.2, recent=None, compact=False, **policy_params) -> EvictingCache:
     """A cache for ``model.generate(..., past_key_values=cache)`` that keeps at most ``budget``
     tokens per layer and KV head, evicting with ``policy``.
 
     budget: int (tokens kept per layer and KV head) or float in (0, 1] (that fraction of the
-    prompt length). recent: the recent window (default: half the budget). Switches the model's
-    attention to the ``kvevict`` implementation (exact with any other cache too).
+    prompt length). recent: the recent window (default: the policy's; half the budget for H2O).
+    compact: give the kept tokens consecutive positions (keys re-rotated, as StreamingLLM does), so
+    the model never sees a distance longer than the cache and can go on past its context length.
+    Switches the model's attention to the ``kvevict`` implementation (exact with any other cache).
     """
     check_budget(budget)
     if recent is not None:
@@ -325,4 +337,4 @@ def make_cache(model, policy="h2o", budget=0.2, recent=None, **policy_params) ->
     model.set_attn_implementation(ATTN_NAME)
     if model.config._attn_implementation != ATTN_NAME:
         raise ValueError(f"{type(model).__name__} refused attn_implementation={ATTN_NAME!r}; kvevict cannot hook it.")
-    return EvictingCache(pol, budget, num_layers)
+    return EvictingCache(pol, budget, num_layers, rope_inv_freq(model) if compact else None)

@@ -47,7 +47,9 @@ def generate(model, tokenizer, prompt, policy="h2o", budget=0.2, max_new_tokens=
              stride=None, **policy_params) -> Result:
     """Greedy generation of one prompt (chat messages or raw text) under ``policy`` and ``budget``;
     ``policy="full"`` runs the stock transformers DynamicCache with SDPA as the reference.
-    ``prefill_mode``: full, token or block (with ``stride``), see kvevict.prefill."""
+    ``prefill_mode``: full, token or block (with ``stride``), see kvevict.prefill.
+    Switches the model's attention implementation: not for concurrent use on a shared model
+    (the server runs every model call on one worker thread)."""
     check_mode(prefill_mode, stride)
     ids = encode_chat(tokenizer, prompt) if not isinstance(prompt, torch.Tensor) else prompt
     if policy == "oracle":  # Belady needs the future: the full cache's own continuation, recorded
@@ -55,8 +57,9 @@ def generate(model, tokenizer, prompt, policy="h2o", budget=0.2, max_new_tokens=
 
         future = generate(model, tokenizer, ids, "full", None, max_new_tokens)
         full_seq = torch.cat([ids, torch.tensor([tokenizer(future.text, add_special_tokens=False)["input_ids"]])], 1)
+        compact = policy_params.pop("compact", False)
         policy = Oracle.record(model, full_seq, **policy_params)
-        policy_params = {}
+        policy_params = {"compact": compact} if compact else {}
     if policy in FULL:
         model.set_attn_implementation("sdpa")
         cache = DynamicCache(config=model.config)

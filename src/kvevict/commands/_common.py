@@ -23,7 +23,46 @@ def add_model_args(p, policy=True):
     if policy:
         p.add_argument("--policy", default="h2o", help="eviction policy, or 'full' for the stock full cache")
         p.add_argument("--budget", default="0.2", help="tokens kept per layer and KV head (int) or fraction of the prompt")
-        p.add_argument("--recent", type=int, default=None, help="recent window (default: half the budget)")
+        p.add_argument("--recent", type=int, default=None, help="recent window (default: the policy's own)")
+        p.add_argument("--prefill", default="full", choices=["full", "token", "block"],
+                       help="how the prompt enters the cache (block: chunks of --stride tokens)")
+        p.add_argument("--stride", type=int, default=None, help="block prefill chunk size in tokens")
+        p.add_argument("--compact", action="store_true",
+                       help="compact positions (StreamingLLM re-rotation): go on past the context length")
+        p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
+                       help="a policy parameter, e.g. --param sinks=4 --param window=32 (repeatable)")
+
+
+def policy_params(args) -> dict:
+    """--recent and --param NAME=VALUE as keyword arguments for make_cache."""
+    out = {} if args.recent is None else {"recent": args.recent}
+    if getattr(args, "compact", False):
+        out["compact"] = True
+    for item in args.param:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--param takes NAME=VALUE, got {item!r}.")
+        try:
+            out[name] = int(value)
+        except ValueError:
+            try:
+                out[name] = float(value)
+            except ValueError:
+                out[name] = value
+    return out
+
+
+def check_policy_args(args) -> None:
+    """Fail on a bad policy, budget or prefill before the model takes seconds to load."""
+    from ..cache import check_budget
+    from ..policies import POLICIES
+    from ..prefill import check_mode
+
+    if args.policy not in ("full", "oracle") and args.policy not in POLICIES:
+        raise ValueError(f"unknown policy {args.policy!r}; known policies: full, {', '.join(sorted(POLICIES))}.")
+    if args.policy != "full":
+        check_budget(parse_budget(args.budget))
+    check_mode(args.prefill, args.stride)
 
 
 def setup_threads(args) -> None:

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from ._common import add_model_args, mib, parse_budget, setup_threads
+from ._common import add_model_args, check_policy_args, mib, parse_budget, policy_params, setup_threads
 
 NAME = "generate"
 HELP = "answer a prompt under a KV budget; print the answer and the KV bytes held vs the full cache"
@@ -35,11 +35,12 @@ def run(args):
         text = args.prompt
     if not text.strip():
         raise ValueError("the prompt is empty.")
+    check_policy_args(args)
     setup_threads(args)
     model, tok = load_model(args.model)
     prompt = text if args.raw else [{"role": "user", "content": text}]
     res = generate(model, tok, prompt, args.policy, parse_budget(args.budget), args.max_new_tokens,
-                   **({} if args.recent is None else {"recent": args.recent}))
+                   prefill_mode=args.prefill, stride=args.stride, **policy_params(args))
     if args.json:
         print(json.dumps(res.as_dict()))
         return 0

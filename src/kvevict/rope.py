@@ -1,0 +1,45 @@
+"""Re-rotating cached keys for compact positions (StreamingLLM, Xiao et al., ICLR 2024).
+
+Keys are cached after RoPE at their true positions p. RoPE rotations compose, R(p + delta) =
+R(delta) R(p), so a cached key moves to position p + delta with one more rotation by delta:
+
+    k' = k * cos(delta * theta) + rotate_half(k) * sin(delta * theta)
+
+In compact mode the kept keys sit at their rank among the kept tokens and the queries right
+after them, so the distances the model sees never exceed the cache size, however long the input.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rope_inv_freq(model) -> torch.Tensor:
+    """The model's RoPE frequencies theta (head_dim / 2,), or a clear error if it has none."""
+    for module in model.modules():
+        freq = getattr(module, "inv_freq", None)
+        if isinstance(freq, torch.Tensor) and freq.dim() == 1:
+            return freq.detach().float().clone()
+    raise ValueError(f"{type(model).__name__} has no rotary embedding (inv_freq); compact positions need RoPE.")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def shift_keys(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Keys (..., n, d) rotated at positions p, returned rotated at p + delta; delta (..., n)."""
+    angles = delta.to(torch.float32).unsqueeze(-1) * inv_freq.to(keys.device)  # (..., n, d/2)
+    cos = torch.cat((angles.cos(), angles.cos()), dim=-1).to(keys.dtype)
+    sin = torch.cat((angles.sin(), angles.sin()), dim=-1).to(keys.dtype)
+    return keys * cos + rotate_half(keys) * sin
+
+
+def compact_positions(pos: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Rank of each slot's token among the kept ones, by original position (invalid slots last)."""
+    key = torch.where(valid, pos, torch.iinfo(pos.dtype).max)
+    order = key.argsort(dim=-1, stable=True)
+    ranks = torch.empty_like(order)
+    ranks.scatter_(-1, order, torch.arange(pos.shape[-1], device=pos.device).expand_as(order).contiguous())
+    return ranks
