@@ -1,0 +1,68 @@
+"""kvevict serve: an OpenAI-compatible HTTP server with per-request KV policies and budgets."""
+
+from __future__ import annotations
+
+import sys
+
+from ._common import add_model_args, parse_budget
+
+NAME = "serve"
+HELP = "OpenAI-compatible server (/v1/chat/completions, /v1/completions) with per-request kv_policy / kv_budget"
+
+
+def add_arguments(p):
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-name", default=None, help="model id clients ask for (default: --model)")
+    p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together")
+    p.add_argument("--batch-wait-ms", type=float, default=10.0, help="wait this long for more requests to batch")
+    p.add_argument("--budget-round", type=int, default=1,
+                   help="round a fractional budget's token count up to a multiple of this, so that prompts of "
+                        "similar length share a batch (1 = exact)")
+    p.add_argument("--max-tokens", type=int, default=128, help="max_tokens when a request gives none")
+    p.add_argument("--max-tokens-limit", type=int, default=4096, help="the most max_tokens a request may ask")
+    p.add_argument("--replicas", type=int, default=1, help="N > 1: N replicas under Ray Serve (needs kvevict[ray])")
+    p.add_argument("--ray", default=None, metavar="ADDRESS",
+                   help="with --replicas: Ray cluster address or 'auto' (default: start a local Ray)")
+
+
+def settings_from_args(args) -> dict:
+    from ..policies import POLICIES
+
+    budget = parse_budget(args.budget)
+    policy = args.policy.lower()
+    if policy not in POLICIES and policy not in ("full", "none"):
+        raise ValueError(f"unknown --policy {args.policy!r}; known: full, {', '.join(sorted(POLICIES))}.")
+    from ..cache import check_budget
+
+    check_budget(budget)
+    for name in ("max_batch", "max_tokens", "max_tokens_limit", "replicas", "budget_round"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
+    if args.batch_wait_ms < 0:
+        raise ValueError(f"--batch-wait-ms must be >= 0, got {args.batch_wait_ms}.")
+    return dict(model_id=args.served_name or args.model, policy="full" if policy == "none" else policy,
+                budget=budget, recent=args.recent, max_tokens=args.max_tokens,
+                max_tokens_limit=args.max_tokens_limit, max_batch=args.max_batch,
+                batch_wait_s=args.batch_wait_ms / 1000, budget_round=args.budget_round)
+
+
+def run(args):
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError:
+        raise ValueError("kvevict serve needs the serve extra: pip install 'kvevict[serve]'.") from None
+    settings = settings_from_args(args)
+    if args.replicas > 1 or args.ray:
+        from ..serve.replicas import serve_replicas
+
+        return serve_replicas(args.model, settings, args.replicas, args.host, args.port, args.ray, args.threads)
+    from ..serve.server import build
+
+    app, _ = build(args.model, settings, args.threads)
+    print(f"kvevict: serving {settings['model_id']} on http://{args.host}:{args.port}/v1 "
+          f"(default kv_policy={settings['policy']}, kv_budget={settings['budget']})", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0

@@ -1,0 +1,13 @@
+"""kvevict's OpenAI-compatible server (``kvevict serve``; needs the ``serve`` extra).
+
+    app.py        routes: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics
+    protocol.py   request validation (kv_policy, kv_budget, ...) -> GenRequest, or HTTP 400
+    engine.py     queue + scheduler + the worker thread that makes every model call
+    batch.py      one left-padded decode batch sharing one cache
+    detokenize.py token ids -> streamed text deltas, stop strings
+    sampling.py   greedy / temperature / top-p
+    responses.py  OpenAI response and chunk objects, SSE
+    metrics.py    Prometheus text format
+    server.py     uvicorn in the foreground or in a thread
+    replicas.py   N replicas under Ray Serve behind the same API
+"""

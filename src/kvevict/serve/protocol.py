@@ -1,0 +1,199 @@
+"""OpenAI request bodies -> validated ``GenRequest``; anything wrong is a ``BadRequest`` (HTTP 400)
+whose message names the field and what to change.
+
+Extra body fields (``extra_body`` in the openai client): ``kv_policy`` (a name of
+``kvevict.POLICIES`` or ``"full"``), ``kv_budget`` (int: tokens kept per layer and KV head; float in
+(0, 1]: that fraction of this request's prompt), ``kv_recent`` (recent window), ``ignore_eos``.
+A float budget is resolved against the request's own prompt (rounded up to a multiple of the
+server's ``budget_round``), so batching never changes it.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from ..cache import check_budget, resolve_budget
+from ..generate import FULL
+from ..policies import POLICIES, make_policy
+from .errors import BadRequest
+from .settings import Settings
+
+ROLES = ("system", "user", "assistant", "developer", "tool")
+
+
+@dataclass
+class GenRequest:
+    kind: str  # "chat" or "completion"
+    prompt_ids: list[int]
+    max_tokens: int
+    policy: str  # "full" or a policy name
+    budget: int | float | None  # as asked (None for full)
+    budget_tokens: int | None  # resolved for this prompt (None for full)
+    recent: int | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    ignore_eos: bool = False
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def group(self) -> tuple:
+        """Requests that may share a batch: one cache, so one policy and one budget."""
+        return (self.policy, self.budget_tokens, self.recent)
+
+
+def parse_chat(body, tokenizer, settings: Settings, context: int) -> GenRequest:
+    body = _object(body)
+    messages = _messages(body.get("messages"))
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            return_dict=True)["input_ids"]
+    except Exception as err:  # a template that rejects the roles or their order
+        raise BadRequest(f"the chat template refused these messages: {err}", "messages") from None
+    limit_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    return _request("chat", body, list(ids), settings, context, limit_name)
+
+
+def parse_completion(body, tokenizer, settings: Settings, context: int) -> GenRequest:
+    body = _object(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        vocab = len(tokenizer)
+        if any(not 0 <= t < vocab for t in prompt):
+            raise BadRequest(f"prompt token ids must be in [0, {vocab}).", "prompt")
+        ids = prompt
+    elif prompt is None:
+        raise BadRequest("'prompt' is required: a string (or a list of token ids).", "prompt")
+    else:
+        raise BadRequest("'prompt' must be one string or one list of token ids; send one request per prompt.",
+                         "prompt")
+    return _request("completion", body, list(ids), settings, context, "max_tokens")
+
+
+def _object(body) -> dict:
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object.")
+    return body
+
+
+def _messages(messages) -> list[dict]:
+    if messages is None:
+        raise BadRequest("'messages' is required: a non-empty list of {role, content} objects.", "messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty list of {role, content} objects.", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise BadRequest(f"messages[{i}] must be an object with a role in {list(ROLES)}.", f"messages[{i}]")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: only text ones make sense for a text model
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise BadRequest(f"messages[{i}].content parts must all be {{'type': 'text', 'text': ...}}.",
+                                 f"messages[{i}].content")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise BadRequest(f"messages[{i}].content must be a string.", f"messages[{i}].content")
+        out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+    return out
+
+
+def _request(kind, body, ids, settings: Settings, context: int, limit_name: str) -> GenRequest:
+    if not ids:
+        raise BadRequest("the prompt is empty.", "prompt" if kind == "completion" else "messages")
+    n = body.get("n", 1)
+    if n != 1:
+        raise BadRequest("only n=1 is supported; send several requests instead.", "n")
+    max_tokens = body.get(limit_name)
+    if max_tokens is None:
+        max_tokens = settings.max_tokens
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= settings.max_tokens_limit:
+        raise BadRequest(f"'{limit_name}' must be an integer in [1, {settings.max_tokens_limit}], got {max_tokens!r}.",
+                         limit_name)
+    if len(ids) + max_tokens > context:
+        raise BadRequest(f"the prompt has {len(ids)} tokens and {limit_name}={max_tokens}: together more than the "
+                         f"model's {context} positions; shorten the prompt or lower {limit_name}.", limit_name)
+    policy, budget, recent, budget_tokens = _kv_fields(body, settings, len(ids))
+    return GenRequest(
+        kind=kind, prompt_ids=ids, max_tokens=max_tokens, policy=policy, budget=budget,
+        budget_tokens=budget_tokens, recent=recent,
+        temperature=_number(body, "temperature", 0.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
+        seed=_seed(body.get("seed")), stop=_stop(body.get("stop")), stream=_bool(body, "stream"),
+        include_usage=_bool(body.get("stream_options") or {}, "include_usage"),
+        ignore_eos=_bool(body, "ignore_eos"),
+    )
+
+
+def _kv_fields(body, settings: Settings, prompt_len: int):
+    policy = body.get("kv_policy", settings.policy)
+    if not isinstance(policy, str):
+        raise BadRequest(f"'kv_policy' must be a string, got {policy!r}.", "kv_policy")
+    policy = policy.lower()
+    if policy in FULL:
+        return "full", None, None, None
+    if policy not in POLICIES:
+        known = ", ".join(["full", *sorted(POLICIES)])
+        raise BadRequest(f"unknown kv_policy {policy!r}; known policies: {known}.", "kv_policy")
+    budget = body.get("kv_budget", settings.budget)
+    recent = body.get("kv_recent", settings.recent)
+    try:
+        check_budget(budget)
+    except ValueError as err:
+        raise BadRequest(f"kv_budget: {err}", "kv_budget") from None
+    if recent is not None and (isinstance(recent, bool) or not isinstance(recent, int) or recent < 0):
+        raise BadRequest(f"'kv_recent' must be a non-negative integer number of tokens, got {recent!r}.", "kv_recent")
+    tokens = resolve_budget(budget, prompt_len)
+    if isinstance(budget, float) and settings.budget_round > 1:
+        tokens = -(-tokens // settings.budget_round) * settings.budget_round
+    try:
+        make_policy(policy, **({} if recent is None else {"recent": recent})).check(tokens)
+    except ValueError as err:
+        raise BadRequest(f"kv_budget={budget!r} ({tokens} tokens for this {prompt_len}-token prompt) does not fit "
+                         f"kv_policy {policy!r}: {err}", "kv_budget") from None
+    return policy, budget, recent, tokens
+
+
+def _number(body, name, default, lo, hi) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+        raise BadRequest(f"'{name}' must be a number in [{lo:g}, {hi:g}], got {v!r}.", name)
+    return float(v)
+
+
+def _bool(body, name) -> bool:
+    v = body.get(name, False) if isinstance(body, dict) else False
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise BadRequest(f"'{name}' must be true or false, got {v!r}.", name)
+    return v
+
+
+def _seed(v):
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise BadRequest(f"'seed' must be an integer, got {v!r}.", "seed")
+    return v
+
+
+def _stop(v) -> list[str]:
+    if v is None:
+        return []
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
+        raise BadRequest("'stop' must be a non-empty string or a list of at most 4 of them.", "stop")
+    return stops

@@ -1,0 +1,334 @@
+"""Issue 6: the OpenAI-compatible server, driven over loopback with the official openai client on a
+tiny random Llama with a character tokenizer (tests/tiny_chat_model.py)."""
+
+import asyncio
+import http.client
+import json
+import threading
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+import kvevict  # noqa: E402
+from kvevict.generate import generate  # noqa: E402
+from kvevict.serve.server import ServerThread, build  # noqa: E402
+from tiny_chat_model import save_tiny_chat_model  # noqa: E402
+
+MODEL = "tiny"
+DEFAULTS = dict(model_id=MODEL, policy="h2o", budget=8, max_tokens=16, max_tokens_limit=480, max_batch=8,
+                batch_wait_s=0.05)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return str(save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat")))
+
+
+@pytest.fixture(scope="module")
+def reference(folder):
+    """A second copy of the model for answers computed alone (the server's copy is its worker's)."""
+    return kvevict.load_model(folder)
+
+
+@pytest.fixture(scope="module")
+def server(folder):
+    app, engine = build(folder, DEFAULTS)
+    with ServerThread(app) as srv:
+        yield srv, engine
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0].url + "/v1", api_key="test", max_retries=0, timeout=60)
+
+
+def chat(text):
+    return [{"role": "user", "content": text}]
+
+
+def token_bytes(model):
+    c = model.config
+    head_dim = c.hidden_size // c.num_attention_heads
+    return c.num_hidden_layers * c.num_key_value_heads * 2 * head_dim * 4  # K and V, fp32
+
+
+def metric(url, name, **labels):
+    text = _get(url, "/metrics")[1]
+    lab = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    want = f"{name}{{{lab}}}" if lab else name
+    for line in text.splitlines():
+        if line.split(" ")[0] == want:
+            return float(line.split(" ")[1])
+    return 0.0
+
+
+def _http(url, method, path, data=None):
+    """(status, body) of one plain HTTP request, for what the openai client hides."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request(method, path, data, {"Content-Type": "application/json"} if data is not None else {})
+    resp = conn.getresponse()
+    body = resp.read().decode()
+    conn.close()
+    return resp.status, body
+
+
+def _get(url, path):
+    return _http(url, "GET", path)
+
+
+def _post(url, path, data):
+    return _http(url, "POST", path, data)
+
+
+def test_models_health_and_metrics_format(server, client):
+    srv, _ = server
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    status, body = _get(srv.url, "/health")
+    assert status == 200 and json.loads(body)["status"] == "ok"
+    status, text = _get(srv.url, "/metrics")
+    assert status == 200
+    for name in ("kvevict_requests_total", "kvevict_generated_tokens_total", "kvevict_tokens_per_second",
+                 "kvevict_kv_bytes_held", "kvevict_evicted_tokens_total"):
+        assert f"# TYPE {name} " in text
+
+
+def test_chat_equals_generate_alone_and_reports_kv_bytes(client, reference):
+    model, tok = reference
+    messages = chat("Tell me a story about a fox and a crow, please.")
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16,
+                                       extra_body={"kv_policy": "h2o", "kv_budget": 8})
+    want = generate(model, tok, messages, "h2o", 8, max_new_tokens=16)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content.strip() == want.text
+    u = r.usage
+    assert (u.prompt_tokens, u.completion_tokens) == (want.prompt_tokens, want.new_tokens)
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    assert (u.kv_bytes, u.kv_bytes_full) == (want.kv_bytes, want.full_kv_bytes)
+    assert u.kv_bytes == 8 * token_bytes(model) < u.kv_bytes_full
+    assert u.kv_policy == "h2o" and u.kv_budget_tokens == 8
+
+
+def test_completion_with_server_defaults_and_full_cache(client, reference):
+    model, tok = reference
+    prompt = "Once upon a time, in a land far away,"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10)  # server default: h2o, 8
+    want = generate(model, tok, prompt, "h2o", 8, max_new_tokens=10)
+    assert r.choices[0].text.strip() == want.text and r.usage.kv_budget_tokens == 8
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, extra_body={"kv_policy": "full"})
+    want = generate(model, tok, prompt, "full", None, max_new_tokens=10)
+    assert r.choices[0].text.strip() == want.text
+    assert r.usage.kv_bytes == r.usage.kv_bytes_full == want.kv_bytes
+
+
+def test_streaming_equals_plain_and_ends_with_done(server, client):
+    srv, _ = server
+    messages = chat("Name three colours.")
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == plain.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    assert chunks[-1].usage.kv_bytes == plain.usage.kv_bytes
+    assert len({c.id for c in chunks}) == 1
+    # the wire format itself: SSE events, the last one [DONE]
+    host, port = srv.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": "abc", "max_tokens": 5,
+                                                        "stream": True}), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.getheader("content-type").startswith("text/event-stream")
+    events = [e for e in resp.read().decode().split("\n\n") if e]
+    conn.close()
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    assert all(json.loads(e[6:])["object"] == "text_completion" for e in events[:-1])
+
+
+BAD = [
+    ({"kv_policy": "h20"}, "unknown kv_policy 'h20'; known policies: full,", "kv_policy"),
+    ({"kv_budget": 0}, "positive", "kv_budget"),
+    ({"kv_budget": 1.5}, "(0, 1]", "kv_budget"),
+    ({"kv_budget": "20%"}, "budget must be", "kv_budget"),
+    ({"kv_budget": 4, "kv_recent": 4}, "recent=4 must be smaller", "kv_budget"),
+    ({"max_tokens": 0}, "'max_tokens' must be an integer in [1, 480]", "max_tokens"),
+    ({"max_tokens": "ten"}, "'max_tokens' must be an integer", "max_tokens"),
+    ({"max_tokens": 480, "messages": chat("hello " * 10)}, "more than the model's 512 positions", "max_tokens"),
+    ({"temperature": 5}, "'temperature' must be a number in [0, 2]", "temperature"),
+    ({"n": 2}, "only n=1", "n"),
+    ({"messages": None}, "'messages' is required", "messages"),
+    ({"messages": []}, "non-empty list", "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "role in", "messages[0]"),
+]
+
+
+@pytest.mark.parametrize("fields, message, param", BAD, ids=[b[1][:24] for b in BAD])
+def test_bad_input_is_400_with_a_clear_message(server, fields, message, param):
+    srv, _ = server
+    body = {"model": MODEL, "messages": chat("hello"), **fields}
+    body = {k: v for k, v in body.items() if v is not None}
+    status, err = _post(srv.url, "/v1/chat/completions", json.dumps(body))
+    assert status == 400
+    err = json.loads(err)["error"]
+    assert message in err["message"] and err["param"] == param and err["type"] == "invalid_request_error"
+
+
+def test_bad_input_through_the_client_then_server_still_serves(server, client):
+    srv, _ = server
+    with pytest.raises(openai.BadRequestError, match="unknown kv_policy"):
+        client.chat.completions.create(model=MODEL, messages=chat("hi"), extra_body={"kv_policy": "nope"})
+    with pytest.raises(openai.BadRequestError, match="'prompt' is required"):
+        client.completions.create(model=MODEL, prompt=None)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(model="gpt-4", messages=chat("hi"))
+    assert _post(srv.url, "/v1/chat/completions", "{not json")[0] == 400
+    r = client.chat.completions.create(model=MODEL, messages=chat("still there?"), max_tokens=4)
+    assert r.usage.completion_tokens >= 1 and r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_32_concurrent_requests_batched_none_lost_each_as_alone_memory_bounded(server, reference):
+    srv, engine = server
+    model, tok = reference
+    groups = [("h2o", 8), ("full", None), ("h2o", 0.5), ("recency", 8)]
+    asks = [(f"Question {i}: what is {'abcdefgh'[: 1 + i % 8]} backwards?" + " please" * (i % 5),
+             *groups[i % 4], i % 3 == 0) for i in range(32)]
+    completed0 = metric(srv.url, "kvevict_requests_total", outcome="completed")
+    generated0 = metric(srv.url, "kvevict_generated_tokens_total")
+    log0 = len(engine.log)
+
+    async def one(aclient, text, policy, budget, stream):
+        extra = {"kv_policy": policy} if budget is None else {"kv_policy": policy, "kv_budget": budget}
+        kw = dict(model=MODEL, messages=chat(text), max_tokens=12, extra_body=extra)
+        if not stream:
+            r = await aclient.chat.completions.create(**kw)
+            return r.choices[0].message.content, r.usage
+        parts, usage = [], None
+        async for c in await aclient.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+            parts += [c.choices[0].delta.content or ""] if c.choices else []
+            usage = c.usage or usage
+        return "".join(parts), usage
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="t", max_retries=0, timeout=120) as ac:
+            return await asyncio.wait_for(asyncio.gather(*(one(ac, *a) for a in asks)), 150)
+
+    got = asyncio.run(main())
+    assert len(got) == 32
+    per_token = token_bytes(model)
+    for (text, policy, budget, _), (answer, usage) in zip(asks, got):
+        want = generate(model, tok, chat(text), policy, budget, max_new_tokens=12)
+        assert answer.strip() == want.text, (text, policy, budget)
+        assert usage.completion_tokens == want.new_tokens and usage.prompt_tokens == want.prompt_tokens
+        if budget is not None:  # the memory bound: the budget, not the context
+            bound = kvevict.cache.resolve_budget(budget, want.prompt_tokens) * per_token
+            assert usage.kv_bytes == bound < usage.kv_bytes_full
+    assert len({a for a, _ in got}) > 8  # different prompts, different answers: nothing mixed up
+    batches = [e for e in list(engine.log)[log0:] if e["event"] == "batch"]
+    assert sum(b["size"] for b in batches) == 32
+    assert max(b["size"] for b in batches) > 1 and all(b["size"] <= DEFAULTS["max_batch"] for b in batches)
+    for b in batches:
+        if b["budget_tokens"] is not None:
+            assert b["peak_kv_bytes"] <= b["size"] * b["budget_tokens"] * per_token
+    assert metric(srv.url, "kvevict_requests_total", outcome="completed") - completed0 == 32
+    assert metric(srv.url, "kvevict_generated_tokens_total") - generated0 == sum(u.completion_tokens for _, u in got)
+    assert _wait(lambda: metric(srv.url, "kvevict_kv_bytes_held") == 0)  # nothing running, nothing held
+
+
+def test_seeded_sampling_repeats_and_stop_strings_cut(client):
+    kw = dict(model=MODEL, messages=chat("Sample me."), max_tokens=12, temperature=1.0, top_p=0.9)
+    a = client.chat.completions.create(**kw, seed=7).choices[0].message.content
+    assert a == client.chat.completions.create(**kw, seed=7).choices[0].message.content
+    assert {a} != {client.chat.completions.create(**kw, seed=s).choices[0].message.content for s in (1, 2, 3)}
+    full = client.chat.completions.create(model=MODEL, messages=chat("Stop me."), max_tokens=16,
+                                          extra_body={"ignore_eos": True}).choices[0].message.content
+    stop = full[6:8]
+    cut = full[: full.find(stop)]
+    r = client.chat.completions.create(model=MODEL, messages=chat("Stop me."), max_tokens=16, stop=[stop, "\x00"],
+                                       extra_body={"ignore_eos": True})
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == (cut, "stop")
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=MODEL, messages=chat("Stop me."), max_tokens=16, stop=stop, stream=True,
+        extra_body={"ignore_eos": True}) if c.choices)
+    assert streamed == cut
+
+
+def _wait(cond, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_client_disconnect_drops_its_sequence_and_frees_its_cache(folder):
+    # batch_wait 1 s and max_batch 2: the two requests below share one batch (and one cache)
+    app, engine = build(folder, {**DEFAULTS, "max_batch": 2, "batch_wait_s": 1.0})
+    long = {"model": MODEL, "messages": chat("Talk for a long time."), "max_tokens": 400, "ignore_eos": True}
+    with ServerThread(app) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="t", max_retries=0, timeout=60)
+        stayer = {}
+        t = threading.Thread(target=lambda: stayer.update(r=client.chat.completions.create(
+            model=MODEL, messages=long["messages"], max_tokens=400, extra_body={"ignore_eos": True})))
+        t.start()
+        host, port = srv.url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        conn.request("POST", "/v1/chat/completions", json.dumps({**long, "stream": True}),
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        events = []
+        while len(events) < 4:  # the role event and three tokens
+            line = resp.readline().decode()
+            events += [json.loads(line[6:])] if line.startswith("data: ") else []
+        leaver = events[0]["id"].removeprefix("chatcmpl-")
+        conn.sock.close()  # the client goes away mid-stream
+        conn.close()
+        t.join(60)
+        r = stayer["r"]
+        assert r.usage.completion_tokens == 400  # the other sequence went on to the end
+        drops = {e["id"]: e for e in engine.log if e["event"] == "drop"}
+        assert drops[leaver]["reason"] == "cancelled" and drops[leaver]["generated"] < 400
+        shrink = [e for e in engine.log if e["event"] == "shrink"]
+        assert shrink and shrink[0]["size_before"] == 2 and shrink[0]["ids"] == [r.id.removeprefix("chatcmpl-")]
+        assert shrink[0]["kv_bytes"] * 2 == shrink[0]["kv_bytes_before"]  # its half of the cache is gone
+        assert metric(srv.url, "kvevict_requests_total", outcome="cancelled") == 1
+        # a non-streamed request whose client gives up is cancelled too (alone, it waits up to the
+        # 1 s batch window, so its client is gone before or while it runs, on any machine)
+        impatient = openai.OpenAI(base_url=srv.url + "/v1", api_key="t", max_retries=0, timeout=0.3)
+        with pytest.raises(openai.APITimeoutError):
+            impatient.chat.completions.create(model=MODEL, messages=chat("Never mind."), max_tokens=400,
+                                              extra_body={"ignore_eos": True})
+        assert _wait(lambda: metric(srv.url, "kvevict_requests_total", outcome="cancelled") == 2)
+        assert _wait(lambda: metric(srv.url, "kvevict_running_sequences") == 0)
+        assert metric(srv.url, "kvevict_kv_bytes_held") == 0
+
+
+def test_budget_round_lets_prompts_of_different_lengths_share_a_batch(folder, reference):
+    model, tok = reference
+    app, engine = build(folder, {**DEFAULTS, "max_batch": 2, "batch_wait_s": 1.0, "budget_round": 16})
+    texts = ["Short one.", "A slightly longer one."]  # 30 and 42 tokens: 9 and 13 tokens at 0.3
+    with ServerThread(app) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="t", max_retries=0, timeout=60)
+        results = [None, None]
+
+        def ask(i):
+            results[i] = client.chat.completions.create(model=MODEL, messages=chat(texts[i]), max_tokens=8,
+                                                        extra_body={"kv_budget": 0.3})
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    budgets = [r.usage.kv_budget_tokens for r in results]
+    exact = [kvevict.cache.resolve_budget(0.3, r.usage.prompt_tokens) for r in results]
+    assert exact[0] != exact[1] and budgets[0] == budgets[1] == -(-max(exact) // 16) * 16
+    assert [e["size"] for e in engine.log if e["event"] == "batch"] == [2]  # one batch, one cache
+    for text, r in zip(texts, results):  # each as alone with the rounded token budget
+        assert r.choices[0].message.content.strip() == generate(model, tok, chat(text), "h2o", budgets[0],
+                                                                max_new_tokens=8).text

@@ -1,0 +1,54 @@
+"""``kvevict serve`` as a user starts it: a subprocess on loopback, always stopped."""
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+
+from kvevict.serve.server import free_port  # noqa: E402
+from tiny_chat_model import save_tiny_chat_model  # noqa: E402
+
+
+def test_kvevict_serve_starts_answers_and_stops(tmp_path):
+    folder = save_tiny_chat_model(tmp_path / "tiny")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvevict.cli", "serve", "--model", str(folder), "--port", str(port),
+                             "--served-name", "tiny", "--policy", "recency", "--budget", "12", "--threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    assert json.load(r)["status"] == "ok"
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "server did not come up in 90 s"
+                time.sleep(0.25)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="t", max_retries=0, timeout=30)
+        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi there"}],
+                                           max_tokens=6)
+        assert r.usage.kv_policy == "recency" and r.usage.kv_budget_tokens == 12  # the CLI's defaults
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--budget", "0"], "positive"),
+    (["--policy", "h20"], "unknown --policy 'h20'"),
+    (["--max-batch", "0"], "--max-batch must be >= 1"),
+])
+def test_kvevict_serve_bad_flags_fail_clearly_before_loading(flags, message, capsys):
+    from kvevict.cli import main
+
+    assert main(["serve", "--model", "nowhere", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
