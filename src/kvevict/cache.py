@@ -185,10 +185,13 @@ class EvictingLayer(CacheLayerMixin):
     def _store(self, name: str) -> torch.Tensor:
         return self.stats[name] if name in self.stats else getattr(self, name)
 
-    def _candidates(self, new: dict) -> Candidates:
-        """All B slots (empty ones invalid) followed by the new tokens."""
-        cat = {name: torch.cat([self._store(name), new[name]], dim=-1)
-               for name in ("pos", "valid", *self.stats)}
+    def _candidates(self, new: dict | None) -> Candidates:
+        """All B slots (empty ones invalid) followed by the new tokens; the slots alone if ``new`` is None."""
+        names = ("pos", "valid", *self.stats)
+        if new is None:
+            cat = {name: self._store(name) for name in names}
+        else:
+            cat = {name: torch.cat([self._store(name), new[name]], dim=-1) for name in names}
         return Candidates(
             stats={n: cat[n] for n in self.stats}, pos=cat["pos"], valid=cat["valid"],
             newest=(self.n_real - 1).view(-1, 1, 1), budget=self.budget, layer_idx=self.layer_idx,
@@ -197,10 +200,11 @@ class EvictingLayer(CacheLayerMixin):
     def _replace_one(self, new: dict, all_real: bool) -> None:
         """Decoding: the new token takes the slot of the lowest-priority candidate."""
         B = self.budget
-        victim = self.policy.priority(self._candidates(new)).argmin(-1, keepdim=True)  # (b, h, 1)
-        if all_real and self.policy.keeps_newest(B):
-            slot, take = victim, None  # the newest token is protected, so the victim is a stored slot
+        if all_real and self.policy.keeps_newest(B) and self.policy.independent:
+            # the newcomer is protected and cannot change the others' ranks: rank the slots only
+            slot, take = self.policy.priority(self._candidates(None)).argmin(-1, keepdim=True), None
         else:
+            victim = self.policy.priority(self._candidates(new)).argmin(-1, keepdim=True)  # (b, h, 1)
             slot, take = victim.clamp(max=B - 1), victim < B
         for name, t in new.items():
             store = self._store(name)

@@ -44,6 +44,9 @@ class Policy:
     sinks: int = 0
 
     name: ClassVar[str] = "base"
+    # each candidate's priority depends on its own state only (not on its neighbours'), so a
+    # protected newcomer can be left out of the ranking without changing the choice
+    independent: ClassVar[bool] = True
     # statistics the attention must collect for this policy (see kvevict.attention)
     stats: ClassVar[tuple[str, ...]] = ()
 

@@ -23,6 +23,7 @@ class SnapKV(Policy):
     kernel: int = 5
     name = "snapkv"
     stats = ("obs",)
+    independent = False  # pooling mixes neighbours' scores
 
     def recent_for(self, budget: int) -> int:
         return min(self.window, budget // 2) if self.recent is None else self.recent
