@@ -155,3 +155,15 @@ def test_model_that_cannot_be_hooked_is_refused():
     cache = kvevict.make_cache(gpt2, "h2o", budget=8)  # GPT-2 does route through the interface
     gpt2(torch.randint(0, 64, (1, 20)), past_key_values=cache)
     assert cache.kv_bytes() == 8 * 2 * 16 * 2 * 4
+
+
+def test_a_rejected_attention_call_leaves_the_cache_usable():
+    model = tiny_model("llama-gqa")
+    cache = kvevict.make_cache(model, "h2o", budget=8)
+    ids = torch.randint(0, 128, (1, 12))
+    bad_mask = torch.zeros(1, 1, 12, 12)  # a prepared 4-D mask is refused with a clear message
+    with pytest.raises(ValueError, match="2-D attention_mask"):
+        model(ids, attention_mask=bad_mask, past_key_values=cache)
+    fresh = kvevict.make_cache(model, "h2o", budget=8)
+    _logits(model, ids, fresh)  # no stale state from the refused call
+    assert fresh.get_seq_length() == 12

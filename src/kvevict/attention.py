@@ -120,6 +120,7 @@ def _generic_segments(key, value, q_len, info: PaddingInfo | None) -> _Segments:
 def kvevict_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                       sliding_window=None, softcap=None, **kwargs):
     """SDPA-equivalent attention over (past slots + new tokens), collecting per-key statistics."""
+    layer = _take_handoff(key)  # first, so that a rejected call leaves no stale hand-off behind
     if dropout and module.training:
         raise ValueError("kvevict attention is for inference; call model.eval() (dropout must be off).")
     if kwargs.get("s_aux") is not None:
@@ -129,7 +130,6 @@ def kvevict_attention(module, query, key, value, attention_mask, scaling=None, d
             "kvevict attention got a prepared 4-D attention mask; pass a 2-D attention_mask "
             "(batch, length) as generate() does."
         )
-    layer = _take_handoff(key)
     q_len = query.shape[2]
     if layer is not None:
         seg = layer.segments(value, attention_mask, q_len)
