@@ -1,0 +1,71 @@
+"""PNG plots of a bench run (matplotlib, Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def available() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _series(records, batch, value):
+    out: dict[str, list[tuple[int, float]]] = {}
+    for r in records:
+        if r["batch"] == batch:
+            out.setdefault(r["cache"], []).append((r["context"], value(r)))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def throughput_vs_context(records: list[dict], path: Path) -> Path:
+    plt = _plt()
+    batches = sorted({r["batch"] for r in records})
+    fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4.2), squeeze=False)
+    for ax, b in zip(axes[0], batches):
+        for label, pts in _series(records, b, lambda r: r["tokens_per_s"]).items():
+            ax.plot([c for c, _ in pts], [v for _, v in pts], marker="o", label=label,
+                    linewidth=2.5 if label == "stock" else 1.2, color="black" if label == "stock" else None)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"batch {b}")
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("decode tokens / s")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][-1].legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def memory_vs_context(records: list[dict], path: Path) -> Path:
+    plt = _plt()
+    b = min(r["batch"] for r in records)
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for label, pts in _series(records, b, lambda r: r["state_bytes"] / r["batch"] / 2**20).items():
+        ax.plot([c for c, _ in pts], [v for _, v in pts], marker="o", label=label,
+                linewidth=2.5 if label == "stock" else 1.2, color="black" if label == "stock" else None)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("cache state per sequence (MiB)")
+    ax.set_title("KV cache memory per sequence")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,122 @@
+"""One ``kvevict bench`` run: every section in one process (prefill jobs in child processes so
+their peak memory is their own), then JSON + markdown + PNG plots in the output folder."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import time
+from pathlib import Path
+
+from . import report, targets
+from .caches import NO_EVICTION, STOCK, CacheSpec, available_policies, specs_for
+from .machine import load_average, machine_info, measure_copy_bandwidth
+from .memory_math import floor_seconds, model_kv_bytes_per_token
+from .settings import Settings, check
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the model's parameters, tied ones counted once (``parameters()`` dedups)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def add_floors(records: list[dict], weights: int, kv_per_token: int, bandwidth: float) -> None:
+    for r in records:
+        r["floor_s"] = floor_seconds(weights, r["batch"] * r["kept_tokens"] * kv_per_token, bandwidth)
+
+
+def run_bench(s: Settings, out_dir: Path, command: str = "", log=print) -> dict:
+    import torch
+
+    from .breakdown import run_breakdown
+    from .decode import BaseCaches, add_ratios, run_interleaved
+    from .loading import load_for_bench, model_folder
+    from .maxbatch import run_maxbatch
+    from .subprocess_jobs import (
+        VENV_COMMAND,
+        kvevict_jobs,
+        kvpress_jobs,
+        kvpress_python,
+        run_jobs,
+    )
+
+    check(s)
+    t_start = time.perf_counter()
+    threads = s.threads or os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    res: dict = {"command": command, "settings": s.as_dict(), "machine": machine_info(), "notes": []}
+    log(f"kvevict bench: {threads} torch threads, load average {load_average()}")
+    policies, notes = available_policies(s.policies)
+    res["notes"] += notes
+    for n in notes:
+        log(f"  note: {n}")
+    res["bandwidth"] = measure_copy_bandwidth(32 * 2**20 if s.quick else 256 * 2**20)
+    model = load_for_bench(s.model)
+    res["weight_bytes"] = weight_bytes(model)
+    res["kv_bytes_per_token"] = model_kv_bytes_per_token(model.config)
+    bw = res["bandwidth"]["best"]
+    bases = BaseCaches(model, decode_tokens=1 + s.steps, seed=s.seed, log=log)
+    target_policy = "h2o" if "h2o" in policies else (policies[0] if policies else None)
+
+    if "decode" in s.sections:
+        log("decode grid (interleaved):")
+        points = [(c, b, spec) for c in s.contexts for b in s.batches for spec in specs_for(policies, s.budgets)]
+        recs = run_interleaved(model, bases, points, s.repeats, s.steps, log=log)
+        add_ratios(recs)
+        add_floors(recs, res["weight_bytes"], res["kv_bytes_per_token"], bw)
+        res["decode"] = {"records": recs, "fill_seconds": dict(bases.prefill_seconds),
+                         "method": "caches pre-filled once at batch 1 (see kvevict.bench.caches), copied per run; "
+                                   "one untimed warm-up step, then the timed steps"}
+    if "maxbatch" in s.sections:
+        log(f"largest batch in {s.kv_memory_gib:g} GiB at context {max(s.contexts)}:")
+        specs = [CacheSpec(STOCK)] + [CacheSpec(p, s.target_budget) for p in policies]
+        res["maxbatch"] = run_maxbatch(model, bases, max(s.contexts), specs, int(s.kv_memory_gib * 2**30),
+                                       s.repeats, s.steps, log=log)
+    if "breakdown" in s.sections:
+        log(f"decode step breakdown at context {s.target_context}, batch {s.target_batch}:")
+        specs = [CacheSpec(STOCK), CacheSpec(NO_EVICTION)] + [CacheSpec(p, s.target_budget) for p in policies]
+        res["breakdown"] = run_breakdown(model, bases, s.target_context, s.target_batch, specs, max(2, s.steps), log=log)
+    del bases, model
+    gc.collect()
+
+    jobs, pre_notes = [], []
+    if "prefill" in s.sections:
+        modes = [m for m in s.prefill_modes if m != "kvevict" or target_policy]
+        jobs += kvevict_jobs(s.model, modes, target_policy or "", s.target_budget, s.prefill_context,
+                             s.prefill_decode_steps, threads, s.seed)
+    if "peer" in s.sections:
+        py = kvpress_python()
+        if py is None:
+            pre_notes.append(f"kvpress peer skipped: no .venv-kvpress in the repository (create it with: {VENV_COMMAND})")
+            log(f"  note: {pre_notes[-1]}")
+        else:
+            jobs += kvpress_jobs(py, model_folder(s.model), s.peer_presses, s.target_budget, s.prefill_context,
+                                 s.prefill_decode_steps, threads, s.seed)
+    if jobs:
+        log(f"prefill of {s.prefill_context} tokens, one process per run:")
+        res["prefill"] = {"context": s.prefill_context, "decode_steps": s.prefill_decode_steps, "notes": pre_notes,
+                          "records": run_jobs(jobs, s.prefill_repeats, log=log)}
+    elif pre_notes:
+        res["notes"] += pre_notes
+
+    res["machine"]["load_average_end"] = load_average()
+    res["seconds"] = time.perf_counter() - t_start
+    res["targets"] = targets.evaluate(res, target_policy, s.target_budget, s.target_context, s.target_batch)
+    write_outputs(res, out_dir)
+    log(f"wrote {out_dir}/bench.json, bench.md and plots in {res['seconds']:.0f} s")
+    return res
+
+
+def write_outputs(res: dict, out_dir: Path) -> None:
+    from . import plots
+
+    (out_dir / "bench.json").write_text(json.dumps(res, indent=1, default=str))
+    (out_dir / "bench.md").write_text(report.render(res))
+    if res.get("decode"):
+        if not plots.available():
+            print("kvevict bench: plots skipped: matplotlib is missing (pip install 'kvevict[bench]')")
+            return
+        plots.throughput_vs_context(res["decode"]["records"], out_dir / "throughput_vs_context.png")
+        plots.memory_vs_context(res["decode"]["records"], out_dir / "memory_vs_context.png")

@@ -1,0 +1,83 @@
+"""What one ``kvevict bench`` run measures: the grid, the repeats and the sections, with the
+``--quick`` preset (smoke run for CI: checks shape, never speed)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+SECTIONS = ("decode", "maxbatch", "breakdown", "prefill", "peer")
+PREFILL_MODES = ("sdpa", "eager", "kvevict")
+PEER_PRESSES = ("snapkv", "expected_attention", "knorm", "observed_attention", "streaming_llm", "tova")
+
+
+@dataclass
+class Settings:
+    model: str = "smollm2-135m"
+    contexts: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])
+    batches: list[int] = field(default_factory=lambda: [1, 8, 16])
+    budgets: list[float] = field(default_factory=lambda: [0.1, 0.2, 0.5])
+    policies: list[str] = field(default_factory=lambda: ["h2o", "roco", "recency"])
+    repeats: int = 3  # rounds over every configuration
+    steps: int = 4  # timed decode steps per measurement (after one untimed warm-up step)
+    threads: int | None = None  # torch threads (default: all cores)
+    kv_memory_gib: float = 4.0  # memory for the largest-batch section
+    prefill_context: int = 8192
+    prefill_modes: list[str] = field(default_factory=lambda: list(PREFILL_MODES))
+    prefill_repeats: int = 1
+    prefill_decode_steps: int = 16
+    peer_presses: list[str] = field(default_factory=lambda: ["snapkv", "expected_attention", "knorm"])
+    sections: list[str] = field(default_factory=lambda: list(SECTIONS))
+    seed: int = 0
+    quick: bool = False
+
+    @property
+    def target_budget(self) -> float:
+        """The budget the issue's targets are stated at (20%), or the nearest one measured."""
+        return min(self.budgets, key=lambda b: abs(b - 0.2))
+
+    @property
+    def target_context(self) -> int:
+        return min(self.contexts, key=lambda c: abs(c - 8192))
+
+    @property
+    def target_batch(self) -> int:
+        return min(self.batches, key=lambda b: abs(b - 8))
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def quick_settings(**overrides) -> Settings:
+    """Tiny grid for a smoke run: under 2 minutes on 2 cores with the real model."""
+    # one thread: with two, torch stalls whenever another process holds a core (a smoke run
+    # must stay under 2 minutes on a shared machine)
+    base = {"contexts": [64, 128], "batches": [1, 2], "budgets": [0.25], "repeats": 2, "steps": 2,
+            "kv_memory_gib": 0.01, "prefill_context": 128, "prefill_decode_steps": 2, "peer_presses": ["knorm"],
+            "threads": 1, "quick": True}
+    base.update({k: v for k, v in overrides.items() if v is not None})
+    return Settings(**base)
+
+
+def check(s: Settings) -> None:
+    """Clear errors for settings that cannot run."""
+    for name in ("contexts", "batches"):
+        vals = getattr(s, name)
+        if not vals or any(not isinstance(v, int) or v < 1 for v in vals):
+            raise ValueError(f"--{name} must be a comma list of positive integers, got {vals}.")
+    if not s.budgets or any(not 0.0 < b <= 1.0 for b in s.budgets):
+        raise ValueError(f"--budgets must be fractions in (0, 1], got {s.budgets}.")
+    if s.repeats < 1 or s.steps < 1 or s.prefill_repeats < 1 or s.prefill_decode_steps < 0:
+        raise ValueError("--repeats and --steps must be >= 1.")
+    if s.threads is not None and s.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {s.threads}.")
+    if s.kv_memory_gib <= 0:
+        raise ValueError(f"--kv-memory-gib must be positive, got {s.kv_memory_gib}.")
+    bad = [x for x in s.sections if x not in SECTIONS]
+    if bad:
+        raise ValueError(f"unknown section(s) {bad}; choose from {', '.join(SECTIONS)}.")
+    bad = [x for x in s.prefill_modes if x not in PREFILL_MODES]
+    if bad:
+        raise ValueError(f"unknown prefill mode(s) {bad}; choose from {', '.join(PREFILL_MODES)}.")
+    bad = [x for x in s.peer_presses if x not in PEER_PRESSES]
+    if bad:
+        raise ValueError(f"unknown kvpress press(es) {bad}; choose from {', '.join(PEER_PRESSES)}.")

@@ -1,0 +1,78 @@
+"""kvevict bench: decode throughput, memory, prefill cost and a step breakdown against the stock
+full cache (and kvpress), interleaved in one process; writes JSON, markdown and PNG plots."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+NAME = "bench"
+HELP = "measure decode speed, memory and prefill cost of budgeted caches vs the stock full cache"
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"expected a comma list of integers, got {text!r}.") from None
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"expected a comma list of fractions such as 0.1,0.2, got {text!r}.") from None
+
+
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def add_arguments(p):
+    p.add_argument("--quick", action="store_true", help="tiny smoke run (< 2 min): checks the outputs, not speed")
+    p.add_argument("--out", default="results/bench", help="output folder (default results/bench)")
+    p.add_argument("--model", default=None, help="known name (smollm2-135m) or local HF folder")
+    p.add_argument("--contexts", help="comma list of contexts (default 1024,2048,4096,8192)")
+    p.add_argument("--batches", help="comma list of batch sizes (default 1,8,16)")
+    p.add_argument("--budgets", help="comma list of budget fractions (default 0.1,0.2,0.5)")
+    p.add_argument("--policies", help="comma list of policies (default h2o,roco,recency; missing ones are skipped)")
+    p.add_argument("--repeats", type=int, help="rounds over every configuration (default 3)")
+    p.add_argument("--steps", type=int, help="timed decode steps per measurement (default 4)")
+    p.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    p.add_argument("--kv-memory-gib", type=float, help="cache memory for the largest-batch section (default 4)")
+    p.add_argument("--prefill-context", type=int, help="prompt length of the prefill section (default 8192)")
+    p.add_argument("--prefill-modes", help="comma list of sdpa,eager,kvevict (default all three)")
+    p.add_argument("--prefill-repeats", type=int, help="rounds of the prefill jobs (default 1)")
+    p.add_argument("--peer-presses", help="kvpress presses (default snapkv,expected_attention,knorm)")
+    p.add_argument("--sections", help="comma list of decode,maxbatch,breakdown,prefill,peer (default all)")
+
+
+def settings_from(args):
+    from ..bench.settings import Settings, quick_settings
+
+    given = {
+        "model": args.model, "threads": args.threads, "repeats": args.repeats, "steps": args.steps,
+        "kv_memory_gib": args.kv_memory_gib, "prefill_context": args.prefill_context,
+        "prefill_repeats": args.prefill_repeats,
+        "contexts": _ints(args.contexts) if args.contexts else None,
+        "batches": _ints(args.batches) if args.batches else None,
+        "budgets": _floats(args.budgets) if args.budgets else None,
+        "policies": _names(args.policies) if args.policies else None,
+        "prefill_modes": _names(args.prefill_modes) if args.prefill_modes else None,
+        "peer_presses": _names(args.peer_presses) if args.peer_presses else None,
+        "sections": _names(args.sections) if args.sections else None,
+    }
+    if args.quick:
+        return quick_settings(**given)
+    return Settings(**{k: v for k, v in given.items() if v is not None})
+
+
+def run(args):
+    from ..bench.run import run_bench
+
+    settings = settings_from(args)
+    res = run_bench(settings, Path(args.out), command="kvevict " + " ".join(sys.argv[1:]),
+                    log=lambda msg: print(msg, flush=True))
+    print()
+    print((Path(args.out) / "bench.md").read_text().split("## Decode")[0])
+    return 0 if res else 1
