@@ -1,0 +1,100 @@
+"""kvevict eval: the quality grid (task x policy x budget x sample, full cache as reference),
+resumable, with a markdown summary and plots."""
+
+from __future__ import annotations
+
+from ._common import add_model_args, parse_budget, setup_threads
+
+NAME = "eval"
+HELP = "quality under a KV budget: run a task x policy x budget grid (resumable), write records, summary.md and plots"
+
+
+def add_arguments(p):
+    add_model_args(p, policy=False)
+    p.add_argument("--policies", default="all", help="comma-separated policy names, or 'all' (every registered policy); full is always run")
+    p.add_argument("--budgets", default="0.1,0.2,0.4,0.6", help="comma-separated fractions of the prompt (or ints: tokens)")
+    p.add_argument("--tasks", default="ppl,passkey", help="comma-separated: ppl, passkey, xsum, reconstruct, narrativeqa, piqa, or 'all'")
+    p.add_argument("--samples", type=int, default=4, help="samples per task")
+    p.add_argument("--out", default="results/eval", help="output folder (records.jsonl, summary.md, PNGs)")
+    p.add_argument("--ppl-tokens", type=int, default=1024, help="window length of the ppl task")
+    p.add_argument("--chunk", type=int, default=32, help="tokens per streaming step of the ppl task")
+    p.add_argument("--lengths", default="1024,2048", help="prompt lengths of the passkey task (tokens)")
+    p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths of the passkey task")
+    p.add_argument("--recon-tokens", type=int, default=160, help="passage length of the reconstruct task (tokens)")
+    p.add_argument("--summary-only", action="store_true", help="only rewrite summary.md and plots from the records")
+
+
+def parse_args(args):
+    """Everything the grid needs, checked before the model loads (bad input: ValueError)."""
+    import kvevict
+
+    from ..eval.caches import policy_names
+    from ..eval.tasks import task_names
+
+    policies = policy_names(args.policies, kvevict.POLICIES)
+    budgets = [parse_budget(b) for b in args.budgets.split(",") if b.strip()]
+    if not budgets:
+        raise ValueError("give at least one budget, e.g. --budgets 0.1,0.2,0.4.")
+    from ..cache import check_budget
+    for b in budgets:
+        check_budget(b)
+    tasks = task_names(args.tasks)
+    if args.samples < 1:
+        raise ValueError(f"--samples must be >= 1, got {args.samples}.")
+    lengths = [_int(x, "--lengths") for x in args.lengths.split(",") if x.strip()]
+    depths = [_float(x, "--depths") for x in args.depths.split(",") if x.strip()]
+    if any(not 0 <= d <= 1 for d in depths):
+        raise ValueError(f"--depths must be in [0, 1], got {args.depths}.")
+    if args.ppl_tokens < 16 or args.chunk < 1 or args.recon_tokens < 8:
+        raise ValueError("--ppl-tokens must be >= 16, --recon-tokens >= 8 and --chunk >= 1.")
+    return policies, budgets, tasks, lengths, depths
+
+
+def _int(x, flag):
+    try:
+        return int(x)
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated integers, got {x!r}.") from None
+
+
+def _float(x, flag):
+    try:
+        return float(x)
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated numbers, got {x!r}.") from None
+
+
+def build_tasks(names, args, lengths, depths):
+    from ..eval.tasks import TASKS
+    from ..eval.tasks.ppl import PerplexityTask
+    from ..eval.tasks.reconstruction import ReconstructionTask
+    from ..eval.tasks.retrieval import RetrievalTask
+
+    out = []
+    for name in names:
+        if name == "ppl":
+            out.append(PerplexityTask(tokens=args.ppl_tokens, chunk=args.chunk))
+        elif name == "passkey":
+            out.append(RetrievalTask(lengths=lengths, depths=depths))
+        elif name == "reconstruct":
+            out.append(ReconstructionTask(tokens=args.recon_tokens))
+        else:
+            out.append(TASKS[name]())
+    return out
+
+
+def run(args):
+    from ..eval.report import summarize
+    from ..eval.runner import run_grid
+
+    policies, budgets, task_list, lengths, depths = parse_args(args)
+    if not args.summary_only:
+        from ..models import load_model
+
+        setup_threads(args)
+        model, tok = load_model(args.model)
+        run_grid(model, tok, build_tasks(task_list, args, lengths, depths), policies, budgets, args.samples,
+                 args.out, args.model)
+    md = summarize(args.out, args.model)
+    print(md)
+    return 0

@@ -1,0 +1,1 @@
+"""Quality under a KV budget: tasks, metrics, the grid runner and its report (issue 4)."""

@@ -1,0 +1,51 @@
+"""The grid's results file: one JSON object per line and per (task, policy, budget, sample),
+appended and flushed as each is computed, so an interrupted run resumes where it stopped."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+FILE = "records.jsonl"
+
+
+def budget_key(budget) -> str:
+    return "full" if budget is None else repr(budget)
+
+
+def record_key(rec_or_task, policy=None, budget=None, sample=None, model=None) -> tuple:
+    if isinstance(rec_or_task, dict):
+        r = rec_or_task
+        return (r["model"], r["task"], r["policy"], budget_key(r["budget"]), r["sample"])
+    return (model, rec_or_task, policy, budget_key(budget), sample)
+
+
+def load(out_dir) -> dict[tuple, dict]:
+    """Records already written (a torn last line from a killed run is skipped)."""
+    path = Path(out_dir) / FILE
+    done = {}
+    if path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            done[record_key(rec)] = rec
+    return done
+
+
+class Writer:
+    def __init__(self, out_dir):
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        self.path = Path(out_dir) / FILE
+        text = self.path.read_text(encoding="utf-8") if self.path.exists() else ""
+        self._fh = open(self.path, "a", encoding="utf-8")
+        if text and not text.endswith("\n"):
+            self._fh.write("\n")  # a killed run may have left half a line: start a fresh one
+
+    def write(self, rec: dict) -> None:
+        self._fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        self._fh.flush()
+
+    def close(self):
+        self._fh.close()

@@ -1,0 +1,29 @@
+"""The evaluation tasks, by name. Each module defines one Task subclass."""
+
+from __future__ import annotations
+
+from .base import Sample, Task
+from .piqa import PIQATask
+from .ppl import PerplexityTask
+from .qa import NarrativeQATask
+from .reconstruction import ReconstructionTask
+from .retrieval import RetrievalTask
+from .summarization import XSumTask
+
+TASKS: dict[str, type[Task]] = {t.name: t for t in (
+    PerplexityTask, RetrievalTask, XSumTask, ReconstructionTask, NarrativeQATask, PIQATask)}
+
+
+def task_names(requested: str) -> list[str]:
+    """Task names from ``"ppl,passkey"`` or ``"all"``; unknown ones are a ValueError listing the known."""
+    items = [t.strip().lower() for t in requested.split(",") if t.strip()]
+    if items == ["all"]:
+        return list(TASKS)
+    bad = [t for t in items if t not in TASKS]
+    if bad or not items:
+        raise ValueError(f"unknown task {', '.join(map(repr, bad)) or '(none given)'}; known tasks: "
+                         f"{', '.join(TASKS)} (or 'all').")
+    return list(dict.fromkeys(items))
+
+
+__all__ = ["TASKS", "Sample", "Task", "task_names"]

@@ -1,0 +1,78 @@
+"""What a task is: a list of samples, and a way to score one sample under several grid cells
+(policy, budget) at once, so that work shared by the cells (the full-cache reference) is done once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ...generate import generate
+from ..caches import FULL
+
+
+@dataclass
+class Sample:
+    id: str
+    data: dict
+
+
+Cell = tuple  # (policy name, budget); ("full", None) is the reference
+
+
+class Task:
+    name: ClassVar[str] = "base"
+    # metric -> aggregation kind (see stats.aggregate): 'mean', 'proportion' or 'exp'
+    metrics: ClassVar[dict[str, str]] = {}
+    primary: ClassVar[str] = ""
+    higher_is_better: ClassVar[bool] = True
+    # called as on_cell(cell, result) as soon as a cell is scored, so the runner can write it at
+    # once (a killed run loses at most one cell) and print progress
+    on_cell = None
+
+    def _done(self, cell, result: dict) -> None:
+        if self.on_cell is not None:
+            self.on_cell(cell, result)
+
+    def samples(self, tokenizer, n: int) -> list[Sample]:
+        raise NotImplementedError
+
+    def evaluate(self, model, tokenizer, sample: Sample, cells: list[Cell], reference: dict | None):
+        """{cell: {"scores": {metric: value}, "output": str | None}} for each cell. ``reference`` is
+        the already written full-cache record of this sample, if any (its output, for tasks that
+        compare with it)."""
+        raise NotImplementedError
+
+
+class GenerationTask(Task):
+    """A chat prompt answered greedily under each cell; ``score`` compares the answer."""
+
+    max_new_tokens: int = 32
+    uses_reference: bool = False  # True: score() also gets the full cache's answer
+
+    def prompt(self, sample: Sample) -> list[dict]:
+        raise NotImplementedError
+
+    def score(self, sample: Sample, text: str, reference_text: str | None) -> dict:
+        raise NotImplementedError
+
+    def max_new(self, sample: Sample, tokenizer) -> int:
+        return self.max_new_tokens
+
+    def evaluate(self, model, tokenizer, sample, cells, reference):
+        ref_text = reference["output"] if reference else None
+        order = sorted(cells, key=lambda c: c[0] != FULL)  # the reference first
+        if self.uses_reference and ref_text is None and order[0][0] != FULL:
+            order = [(FULL, None)] + order
+        out = {}
+        for cell in order:
+            policy, budget = cell
+            res = generate(model, tokenizer, sample.data["messages"] if "messages" in sample.data
+                           else self.prompt(sample), policy, budget, self.max_new(sample, tokenizer))
+            if policy == FULL:
+                ref_text = res.text
+            out[cell] = {"scores": self.score(sample, res.text, ref_text), "output": res.text,
+                         "prompt_tokens": res.prompt_tokens, "kv_bytes": res.kv_bytes,
+                         "full_kv_bytes": res.full_kv_bytes, "seconds": round(res.seconds, 3)}
+            if cell in cells:
+                self._done(cell, out[cell])
+        return {c: r for c, r in out.items() if c in cells}

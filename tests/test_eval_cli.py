@@ -1,0 +1,46 @@
+"""`kvevict eval` / `kvevict inspect` bad input: one clear line naming what to change, exit 2,
+before any model loads."""
+
+import pytest
+
+import kvevict
+from kvevict.cli import main
+from kvevict.eval.caches import policy_names
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["eval", "--policies", "h2o,nope"], ["unknown policy 'nope'", "known policies:", "h2o"]),
+    (["eval", "--tasks", "ppl,bogus"], ["unknown task 'bogus'", "known tasks:", "passkey", "xsum"]),
+    (["eval", "--budgets", "1.5"], ["(0, 1]"]),
+    (["eval", "--budgets", "abc"], ["budget must be"]),
+    (["eval", "--samples", "0"], ["--samples"]),
+    (["eval", "--depths", "0.5,2"], ["--depths"]),
+    (["eval", "--lengths", "1k"], ["--lengths"]),
+    (["inspect", "--text", "/nonexistent/file.txt"], ["does not exist"]),
+    (["inspect", "--text", __file__, "--policy", "nope"], ["unknown policy 'nope'", "known policies:"]),
+])
+def test_bad_input_is_one_clear_line(argv, words, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    for w in words:
+        assert w in err
+
+
+def test_policy_names_all_takes_every_registered_policy_once():
+    names = policy_names("all", kvevict.POLICIES)
+    assert len(names) == len(set(kvevict.POLICIES[n] for n in names))
+    assert {kvevict.POLICIES[n] for n in names} == set(kvevict.POLICIES.values())
+    assert "h2o" in names
+    assert policy_names("H2O, full,h2o", kvevict.POLICIES) == ["h2o"]
+    with pytest.raises(ValueError, match="at least one policy"):
+        policy_names("full", kvevict.POLICIES)
+
+
+def test_summary_only_reads_existing_records(tmp_path, capsys):
+    import json
+    rec = {"model": "m", "task": "passkey", "policy": "full", "budget": None, "sample": "s1", "scores": {"em": 1.0}}
+    (tmp_path / "records.jsonl").write_text(json.dumps(rec) + "\n")
+    assert main(["eval", "--model", "m", "--summary-only", "--out", str(tmp_path)]) == 0
+    assert "## passkey" in capsys.readouterr().out
+    assert (tmp_path / "passkey.png").exists()

@@ -1,0 +1,137 @@
+"""The grid end to end on a tiny random model with a tiny tokenizer: streaming scores, every task,
+records, resume, summary and plots."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from eval_helpers import FIXTURES, essay_like, tiny_tokenizer
+from kvevict.data.narrativeqa import narrativeqa
+from kvevict.data.piqa import piqa
+from kvevict.data.xsum import xsum
+from kvevict.eval import records
+from kvevict.eval.report import summarize
+from kvevict.eval.runner import run_grid
+from kvevict.eval.streaming import continuation_logprob, stream_compare
+from kvevict.eval.tasks import (NarrativeQATask, PerplexityTask, PIQATask, ReconstructionTask, RetrievalTask,
+                                XSumTask)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+def test_streaming_with_a_budget_holding_everything_equals_the_full_cache():
+    model = tiny_model("llama-gqa")
+    ids = torch.randint(0, 128, (1, 60), generator=torch.Generator().manual_seed(0))
+    sc = stream_compare(model, ids, [("full", None), ("h2o", 64), ("h2o", 12)], chunk=8)
+    assert len(sc[("full", None)].nll) == 59
+    assert sc[("h2o", 64)].nll == pytest.approx(sc[("full", None)].nll, abs=1e-4)
+    assert sum(sc[("h2o", 64)].top1) == 59 and max(sc[("h2o", 64)].kl) < 1e-6
+    # a 12-token budget really evicts while streaming: later predictions move away from the full cache
+    assert max(sc[("h2o", 12)].kl[20:]) > 1e-4
+    assert sc[("h2o", 12)].nll[:11] == pytest.approx(sc[("full", None)].nll[:11], abs=1e-4)
+
+
+def test_continuation_logprob_full_matches_one_forward_pass():
+    model = tiny_model("llama-gqa")
+    ctx, cont = torch.tensor([[5, 9, 17, 3]]), torch.tensor([[40, 41, 42]])
+    with torch.no_grad():
+        logits = model(torch.cat([ctx, cont], 1)).logits[0].log_softmax(-1)
+    want = sum(logits[3 + i, cont[0, i]].item() for i in range(3))
+    assert continuation_logprob(model, ctx, cont, "full", None) == pytest.approx(want, abs=1e-4)
+    assert continuation_logprob(model, ctx, cont, "h2o", 100) == pytest.approx(want, abs=1e-4)
+
+
+def _tasks(tok):
+    texts = {"fixture": [essay_like(tok, 300), essay_like(tok, 300).replace("green", "grey")]}
+    return [
+        PerplexityTask(tokens=64, chunk=16, sources=("fixture",), texts=texts),
+        RetrievalTask(lengths=(96,), depths=(0.5,), haystack_fn=essay_like),
+        XSumTask(items=xsum(FIXTURES / "xsum-tiny.jsonl")),
+        ReconstructionTask(tokens=8, items=xsum(FIXTURES / "xsum-tiny.jsonl")),
+        NarrativeQATask(items=narrativeqa(FIXTURES / "narrativeqa-tiny.jsonl")),
+        PIQATask(items=piqa(FIXTURES / "piqa-tiny.jsonl")),
+    ]
+
+
+def test_grid_end_to_end_resume_and_report(tmp_path, tok):
+    model = tiny_model("llama-gqa")
+    logs = []
+    n = run_grid(model, tok, _tasks(tok), ["h2o"], [0.2, 0.5], 2, tmp_path, "tiny", log=logs.append)
+    recs = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    assert n == len(recs)
+    by_task = {}
+    for r in recs:
+        by_task.setdefault(r["task"], set()).add((r["policy"], r["budget"], r["sample"]))
+    # every task: 2 samples (NarrativeQA has one story in the fixture) x (full + 2 budgets)
+    assert {t: len(v) for t, v in by_task.items()} == {
+        "ppl": 6, "passkey": 6, "xsum": 6, "reconstruct": 6, "narrativeqa": 3, "piqa": 6}
+    assert any("only 1 samples available" in m for m in logs)
+    full_ppl = [r for r in recs if r["task"] == "ppl" and r["policy"] == "full"]
+    assert all(r["scores"]["top1"] == 1.0 and r["scores"]["kl"] == 0.0 for r in full_ppl)
+    for r in recs:
+        if r["task"] == "xsum" and r["policy"] == "full":
+            assert r["scores"]["rougeL_vs_full"] == pytest.approx(1.0) or r["output"] == ""
+        if r["task"] == "ppl" and r["policy"] == "h2o":
+            assert r["budget_tokens"] == (13 if r["budget"] == 0.2 else 32)
+
+    # resume: nothing left to do
+    assert run_grid(model, tok, _tasks(tok), ["h2o"], [0.2, 0.5], 2, tmp_path, "tiny", log=logs.append) == 0
+    # drop one record (and tear the last line as a killed run would): exactly that one is redone
+    lines = (tmp_path / "records.jsonl").read_text().splitlines()
+    dropped = json.loads(lines[3])
+    (tmp_path / "records.jsonl").write_text("\n".join(lines[:3] + lines[4:]) + '\n{"model": "ti')
+    assert run_grid(model, tok, _tasks(tok), ["h2o"], [0.2, 0.5], 2, tmp_path, "tiny", log=logs.append) == 1
+    assert records.record_key(dropped) in records.load(tmp_path)
+    assert len(records.load(tmp_path)) == len(recs)
+
+    md = summarize(tmp_path, "tiny")
+    assert (tmp_path / "summary.md").read_text() == md
+    for task in by_task:
+        assert f"## {task}" in md
+        png = tmp_path / f"{task}.png"
+        assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
+    assert "ppl = exp(nll)" in md and "Paired difference" in md
+
+
+class _FlakyTask:
+    """A task without a model: cell ('h2o', 0.5) cannot run; the others score 1."""
+
+    name, on_cell = "flaky", None
+    metrics, primary = {"em": "proportion"}, "em"
+
+    def samples(self, tokenizer, n):
+        from kvevict.eval.tasks import Sample
+        return [Sample(id=f"s{i}", data={}) for i in range(n)]
+
+    def evaluate(self, model, tokenizer, sample, cells, reference):
+        if ("h2o", 0.5) in cells:
+            raise ValueError("budget too small for this policy")
+        return {c: {"scores": {"em": 1.0}} for c in cells}
+
+
+def test_a_cell_that_cannot_run_is_skipped_and_the_others_written(tmp_path):
+    logs = []
+    n = run_grid(None, None, [_FlakyTask()], ["h2o"], [0.2, 0.5], 2, tmp_path, "m", log=logs.append)
+    assert n == 4  # (full, 0.2) x 2 samples
+    assert sum("skipped ('h2o', 0.5)" in m for m in logs) == 2
+    assert {k[3] for k in records.load(tmp_path)} == {"full", "0.2"}
+
+
+def test_real_model_streaming_perplexity_is_sane(real_model):
+    """SmolLM2 on a short real paragraph: a sane full-cache perplexity, and a budget that holds
+    the whole text reproduces it exactly."""
+    model, tok = real_model
+    text = (FIXTURES / "xsum-tiny.jsonl").read_text()
+    texts = {"fixture": [" ".join(json.loads(line)["document"] for line in text.splitlines()) * 2]}
+    task = PerplexityTask(tokens=96, chunk=32, sources=("fixture",), texts=texts)
+    (sample,) = task.samples(tok, 1)
+    res = task.evaluate(model, tok, sample, [("full", None), ("h2o", 1.0), ("h2o", 0.25)], None)
+    full = res[("full", None)]["scores"]
+    assert 1.0 < torch.tensor(full["nll"]).exp() < 60  # repeated text: low perplexity
+    assert res[("h2o", 1.0)]["scores"]["nll"] == pytest.approx(full["nll"], abs=1e-3)
+    assert res[("h2o", 0.25)]["scores"]["top1"] < 1.0
