@@ -14,7 +14,6 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .attention import ATTN_NAME, PaddingInfo, _Segments, hand_off, register
-from .memory import release_freed_memory
 from .policies import Candidates, Policy, make_policy
 from .rope import compact_positions, rope_inv_freq, shift_keys
 
@@ -180,8 +179,6 @@ class EvictingLayer(CacheLayerMixin):
             self._replace_one(new, valid_new is None)
         else:
             self._replace_many(new, m)
-            if m > B and self.device.type == "cpu":  # a long prompt just went through this layer
-                release_freed_memory()
         self.evicted += max(0, f + m - B)
         self.seen += m
 
