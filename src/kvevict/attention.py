@@ -35,22 +35,26 @@ _CHUNK_ELEMENTS = 1 << 21
 
 @dataclass
 class PaddingInfo:
-    """What the mask function hands attention: the 2-D padding mask (True = real token) and offsets."""
+    """What the mask function hands attention: the 2-D padding mask (True = real token) and the
+    position of the first key attention receives (non-zero for sliding-window caches)."""
 
     padding: torch.Tensor | None  # (batch, seen + q_length) bool, or None when nothing is padded
-    q_offset: int
     kv_offset: int
+
+    def real_upto(self, n: int) -> torch.Tensor:
+        """The padding mask for positions [0, n); tokens past its end are real."""
+        if self.padding.shape[-1] >= n:
+            return self.padding[:, :n]
+        return torch.nn.functional.pad(self.padding, (0, n - self.padding.shape[-1]), value=True)
 
 
 def kvevict_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
                  attention_mask=None, **kwargs):
     """Mask function for ``AttentionMaskInterface``: keep the 2-D padding mask, build nothing."""
-    if isinstance(q_offset, torch.Tensor):  # static caches hand a tensor; ours and dynamic ones an int
-        q_offset = int(q_offset)
     padding = attention_mask
     if padding is not None and bool(padding.all()):
         padding = None  # the common unpadded case costs nothing later
-    return PaddingInfo(padding=padding, q_offset=q_offset, kv_offset=kv_offset)
+    return PaddingInfo(padding=padding, kv_offset=kv_offset)
 
 
 # The eviction layer that just ran ``update`` on this thread hands itself to the attention call
@@ -99,10 +103,8 @@ def _generic_segments(key, value, q_len, info: PaddingInfo | None) -> _Segments:
     kv_offset = info.kv_offset if info is not None else 0
     valid = pos = None
     if info is not None and info.padding is not None:
-        pad = info.padding
-        if pad.shape[-1] < kv_offset + n:
-            pad = torch.nn.functional.pad(pad, (0, kv_offset + n - pad.shape[-1]), value=True)
-        pos = (pad[:, : kv_offset + n].long().cumsum(1) - 1).clamp(min=0)[:, kv_offset:]
+        pad = info.real_upto(kv_offset + n)
+        pos = (pad.long().cumsum(1) - 1).clamp(min=0)[:, kv_offset:]
         valid = pad[:, kv_offset: kv_offset + n]
     else:
         pos = torch.arange(kv_offset, kv_offset + n, device=key.device).view(1, -1)
@@ -201,7 +203,7 @@ def attend(query, seg: _Segments, scale, window, softcap, wanted=(), observe=0, 
             stats["sum"][..., : n_past + e] += probs.sum(dim=(2, 3))
         elif stats or "last" in wanted:
             pg = probs.sum(2)  # (b, hkv, c, n_past + e): summed over the query heads of each KV group
-            seen = _seen(hide_past, hide_new, later, b, c, n_past, s, e, dev) if need_seen else None
+            seen = _seen(hide_past, hide_new, later, c, n_past, s, e, dev) if need_seen else None
             _accumulate(stats, pg, seen, seg.valid_new, s, e, q, g, observe, gamma)
             if "blocks" in stats:
                 bi = (seg.pos_new[:, s:e] // block).view(seg.pos_new.shape[0], 1, c, 1).expand_as(pg)
@@ -224,10 +226,7 @@ def _hidden(seg: _Segments, s, e, window, idx):
     later = None
     if c > 1:
         later = (idx[:c].view(1, -1) > idx[:c].view(-1, 1)).view(1, 1, 1, c, c)
-    hide_new = None
-    if seg.valid_new is not None:
-        pad = ~seg.valid_new[:, None, None, None, :e]
-        hide_new = pad if hide_new is None else hide_new | pad
+    hide_new = None if seg.valid_new is None else ~seg.valid_new[:, None, None, None, :e]
     if window is not None:
         qpos = seg.pos_new[:, s:e]
         qpos = qpos.view(qpos.shape[0], 1, 1, c, 1)
@@ -239,7 +238,7 @@ def _hidden(seg: _Segments, s, e, window, idx):
     return hide_past, hide_new, later
 
 
-def _seen(hide_past, hide_new, later, b, c, n_past, s, e, dev):
+def _seen(hide_past, hide_new, later, c, n_past, s, e, dev):
     """(b|1, hkv|1, c, n_past + e) bool: which query of the chunk saw which key (for counts)."""
     if later is not None:
         causal = torch.nn.functional.pad(later.view(1, 1, 1, c, c), (s, 0))
@@ -256,7 +255,8 @@ def _seen(hide_past, hide_new, later, b, c, n_past, s, e, dev):
 
 
 def _accumulate(stats, pg, seen, valid_new, s, e, q, g, observe, gamma):
-    """Add this chunk's column statistics (pg: probs summed over the KV group) into ``stats``."""
+    """Add this chunk's column statistics (pg: probs summed over the KV group) into ``stats``;
+    ``seen`` (which query saw which key) is given whenever counts or hits are wanted."""
     n = pg.shape[-1]
     qvalid = None if valid_new is None else valid_new[:, None, s:e, None]  # (b, 1, c, 1)
     if "sum" in stats:
@@ -264,13 +264,13 @@ def _accumulate(stats, pg, seen, valid_new, s, e, q, g, observe, gamma):
     if "sq" in stats:
         stats["sq"][..., :n] += pg.square().sum(2)
     if "count" in stats:
-        cnt = seen if seen is not None else torch.ones(1, 1, e - s, n, dtype=torch.bool, device=pg.device)
+        cnt = seen
         if qvalid is not None:
             cnt = cnt & qvalid
         stats["count"][..., :n] += cnt.sum(2).to(torch.float32)
     if "hits" in stats or "hits_ema" in stats:
         # above-uniform attention: a_t(i) >= G / n_t, n_t = keys query t sees
-        n_vis = seen.sum(-1, keepdim=True) if seen is not None else torch.full((1, 1, 1, 1), n, device=pg.device)
+        n_vis = seen.sum(-1, keepdim=True)
         hit = (pg * n_vis >= g).to(torch.float32)
         if qvalid is not None:
             hit = hit * qvalid

@@ -127,10 +127,7 @@ class EvictingLayer(CacheLayerMixin):
         k_new, v_new = self._new
         valid_new = None
         if info is not None and info.padding is not None:
-            pad = info.padding
-            if pad.shape[-1] < self.seen + q_len:
-                pad = torch.nn.functional.pad(pad, (0, self.seen + q_len - pad.shape[-1]), value=True)
-            valid_new = pad[:, self.seen: self.seen + q_len]
+            valid_new = info.real_upto(self.seen + q_len)[:, self.seen:]
             self._padded = True
         if valid_new is None:
             pos_new = self.n_real[:, None] + torch.arange(q_len, device=self.device)

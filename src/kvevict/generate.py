@@ -42,6 +42,12 @@ def dynamic_kv_bytes(cache: DynamicCache) -> int:
     return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.is_initialized)
 
 
+def _greedy(model, tokenizer, ids, cache, max_new_tokens) -> torch.Tensor:
+    """Prompt + greedy continuation token ids, one sequence."""
+    return model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, do_sample=False,
+                          max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+
+
 @torch.no_grad()
 def generate(model, tokenizer, prompt, policy="h2o", budget=0.2, max_new_tokens=64, prefill_mode="full",
              stride=None, **policy_params) -> Result:
@@ -55,8 +61,8 @@ def generate(model, tokenizer, prompt, policy="h2o", budget=0.2, max_new_tokens=
     if policy == "oracle":  # Belady needs the future: the full cache's own continuation, recorded
         from .policies.oracle import Oracle
 
-        future = generate(model, tokenizer, ids, "full", None, max_new_tokens)
-        full_seq = torch.cat([ids, torch.tensor([tokenizer(future.text, add_special_tokens=False)["input_ids"]])], 1)
+        model.set_attn_implementation("sdpa")
+        full_seq = _greedy(model, tokenizer, ids, DynamicCache(config=model.config), max_new_tokens)
         compact = policy_params.pop("compact", False)
         policy = Oracle.record(model, full_seq, **policy_params)
         policy_params = {"compact": compact} if compact else {}
@@ -68,8 +74,7 @@ def generate(model, tokenizer, prompt, policy="h2o", budget=0.2, max_new_tokens=
     start = time.perf_counter()
     if policy not in FULL:
         prefill(model, cache, ids, mode=prefill_mode, stride=stride)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, do_sample=False,
-                         max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+    out = _greedy(model, tokenizer, ids, cache, max_new_tokens)
     seconds = time.perf_counter() - start
     new = out[0, ids.shape[1]:]
     if policy in FULL:

@@ -36,12 +36,11 @@ class Oracle(Policy):
     @classmethod
     @torch.no_grad()
     def record(cls, model, input_ids, attention_mask=None, block: int = 16, **params) -> "Oracle":
-        from ..attention import ATTN_NAME, record_attention_blocks
+        from ..attention import record_attention_blocks
 
         if block < 1:
             raise ValueError(f"block must be >= 1 query, got {block}.")
         blocks = record_attention_blocks(model, input_ids, block, attention_mask)
-        model.set_attn_implementation(ATTN_NAME)
         if attention_mask is not None:  # keys indexed by real position, as the cache's slots are
             order = torch.argsort(attention_mask.to(torch.int8), dim=1, stable=True, descending=True)
             idx = order.view(order.shape[0], 1, 1, -1)
