@@ -44,6 +44,24 @@ def test_continuation_logprob_full_matches_one_forward_pass():
     want = sum(logits[3 + i, cont[0, i]].item() for i in range(3))
     assert continuation_logprob(model, ctx, cont, "full", None) == pytest.approx(want, abs=1e-4)
     assert continuation_logprob(model, ctx, cont, "h2o", 100) == pytest.approx(want, abs=1e-4)
+    assert continuation_logprob(model, ctx, cont, "oracle", 100) == pytest.approx(want, abs=1e-4)
+
+
+def test_streaming_records_the_oracle_on_the_streamed_text():
+    from kvevict import make_cache
+    from kvevict.policies.oracle import Oracle
+
+    model = tiny_model("llama-gqa")
+    ids = torch.randint(0, 128, (1, 60), generator=torch.Generator().manual_seed(1))
+    sc = stream_compare(model, ids, [("full", None), ("oracle", 64), ("oracle", 12)], chunk=8)
+    assert sc[("oracle", 64)].nll == pytest.approx(sc[("full", None)].nll, abs=1e-4)
+    # the same as streaming by hand through a cache whose oracle was recorded on these ids
+    cache = make_cache(model, Oracle.record(model, ids), 12)
+    with torch.no_grad():
+        want = [model(ids[:, s:min(59, s + 8)], past_key_values=cache).logits[0] for s in range(0, 59, 8)]
+    want = torch.cat(want).log_softmax(-1).gather(1, ids[0, 1:, None]).neg().squeeze(1)
+    assert sc[("oracle", 12)].nll == pytest.approx(want.tolist(), abs=1e-4)
+    assert max(sc[("oracle", 12)].kl[20:]) > 1e-4  # it did evict
 
 
 def _tasks(tok):
@@ -93,9 +111,23 @@ def test_grid_end_to_end_resume_and_report(tmp_path, tok):
     assert (tmp_path / "summary.md").read_text() == md
     for task in by_task:
         assert f"## {task}" in md
-        png = tmp_path / f"{task}.png"
-        assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
+        for png in (tmp_path / f"{task}.png", tmp_path / f"{task}-paired.png"):
+            assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
     assert "ppl = exp(nll)" in md and "Paired difference" in md
+
+
+def test_paired_to_full_pairs_samples_and_skips_unpaired_ones():
+    from kvevict.eval.report import paired_to_full
+
+    cells = {("full", None): {"a": 3.0, "b": 5.0, "c": 4.0},
+             ("h2o", 0.2): {"a": 4.0, "b": 5.5, "z": 9.0},  # z has no full-cache record: not paired
+             ("roco", 0.2): {"c": 3.0}}
+    d = paired_to_full(cells)
+    assert set(d) == {("h2o", 0.2), ("roco", 0.2)}
+    assert (d[("h2o", 0.2)].n, d[("h2o", 0.2)].mean) == (2, 0.75)
+    # diffs 1.0 and 0.5: sd = 0.3536, half width = t(1) * sd / sqrt(2) = 12.706 * 0.25
+    assert d[("h2o", 0.2)].hi - d[("h2o", 0.2)].mean == pytest.approx(12.706 * 0.25)
+    assert (d[("roco", 0.2)].n, d[("roco", 0.2)].mean) == (1, -1.0)
 
 
 class _FlakyTask:

@@ -9,11 +9,17 @@ from ..cache import make_cache
 FULL = "full"
 
 
-def new_cache(model, policy: str, budget):
+def new_cache(model, policy: str, budget, sequence=None):
     """``policy == "full"``: a DynamicCache (attention stays whatever it is: the kvevict attention
-    is exact with it); otherwise ``make_cache(model, policy, budget)``."""
+    is exact with it); otherwise ``make_cache(model, policy, budget)``. ``sequence`` (1, n): every
+    token the cache will see, known in advance in teacher-forced scoring; the oracle is recorded on
+    it (it cannot run without it)."""
     if policy == FULL:
         return DynamicCache(config=model.config)
+    if policy == "oracle" and sequence is not None:
+        from ..policies.oracle import Oracle
+
+        return make_cache(model, Oracle.record(model, sequence), budget)
     return make_cache(model, policy, budget)
 
 

@@ -31,7 +31,7 @@ def stream_compare(model, ids: torch.Tensor, cells: list[tuple[str, object]], ch
         raise ValueError("stream_compare needs ids of shape (1, n) with n >= 2.")
     n = ids.shape[1]
     ref_cache = new_cache(model, FULL, None)
-    caches = {cell: new_cache(model, *cell) for cell in cells if cell[0] != FULL}
+    caches = {cell: new_cache(model, *cell, sequence=ids) for cell in cells if cell[0] != FULL}
     # make_cache switched attention to kvevict, which is exact with the DynamicCache too
     scores = {cell: StreamScore() for cell in cells}
     for s in range(0, n - 1, chunk):
@@ -58,7 +58,7 @@ def continuation_logprob(model, context: torch.Tensor, continuation: torch.Tenso
     """sum_t log p(continuation_t | context, continuation_<t): the context is prefilled (and, with
     a float budget, evicted down to that fraction of it, as in generation), then the continuation is
     fed one token at a time, so the policy keeps evicting as it would while decoding."""
-    cache = new_cache(model, policy, budget)
+    cache = new_cache(model, policy, budget, sequence=torch.cat([context, continuation], dim=1))
     logits = model(context, past_key_values=cache).logits[0, -1]
     total = 0.0
     for i in range(continuation.shape[1]):
