@@ -80,6 +80,8 @@ def test_wilson_interval_by_hand():
     half = z * math.sqrt(0.8 * 0.2 / 10 + z * z / 400) / (1 + z * z / 10)
     assert (ci.lo, ci.hi) == pytest.approx((centre - half, centre + half))
     assert stats.wilson_ci(0, 5).lo == pytest.approx(0.0, abs=1e-12) and stats.wilson_ci(0, 5).hi > 0
+    for n in range(1, 40):  # never a hair outside [0, 1] (n = 10 gave -2.8e-17)
+        assert stats.wilson_ci(0, n).lo >= 0.0 and stats.wilson_ci(n, n).hi <= 1.0
 
 
 def test_aggregate_exp_turns_mean_nll_into_perplexity():

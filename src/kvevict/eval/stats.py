@@ -55,7 +55,8 @@ def wilson_ci(successes: float, n: int, z: float = 1.96) -> Interval:
     denom = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / denom
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return Interval(p, centre - half, centre + half, n)
+    # clamped: at p = 0 or 1 the bound is exactly 0 or 1, rounding can leave it a hair outside
+    return Interval(p, max(0.0, centre - half), min(1.0, centre + half), n)
 
 
 def aggregate(values, kind: str) -> Interval:
