@@ -1,17 +1,28 @@
 import json
 
+import pytest
+
 from kvevict.eval.compare import main, paired
 from kvevict.eval.records import load
 
 
 def test_paired_difference_uses_only_shared_samples(tmp_path, capsys):
     rows = [("h2o", "s1", 0.90), ("h2o", "s2", 0.80), ("h2o", "s3", 0.70),
-            ("roco", "s1", 0.95), ("roco", "s2", 0.83), ("roco", "s4", 0.10)]
+            ("roco", "s1", 0.95), ("roco", "s2", 0.83), ("roco", "s4", 0.10), ("full", "s1", 1.0)]
     with open(tmp_path / "records.jsonl", "w") as f:
         for pol, sample, top1 in rows:
-            f.write(json.dumps({"model": "m", "task": "ppl", "policy": pol, "budget": 0.2, "sample": sample,
-                                "scores": {"top1": top1}}) + "\n")
+            f.write(json.dumps({"model": "m", "task": "ppl", "policy": pol, "budget": None if pol == "full" else 0.2,
+                                "sample": sample, "scores": {"top1": top1}}) + "\n")
     ci = paired(load(tmp_path), "ppl", "roco", "h2o", 0.2, "top1")
     assert ci.n == 2 and abs(ci.mean - 0.04) < 1e-9  # (0.05 + 0.03) / 2; s3 and s4 are unpaired
     main([str(tmp_path), "--task", "ppl", "--budget", "0.2", "--metric", "top1", "roco:h2o"])
-    assert "ppl top1 roco - h2o @ 0.2: 0.04" in capsys.readouterr().out
+    assert "ppl top1 roco - h2o @ 0.2: +0.04 [" in capsys.readouterr().out
+    main([str(tmp_path), "--task", "ppl", "--budget", "0.4", "--metric", "top1", "roco:h2o"])
+    assert "roco - h2o @ 0.4: no shared samples" in capsys.readouterr().out
+    main([str(tmp_path), "--task", "ppl", "--budget", "0.2", "--metric", "top1", "roco:full"])
+    # the full cache's records (budget None) pair with any budget
+    assert "roco - full @ 0.2: -0.05 n=1" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main([str(tmp_path), "--task", "ppl", "--budget", "0.2", "--metric", "top1", "h2o:nobody"])
+    err = capsys.readouterr().err
+    assert "policy 'nobody'" in err and "it has: full, h2o, roco" in err
