@@ -16,6 +16,9 @@ from kvevict.eval.caches import policy_names
     (["eval", "--samples", "0"], ["--samples"]),
     (["eval", "--depths", "0.5,2"], ["--depths"]),
     (["eval", "--lengths", "1k"], ["--lengths"]),
+    (["eval", "--lengths", ","], ["--lengths", "at least 128"]),
+    (["eval", "--lengths", "1024,20"], ["--lengths", "at least 128"]),
+    (["eval", "--depths", ""], ["--depths"]),
     (["inspect", "--text", "/nonexistent/file.txt"], ["does not exist"]),
     (["inspect", "--text", __file__, "--policy", "nope"], ["unknown policy 'nope'", "known policies:"]),
 ])

@@ -99,3 +99,14 @@ def test_kvevict_sweep_runs_prints_a_table_and_resumes(folder, tmp_path, capsys)
     assert main(argv) == 0 and "0 run now (inline), 2 already" in capsys.readouterr().out
     assert main([*argv[:-6], "--depths", "1.5", "--out", str(tmp_path / "s.jsonl")]) == 2
     assert "--depths must be in [0, 1]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--budgets", "1.5", "(0, 1]"), ("--budgets", "0", "budget"), ("--tokens", "5k", "--tokens takes comma-separated integers")])
+def test_kvevict_sweep_bad_numbers_fail_before_any_worker(tmp_path, capsys, flag, value, message):
+    from kvevict.cli import main
+
+    argv = ["sweep", "--model", str(tmp_path / "no-model-here"), "--inline", "--out", str(tmp_path / "s.jsonl"), flag, value]
+    assert main(argv) == 2  # the model folder does not exist: failing here means nothing was loaded
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err

@@ -153,6 +153,7 @@ def test_streaming_equals_plain_and_ends_with_done(server, client):
 
 BAD = [
     ({"kv_policy": "h20"}, "unknown kv_policy 'h20'; known policies: full,", "kv_policy"),
+    ({"seed": 2**64}, "'seed' must be in", "seed"),
     ({"kv_budget": 0}, "positive", "kv_budget"),
     ({"kv_budget": 1.5}, "(0, 1]", "kv_budget"),
     ({"kv_budget": "20%"}, "budget must be", "kv_budget"),

@@ -17,13 +17,25 @@ def parse_budget(text: str):
         raise ValueError(f"budget must be an int (tokens) or a float in (0, 1], got {text!r}.") from None
 
 
-def add_model_args(p, policy=True):
+def number_list(text: str, flag: str, kind=float) -> list:
+    """'1024,2048' -> [1024, 2048] (``kind`` int or float); a bad item is a ValueError naming ``flag``."""
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        what = "integers" if kind is int else "numbers"
+        raise ValueError(f"{flag} takes comma-separated {what}, got {text!r}.") from None
+
+
+def add_model_args(p, policy=True, prefill=True):
+    """--model, --threads; with ``policy`` --policy/--budget/--recent, and with ``prefill`` too the
+    per-run options (--prefill, --stride, --compact, --param) that only single runs honour."""
     p.add_argument("--model", default="smollm2-135m", help="known name (smollm2-135m) or local HF folder")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     if policy:
         p.add_argument("--policy", default="h2o", help="eviction policy, or 'full' for the stock full cache")
         p.add_argument("--budget", default="0.2", help="tokens kept per layer and KV head (int) or fraction of the prompt")
         p.add_argument("--recent", type=int, default=None, help="recent window (default: the policy's own)")
+    if policy and prefill:
         p.add_argument("--prefill", default="full", choices=["full", "token", "block"],
                        help="how the prompt enters the cache (block: chunks of --stride tokens)")
         p.add_argument("--stride", type=int, default=None, help="block prefill chunk size in tokens")

@@ -6,22 +6,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from ._common import number_list
+
 NAME = "bench"
 HELP = "measure decode speed, memory and prefill cost of budgeted caches vs the stock full cache"
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"expected a comma list of integers, got {text!r}.") from None
-
-
-def _floats(text: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"expected a comma list of fractions such as 0.1,0.2, got {text!r}.") from None
 
 
 def _names(text: str) -> list[str]:
@@ -54,9 +42,9 @@ def settings_from(args):
         "model": args.model, "threads": args.threads, "repeats": args.repeats, "steps": args.steps,
         "kv_memory_gib": args.kv_memory_gib, "prefill_context": args.prefill_context,
         "prefill_repeats": args.prefill_repeats,
-        "contexts": _ints(args.contexts) if args.contexts else None,
-        "batches": _ints(args.batches) if args.batches else None,
-        "budgets": _floats(args.budgets) if args.budgets else None,
+        "contexts": number_list(args.contexts, "--contexts", int) if args.contexts else None,
+        "batches": number_list(args.batches, "--batches", int) if args.batches else None,
+        "budgets": number_list(args.budgets, "--budgets") if args.budgets else None,
         "policies": _names(args.policies) if args.policies else None,
         "prefill_modes": _names(args.prefill_modes) if args.prefill_modes else None,
         "peer_presses": _names(args.peer_presses) if args.peer_presses else None,

@@ -3,9 +3,10 @@ resumable, with a markdown summary and plots."""
 
 from __future__ import annotations
 
-from ._common import add_model_args, parse_budget, setup_threads
+from ._common import add_model_args, number_list, parse_budget, setup_threads
 
 NAME = "eval"
+MIN_PASSKEY_LENGTH = 128
 HELP = "quality under a KV budget: run a task x policy x budget grid (resumable), write records, summary.md and plots"
 
 
@@ -41,27 +42,16 @@ def parse_args(args):
     tasks = task_names(args.tasks)
     if args.samples < 1:
         raise ValueError(f"--samples must be >= 1, got {args.samples}.")
-    lengths = [_int(x, "--lengths") for x in args.lengths.split(",") if x.strip()]
-    depths = [_float(x, "--depths") for x in args.depths.split(",") if x.strip()]
-    if any(not 0 <= d <= 1 for d in depths):
+    lengths = number_list(args.lengths, "--lengths", int)
+    depths = number_list(args.depths, "--depths")
+    if not lengths or min(lengths) < MIN_PASSKEY_LENGTH:
+        raise ValueError(f"--lengths takes prompt lengths of at least {MIN_PASSKEY_LENGTH} tokens "
+                         f"(the needle and question take ~60), got {args.lengths!r}.")
+    if not depths or any(not 0 <= d <= 1 for d in depths):
         raise ValueError(f"--depths must be in [0, 1], got {args.depths}.")
     if args.ppl_tokens < 16 or args.chunk < 1 or args.recon_tokens < 8:
         raise ValueError("--ppl-tokens must be >= 16, --recon-tokens >= 8 and --chunk >= 1.")
     return policies, budgets, tasks, lengths, depths
-
-
-def _int(x, flag):
-    try:
-        return int(x)
-    except ValueError:
-        raise ValueError(f"{flag} takes comma-separated integers, got {x!r}.") from None
-
-
-def _float(x, flag):
-    try:
-        return float(x)
-    except ValueError:
-        raise ValueError(f"{flag} takes comma-separated numbers, got {x!r}.") from None
 
 
 def build_tasks(names, args, lengths, depths):

@@ -11,7 +11,7 @@ HELP = "OpenAI-compatible server (/v1/chat/completions, /v1/completions) with pe
 
 
 def add_arguments(p):
-    add_model_args(p)
+    add_model_args(p, prefill=False)  # requests choose kv_policy / kv_budget / kv_recent, nothing else
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-name", default=None, help="model id clients ask for (default: --model)")

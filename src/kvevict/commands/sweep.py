@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from ..distributed.cli import add_executor_args, executor_spec
-from ._common import parse_budget
+from ._common import number_list, parse_budget
 
 NAME = "sweep"
 HELP = "passkey retrieval over policies x budgets x lengths x depths, on local workers or a Ray cluster (--ray)"
@@ -27,13 +27,17 @@ def add_arguments(p):
 def _items(args):
     policies = [p.strip().lower() for p in args.policies.split(",") if p.strip()]
     budgets = [parse_budget(b) for b in args.budgets.split(",") if b.strip()]
-    tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
-    depths = [float(d) for d in args.depths.split(",") if d.strip()]
+    tokens = number_list(args.tokens, "--tokens", int)
+    depths = number_list(args.depths, "--depths")
     if not (policies and budgets and tokens and depths):
         raise ValueError("--policies, --budgets, --tokens and --depths each need at least one value.")
     if any(not 0 <= d <= 1 for d in depths):
         raise ValueError(f"--depths must be in [0, 1], got {depths}.")
+    from ..cache import check_budget
     from ..policies import POLICIES
+
+    for b in budgets:  # before any worker loads the model
+        check_budget(b)
 
     unknown = [p for p in policies if p not in POLICIES and p != "full"]
     if unknown:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from .passkey import insert_at
+
 LABELS = ["amber", "cobalt", "crimson", "jade", "ivory", "onyx", "scarlet", "violet"]
 
 
@@ -15,15 +17,6 @@ class NeedlePrompt:
     messages: list[dict]
     answer: str
     depth: float  # where the asked-for needle sits (0 = start, 1 = end)
-
-
-def _insert_at(text: str, depth: float, needle: str) -> str:
-    at = int(len(text) * depth)
-    if depth >= 1.0:
-        return text + needle
-    cut = text.rfind(". ", 0, at)
-    at = cut + 1 if cut > 0 else 0
-    return text[:at] + needle + text[at:]
 
 
 def multikey_prompt(haystack: str, depth: float, n_keys: int = 4, seed: int = 0) -> NeedlePrompt:
@@ -37,11 +30,11 @@ def multikey_prompt(haystack: str, depth: float, n_keys: int = 4, seed: int = 0)
     labels = rng.sample(LABELS, n_keys)
     values = [str(rng.randint(100000, 999999)) for _ in labels]
     others = [(i + 0.5) / (n_keys - 1) for i in range(n_keys - 1)] if n_keys > 1 else []
-    depths = [depth] + [d for d in others]
+    depths = [depth] + others
     text = haystack
     # insert deepest first so earlier insertions do not shift the later depths
     for d, lab, val in sorted(zip(depths, labels, values), key=lambda x: -x[0]):
-        text = _insert_at(text, d, f" The special magic number for {lab} is {val}. ")
+        text = insert_at(text, d, f" The special magic number for {lab} is {val}. ")
     question = (f"Some special magic numbers are hidden in the following text. Remember them.\n\n{text}\n\n"
                 f"What is the special magic number for {labels[0]}? Answer with the number only.")
     return NeedlePrompt(messages=[{"role": "user", "content": question}], answer=values[0], depth=depth)

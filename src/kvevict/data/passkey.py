@@ -12,17 +12,22 @@ class PasskeyPrompt:
     answer: str
 
 
+def insert_at(text: str, depth: float, needle: str) -> str:
+    """``needle`` put at ``depth`` of ``text`` (0 = start, 1 = end), moved back to a sentence end."""
+    if depth >= 1.0:
+        return text + needle
+    cut = text.rfind(". ", 0, int(len(text) * depth))
+    at = cut + 1 if cut > 0 else 0
+    return text[:at] + needle + text[at:]
+
+
 def passkey_prompt(haystack: str, depth: float, seed: int = 0) -> PasskeyPrompt:
     """Hide a 5-digit pass key at ``depth`` (0 = start, 1 = end) of ``haystack``, at a paragraph or
     sentence boundary, and ask for it as a chat message."""
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be in [0, 1], got {depth}.")
     key = str(random.Random(seed).randint(10000, 99999))
-    needle = f" The pass key is {key}. Remember it. {key} is the pass key. "
-    at = int(len(haystack) * depth)
-    cut = haystack.rfind(". ", 0, at)
-    at = cut + 1 if cut > 0 and depth < 1.0 else (len(haystack) if depth >= 1.0 else 0)
-    text = haystack[:at] + needle + haystack[at:]
+    text = insert_at(haystack, depth, f" The pass key is {key}. Remember it. {key} is the pass key. ")
     question = ("There is a pass key hidden in the following text. Find it and remember it.\n\n"
                 f"{text}\n\nWhat is the pass key? Answer with the number only.")
     return PasskeyPrompt(messages=[{"role": "user", "content": question}], answer=key)

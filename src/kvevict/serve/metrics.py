@@ -41,6 +41,7 @@ class Metrics:
             self._values[key] = self._values.get(key, 0) + value
             if name == "kvevict_generated_tokens_total":
                 self._recent.append((time.monotonic(), value))
+                self._prune()  # bounded without a scraper too
 
     def set(self, name: str, value: float, **labels) -> None:
         with self._lock:
@@ -55,10 +56,13 @@ class Metrics:
         with self._lock:
             return self._values.get((name, tuple(sorted(labels.items()))), 0)
 
-    def _rate(self) -> float:
-        now = time.monotonic()
-        while self._recent and self._recent[0][0] < now - WINDOW_S:
+    def _prune(self) -> None:
+        old = time.monotonic() - WINDOW_S
+        while self._recent and self._recent[0][0] < old:
             self._recent.popleft()
+
+    def _rate(self) -> float:
+        self._prune()
         return sum(n for _, n in self._recent) / WINDOW_S
 
     def render(self) -> str:

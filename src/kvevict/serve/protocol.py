@@ -187,6 +187,8 @@ def _seed(v):
         return None
     if isinstance(v, bool) or not isinstance(v, int):
         raise BadRequest(f"'seed' must be an integer, got {v!r}.", "seed")
+    if not -2**63 <= v < 2**64:  # torch.Generator.manual_seed's range; outside it the whole batch would fail
+        raise BadRequest(f"'seed' must be in [-2**63, 2**64), got {v}.", "seed")
     return v
 
 

@@ -53,7 +53,6 @@ class PerplexityTask(Task):
 
     def samples(self, tokenizer, n):
         out, per_source = [], {s: self._texts_of(s) for s in self.sources}
-        taken = {s: 0 for s in self.sources}
         cursor = {s: 0 for s in self.sources}
         i = 0
         while len(out) < n and any(cursor[s] < len(per_source[s]) for s in self.sources):
@@ -66,7 +65,6 @@ class PerplexityTask(Task):
                 ids = tokenizer(texts[k][: self.tokens * 12], add_special_tokens=False)["input_ids"]
                 if len(ids) >= self.tokens:
                     out.append(Sample(id=f"{src}-{k}-{self.tokens}", data={"ids": ids[: self.tokens]}))
-                    taken[src] += 1
                     break
         return out
 
