@@ -217,10 +217,8 @@ def test_memory_plans_follow_the_measured_rule():
 
 @pytest.mark.parametrize("memory", [0.5, 0.2, 0.1, 0.05])
 def test_a_memory_budget_holds_in_kv_bytes(memory):
-    from kvevict.memory import make_cache_for_memory
-
     model = tiny_model("llama-mha")  # head_dim 16: overheads are large, yet the bound must hold
-    cache = make_cache_for_memory(model, memory, group=8)
+    cache = kvevict.make_cache(model, "h2o", memory=memory, group=8)
     _logits(model, torch.randint(0, 128, (2, 200)), cache)
     # within the budget, up to one slot of rounding per layer and head
     slack = 2 * cache.layers[0].dims[0] * len(cache.layers) * (16 * 2 * 4)
@@ -231,7 +229,5 @@ def test_a_memory_budget_holds_in_kv_bytes(memory):
 @pytest.mark.parametrize("memory, match", [(0.0, "in \\(0, 1\\]"), (1.5, "in \\(0, 1\\]"), ("lots", "cannot read"),
                                            (True, "fraction"), ("10", "less than one 4-bit token")])
 def test_bad_memory_budgets_are_clear_errors(memory, match):
-    from kvevict.memory import make_cache_for_memory
-
     with pytest.raises(ValueError, match=match):
-        make_cache_for_memory(tiny_model("llama-gqa"), memory)
+        kvevict.make_cache(tiny_model("llama-gqa"), "h2o", memory=memory)

@@ -26,6 +26,7 @@ class Result:
     kv_bytes: int
     full_kv_bytes: int
     seconds: float
+    storage: str = ""  # how the kept tokens are stored, e.g. "int4, every token"
 
     def as_dict(self):
         return asdict(self)
@@ -51,10 +52,11 @@ def _greedy(model, tokenizer, ids, cache, max_new_tokens) -> torch.Tensor:
 
 @torch.no_grad()
 def generate(model, tokenizer, prompt, policy="h2o", budget=0.2, max_new_tokens=64, prefill_mode="full",
-             stride=None, **policy_params) -> Result:
+             stride=None, memory=None, **policy_params) -> Result:
     """Greedy generation of one prompt (chat messages or raw text) under ``policy`` and ``budget``;
     ``policy="full"`` runs the stock transformers DynamicCache with SDPA as the reference.
     ``prefill_mode``: full, token or block (with ``stride``), see kvevict.prefill.
+    ``memory``: a budget in bytes instead of ``budget`` (see ``make_cache``).
     Switches the model's attention implementation: not for concurrent use on a shared model
     (the server runs every model call on one worker thread)."""
     check_mode(prefill_mode, stride)
@@ -78,6 +80,8 @@ def generate(model, tokenizer, prompt, policy="h2o", budget=0.2, max_new_tokens=
         model.set_attn_implementation("sdpa")
         cache = DynamicCache(config=model.config)
     else:
+        if memory is not None:
+            policy_params["memory"] = memory
         cache = make_cache(model, policy, budget, **policy_params)
     start = time.perf_counter()
     if policy not in FULL:
@@ -91,4 +95,12 @@ def generate(model, tokenizer, prompt, policy="h2o", budget=0.2, max_new_tokens=
         held, full = cache.kv_bytes(), cache.full_kv_bytes()
     return Result(policy=label, budget=None if policy in FULL else budget,
                   text=tokenizer.decode(new, skip_special_tokens=True).strip(), prompt_tokens=ids.shape[1],
-                  new_tokens=len(new), kv_bytes=held, full_kv_bytes=full, seconds=seconds)
+                  new_tokens=len(new), kv_bytes=held, full_kv_bytes=full, seconds=seconds,
+                  storage="" if policy in FULL else _storage_label(cache))
+
+
+def _storage_label(cache) -> str:
+    """'int4, 1068 of 1084 tokens': how the kept tokens are stored, and how many of those seen are kept."""
+    layer = cache.layers[0]
+    kept = min(layer.budget, layer.seen)
+    return f"{cache.storage.label or 'model dtype'}, {kept} of {layer.seen} tokens"

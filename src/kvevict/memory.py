@@ -1,6 +1,6 @@
 """Budgets in bytes: say how much memory the cache may hold, get tokens kept x bits per token.
 
-A memory budget is a fraction of what the full cache (the model's dtype) would hold for the
+``make_cache(model, memory=0.2)`` uses it. A memory budget is a fraction of what the full cache (the model's dtype) would hold for the
 prompt (``0.2``, ``"20%"``), or bytes per sequence (``"64MiB"``, ``2**26``). ``plan`` turns it into
 a storage and a token budget by the rule measured on SmolLM2 (docs/quality-per-byte.md):
 
@@ -88,18 +88,13 @@ def plan(memory, head_dim_k: int, head_dim_v: int, dtype_bytes: int, n_stats: in
     return Plan(memory / ratio[4], Storage(kv_bits=4, group=group))
 
 
-def make_cache_for_memory(model, memory, policy: str = "h2o", group: int = DEFAULT_GROUP, **kw):
-    """``make_cache`` with a budget in bytes: ``memory`` is a fraction of the full cache's bytes
-    (0.2, '20%') or bytes per sequence ('64MiB'); the split between tokens kept and bits per token
-    follows ``plan``. Extra keywords (recent, compact, policy parameters) go to ``make_cache``."""
-    from .cache import _head_dim, make_cache
-    from .policies import make_policy
+def plan_for_model(model, memory, policy, group: int = DEFAULT_GROUP) -> Plan:
+    """``plan`` with the model's shape: head dimension, dtype, layers x KV heads, the policy's statistics."""
+    from .cache import _head_dim
 
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     d = _head_dim(model)
     if d is None:
         raise ValueError(f"cannot find the head dimension of {type(model).__name__} to plan a memory budget.")
-    n_stats = len(make_policy(policy).stats) if isinstance(policy, str) else len(policy.stats)
     layers_heads = config.num_hidden_layers * (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-    p = plan(memory, d, d, model.dtype.itemsize, n_stats, layers_heads, group)
-    return make_cache(model, policy, **p.kwargs(), **kw)
+    return plan(memory, d, d, model.dtype.itemsize, len(policy.stats), layers_heads, group)
