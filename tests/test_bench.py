@@ -39,8 +39,8 @@ def test_bandwidth_and_floor_by_hand():
     assert mm.copy_bandwidth(10**9, 0.1) == pytest.approx(2e10)
     # 8 sequences x 1,639 kept tokens x 46,080 B = 604,200,960 B of K/V, + 538,000,000 B of weights,
     # at 22 GB/s: 1,142,200,960 / 22e9 = 51.918 ms
-    kv = 8 * 1639 * 46080
-    assert kv == 604_200_960
+    kv = 8 * CacheSpec("h2o", 0.2).kept_tokens(8192) * mm.kv_bytes_per_token(30, 3, 64, 4)
+    assert kv == 604_200_960  # 20% of 8,192 rounds up to 1,639 kept tokens
     assert mm.floor_seconds(538_000_000, kv, 22e9) == pytest.approx(0.0519182, rel=1e-5)
     with pytest.raises(ValueError):
         mm.floor_seconds(1, 1, 0)

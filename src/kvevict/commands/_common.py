@@ -77,6 +77,20 @@ def check_policy_args(args) -> None:
     check_mode(args.prefill, args.stride)
 
 
+def output_folder(text: str, flag: str = "--out"):
+    """The folder ``text``, created if missing; a file in the way is a ValueError naming ``flag``."""
+    from pathlib import Path
+
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{flag} {text!r} is a file; give a folder (it is created if missing).")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"{flag} {text!r}: cannot create the folder ({err.strerror}); give another.") from None
+    return path
+
+
 def setup_threads(args) -> None:
     import torch
 
