@@ -143,6 +143,29 @@ def test_target_verdicts_from_ratios():
     assert {t["status"] for t in empty} == {"not measured"}
 
 
+def test_medians_of_an_even_count_average_the_two_middle_values():
+    """Two rounds: the median of the round-wise ratios is their mean, not the upper one."""
+    h, r = _record("h2o@0.2", 0.15), _record("recency@0.2", 0.10)
+    h["round_median_step_s"], r["round_median_step_s"] = [0.11, 0.15], [0.10, 0.10]  # +10% and +50%
+    got = {t["target"]: t for t in targets.evaluate({"decode": {"records": [h, r]}}, "h2o", 0.2, 8192, 8)}
+    assert got["H2O bookkeeping over recency (step time)"]["value"] == pytest.approx(0.30)
+
+
+def test_round_medians_of_4_decode_steps(monkeypatch):
+    from kvevict.bench import decode
+
+    steps = iter([[4.0, 1.0, 3.0, 2.0], [9.0, 7.0, 8.0, 6.0]])
+    monkeypatch.setattr(decode, "time_decode", lambda *a: (next(steps), 100))
+
+    class Bases:
+        def get(self, spec, context):
+            return None
+
+    recs = decode.run_interleaved(None, Bases(), [(64, 1, CacheSpec(STOCK))], 2, 4, log=lambda m: None)
+    assert recs[0]["round_median_step_s"] == [2.5, 7.5]
+    assert recs[0]["step_s"]["median"] == 5.0
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny")

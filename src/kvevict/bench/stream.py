@@ -38,11 +38,13 @@ class StreamSettings:
     window: int = 1024
     policies: list = field(default_factory=lambda: ["h2o", "recency"])  # both with compact positions
     stock_tokens: int = 12_288  # the stock cache only needs to go a little past the context length
-    threads: int = 1
+    threads: int | None = None  # default: default_threads() (not every core)
 
     def check(self) -> None:
-        for name in ("tokens", "budget", "block", "window", "stock_tokens"):
+        for name in ("tokens", "budget", "block", "window", "stock_tokens", "threads"):
             v = getattr(self, name)
+            if name == "threads" and v is None:
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"stream {name.replace('_', '-')} must be a positive int, got {v!r}.")
         if self.window < self.block or self.window % self.block:
@@ -103,7 +105,10 @@ def run_stream_bench(settings: StreamSettings, out: Path, command: str = "", log
     """Every cache over the stream; writes stream.json, stream.md and stream.png under ``out``."""
     from ..models import load_model
 
+    from ..commands._common import default_threads
+
     settings.check()
+    settings.threads = settings.threads or default_threads()
     torch.set_num_threads(settings.threads)
     out.mkdir(parents=True, exist_ok=True)
     model, tok = load_model(settings.model)

@@ -25,7 +25,7 @@ def add_arguments(p):
     p.add_argument("--policies", help="comma list of policies (default h2o,roco,recency; missing ones are skipped)")
     p.add_argument("--repeats", type=int, help="rounds over every configuration (default 3)")
     p.add_argument("--steps", type=int, help="timed decode steps per measurement (default 4)")
-    p.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    p.add_argument("--threads", type=int, help="torch threads (default: $OMP_NUM_THREADS, else half the cores)")
     p.add_argument("--kv-memory-gib", type=float, help="cache memory for the largest-batch section (default 4)")
     p.add_argument("--prefill-context", type=int, help="prompt length of the prefill section (default 8192)")
     p.add_argument("--prefill-modes", help="comma list of sdpa,eager,kvevict (default all three)")
