@@ -56,6 +56,7 @@ class EvictingLayer(CacheLayerMixin):
         self.layer_idx = layer_idx
         self.storage = storage or Storage()
         self.budget: int | None = None
+        self.prompt_len: int | None = None  # when known before the first forward (chunked prefill)
         self.tiers: list[Tier] = []
         self.seen = 0  # tokens this layer has been given, padding included
         self.evicted = 0  # tokens that left the first tier, per (sequence, head)
@@ -79,8 +80,11 @@ class EvictingLayer(CacheLayerMixin):
         if st.evicted_bits is not None:
             check_group(st.group, dk, st.evicted_bits)
             check_group(st.group, value_states.shape[-1], st.evicted_bits)
-            spec = st.evicted_budget if st.evicted_budget is not None else 1.0
-            self.tiers.append(Tier(resolve_budget(spec, m), *args, bits=st.evicted_bits, group=st.group))
+            if st.evicted_budget is not None:
+                low = resolve_budget(st.evicted_budget, self.prompt_len or m)
+            else:  # room for the rest of the prompt; later tokens evict by the policy
+                low = max(1, (self.prompt_len or m) - self.budget)
+            self.tiers.append(Tier(low, *args, bits=st.evicted_bits, group=st.group))
         self.n_real = torch.zeros(b, dtype=torch.long, device=self.device)
         self._expose()
         self.is_initialized = True
@@ -123,7 +127,9 @@ class EvictingLayer(CacheLayerMixin):
         return -1  # any number of tokens can stream through
 
     def reset(self) -> None:
+        prompt_len = self.prompt_len
         self.__init__(self.policy, self.budget_spec, self.layer_idx, self.inv_freq, self.storage)
+        self.prompt_len = prompt_len
 
     def _map_batch(self, fn) -> None:
         if not self.is_initialized:
@@ -178,7 +184,7 @@ class EvictingLayer(CacheLayerMixin):
         else:
             pos_new = self.n_real[:, None] + valid_new.long().cumsum(1) - 1
         pieces = [p for t in self.tiers for p in t.store.pieces(t.filled)]
-        pos_past = _cat([t.pos[:, :, : t.filled] for t in self.tiers])
+        pos_past = _cat([t.pos[:, :, : t.filled] for t in self.tiers]).long()
         valid_past = _cat([t.valid[:, :, : t.filled] for t in self.tiers])
         f = pos_past.shape[-1]
         if self.inv_freq is not None and f:
@@ -250,6 +256,7 @@ class EvictingCache(Cache):
         for layer in self.layers:
             if not layer.is_initialized:
                 layer.budget_spec = resolve_budget(layer.budget_spec, n)
+                layer.prompt_len = n
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         # A float budget not fixed by set_prompt_length is taken of the first forward. A second

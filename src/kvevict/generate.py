@@ -11,6 +11,7 @@ from transformers import DynamicCache
 
 from .cache import make_cache
 from .prefill import check_mode, prefill
+from .storage import Storage, split_spec
 
 FULL = ("full", "none")
 
@@ -57,6 +58,7 @@ def generate(model, tokenizer, prompt, policy="h2o", budget=0.2, max_new_tokens=
     Switches the model's attention implementation: not for concurrent use on a shared model
     (the server runs every model call on one worker thread)."""
     check_mode(prefill_mode, stride)
+    label = policy if isinstance(policy, str) else getattr(policy, "name", policy)
     ids = encode_chat(tokenizer, prompt) if not isinstance(prompt, torch.Tensor) else prompt
     if policy == "oracle":  # Belady needs the future: the full cache's own continuation, recorded
         from .policies.oracle import Oracle
@@ -66,6 +68,12 @@ def generate(model, tokenizer, prompt, policy="h2o", budget=0.2, max_new_tokens=
         compact = policy_params.pop("compact", False)
         policy = Oracle.record(model, full_seq, **policy_params)
         policy_params = {"compact": compact} if compact else {}
+    name, storage = split_spec(policy) if isinstance(policy, str) else (policy, Storage())
+    if storage != Storage():  # "h2o/int4", "full/int4": a storage named with the policy
+        policy_params.update(kv_bits=storage.kv_bits, evicted_bits=storage.evicted_bits)
+        if name in FULL:  # nothing evicted: room for the prompt and the answer
+            name, budget = "h2o", ids.shape[1] + max_new_tokens
+        policy = name
     if policy in FULL:
         model.set_attn_implementation("sdpa")
         cache = DynamicCache(config=model.config)
@@ -81,6 +89,6 @@ def generate(model, tokenizer, prompt, policy="h2o", budget=0.2, max_new_tokens=
         held = full = dynamic_kv_bytes(cache)
     else:
         held, full = cache.kv_bytes(), cache.full_kv_bytes()
-    return Result(policy=getattr(policy, "name", policy), budget=None if policy in FULL else budget,
+    return Result(policy=label, budget=None if policy in FULL else budget,
                   text=tokenizer.decode(new, skip_special_tokens=True).strip(), prompt_tokens=ids.shape[1],
                   new_tokens=len(new), kv_bytes=held, full_kv_bytes=full, seconds=seconds)
