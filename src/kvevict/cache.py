@@ -249,11 +249,33 @@ class EvictingCache(Cache):
         self.policy = policy
 
     def set_prompt_length(self, n: int) -> None:
-        """Fix fractional budgets against the whole prompt before it is fed in chunks."""
+        """Fix fractional budgets against the whole prompt before it is fed in chunks
+        (``kvevict.prefill`` does it; call it before ``generate(..., prefill_chunk_size=s)``)."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"the prompt length must be a positive int number of tokens, got {n!r}.")
         for layer in self.layers:
             if not layer.is_initialized:
                 layer.budget_spec = resolve_budget(layer.budget_spec, n)
                 layer.prompt_len = n
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        # A float budget not fixed by set_prompt_length is taken of the first forward. A second
+        # multi-token forward before any one-token (decoding) step means the prompt came in chunks
+        # (generate's prefill_chunk_size): the budget was a fraction of its first chunk only.
+        first = self.layers[0]
+        if layer_idx == 0 and isinstance(first.budget_spec, float):
+            if not first.is_initialized:
+                self._decoding = False
+            elif key_states.shape[2] == 1:
+                self._decoding = True
+            elif not self._decoding:
+                raise ValueError(
+                    "a float budget is a fraction of the prompt, but the prompt is coming in chunks "
+                    f"(generate's prefill_chunk_size, or several model calls), so it was taken of the first "
+                    f"{first.seen}-token chunk. Call cache.set_prompt_length(input_ids.shape[1]) on a new cache "
+                    "before generate (kvevict.prefill does it), or pass an int budget."
+                )
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def kv_bytes(self) -> int:
         """Every byte the cache holds now: keys and values (packed codes with their steps and zeros
