@@ -27,6 +27,8 @@ class TextStream:
 
     def add(self, token_id: int) -> str:
         """Append one token; return the text that can be emitted now."""
+        if self.stopped:
+            return ""
         self.ids.append(token_id)
         before = self._decode(self.ids[self.prefix: self.read])
         now = self._decode(self.ids[self.prefix:])
