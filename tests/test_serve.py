@@ -55,6 +55,15 @@ def token_bytes(model):
     return c.num_hidden_layers * c.num_key_value_heads * 2 * head_dim * 4  # K and V, fp32
 
 
+def held_bytes(model, slots: int, policy: str) -> int:
+    """What an evicting cache holds for one sequence of ``slots`` kept tokens: K and V, plus per slot
+    its position (8 bytes), validity (1) and the policy's statistics (4 each), plus a count per layer."""
+    c = model.config
+    n_stats = len(kvevict.POLICIES[policy].stats)
+    per_slot = token_bytes(model) + c.num_hidden_layers * c.num_key_value_heads * (9 + 4 * n_stats)
+    return slots * per_slot + 8 * c.num_hidden_layers
+
+
 def metric(url, name, **labels):
     text = _get(url, "/metrics")[1]
     lab = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
@@ -108,7 +117,7 @@ def test_chat_equals_generate_alone_and_reports_kv_bytes(client, reference):
     assert (u.prompt_tokens, u.completion_tokens) == (want.prompt_tokens, want.new_tokens)
     assert u.total_tokens == u.prompt_tokens + u.completion_tokens
     assert (u.kv_bytes, u.kv_bytes_full) == (want.kv_bytes, want.full_kv_bytes)
-    assert u.kv_bytes == 8 * token_bytes(model) < u.kv_bytes_full
+    assert u.kv_bytes == held_bytes(model, 8, "h2o") < u.kv_bytes_full
     assert u.kv_policy == "h2o" and u.kv_budget_tokens == 8
 
 
@@ -220,7 +229,6 @@ def test_32_concurrent_requests_batched_none_lost_each_as_alone_memory_bounded(s
 
     got = asyncio.run(main())
     assert len(got) == 32
-    per_token = token_bytes(model)
     for (text, policy, budget, _), (answer, usage) in zip(asks, got):
         if isinstance(budget, float):  # a fraction of the prompt, never below the server's floor
             floor = engine.settings.min_budget
@@ -229,7 +237,7 @@ def test_32_concurrent_requests_batched_none_lost_each_as_alone_memory_bounded(s
         assert answer.strip() == want.text, (text, policy, budget)
         assert usage.completion_tokens == want.new_tokens and usage.prompt_tokens == want.prompt_tokens
         if budget is not None:  # the memory bound: the budget, not the context
-            assert usage.kv_bytes == usage.kv_budget_tokens * per_token
+            assert usage.kv_bytes == held_bytes(model, usage.kv_budget_tokens, policy)
             assert usage.kv_bytes < usage.kv_bytes_full or usage.kv_budget_tokens >= usage.prompt_tokens + 11
     assert len({a for a, _ in got}) > 8  # different prompts, different answers: nothing mixed up
     events = list(engine.log)[log0:]
