@@ -238,7 +238,6 @@ def test_32_concurrent_requests_batched_none_lost_each_as_alone_memory_bounded(s
         assert usage.completion_tokens == want.new_tokens and usage.prompt_tokens == want.prompt_tokens
         if budget is not None:  # the memory bound: the budget, not the context
             assert usage.kv_bytes == held_bytes(model, usage.kv_budget_tokens, policy)
-            assert usage.kv_bytes < usage.kv_bytes_full or usage.kv_budget_tokens >= usage.prompt_tokens + 11
     assert len({a for a, _ in got}) > 8  # different prompts, different answers: nothing mixed up
     events = list(engine.log)[log0:]
     assert sum(e["event"] == "finish" for e in events) == 32

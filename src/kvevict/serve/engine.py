@@ -117,6 +117,8 @@ class Engine:
 
     def reserve_bytes(self, req: GenRequest) -> int:
         """The most K/V bytes ``req`` holds; a BadRequest when that alone exceeds ``kv_memory``."""
+        if req.policy != "full" and req.policy not in self.budgeter.slots:
+            raise BadRequest(f"kv_policy {req.policy!r} cannot serve requests.", "kv_policy")
         need = self.budgeter.row_bytes(req.policy, req.budget_tokens, req.recent,
                                        len(req.prompt_ids) + req.max_tokens)
         if need > self.settings.kv_memory:
