@@ -51,3 +51,45 @@ def test_rows_joining_and_leaving_mid_decode_each_equal_their_answer_alone(polic
                 last[r] = int(logits[k].argmax())
                 got[r].append(last[r])
     assert got == want
+
+
+@pytest.mark.parametrize("storage", [{"kv_bits": 8, "group": 8}, {"evicted_bits": 4, "evicted_budget": 12, "group": 8}])
+def test_rows_join_with_packed_and_two_tier_storage(storage):
+    import kvevict
+
+    model = tiny_model("llama-gqa")
+    torch.manual_seed(6)
+    prompts = [torch.randint(1, 128, (n,)).tolist() for n in (26, 11)]
+
+    def start(p):
+        cache = kvevict.make_cache(model, "h2o", 8, **storage)
+        with torch.no_grad():
+            logits = model(torch.tensor([p]), past_key_values=cache, use_cache=True).logits[:, -1]
+        return DecodeBatch(model, cache, torch.ones(1, len(p), dtype=torch.long), torch.tensor([len(p)])), logits
+
+    def alone(p):
+        batch, logits = start(p)
+        out = [int(logits.argmax(-1))]
+        with torch.no_grad():
+            for _ in range(9):
+                out.append(int(batch.step([out[-1]]).argmax(-1)))
+        return out
+
+    want = [alone(p) for p in prompts]
+    batch, logits = start(prompts[0])
+    got = [[int(logits.argmax(-1))], []]
+    with torch.no_grad():
+        for _ in range(3):
+            got[0].append(int(batch.step([got[0][-1]]).argmax(-1)))
+        other, logits = start(prompts[1])
+        assert batch.can_join(other)
+        batch.join(other)
+        got[1].append(int(logits.argmax(-1)))
+        for _ in range(6):
+            logits = batch.step([got[0][-1], got[1][-1]])
+            got[0].append(int(logits[0].argmax()))
+            got[1].append(int(logits[1].argmax()))
+        batch.keep([1])
+        for _ in range(3):
+            got[1].append(int(batch.step([got[1][-1]]).argmax(-1)))
+    assert got == want

@@ -201,12 +201,12 @@ def test_bad_input_through_the_client_then_server_still_serves(server, client):
     assert r.usage.completion_tokens >= 1 and r.choices[0].finish_reason in ("stop", "length")
 
 
-def test_32_concurrent_requests_batched_none_lost_each_as_alone_memory_bounded(server, reference):
+def test_64_concurrent_requests_batched_none_lost_each_as_alone_memory_bounded(server, reference):
     srv, engine = server
     model, tok = reference
     groups = [("h2o", 8), ("full", None), ("h2o", 0.5), ("recency", 8)]
     asks = [(f"Question {i}: what is {'abcdefgh'[: 1 + i % 8]} backwards?" + " please" * (i % 5),
-             *groups[i % 4], i % 3 == 0) for i in range(32)]
+             *groups[i % 4], i % 3 == 0) for i in range(64)]
     completed0 = metric(srv.url, "kvevict_requests_total", outcome="completed")
     generated0 = metric(srv.url, "kvevict_generated_tokens_total")
     log0 = len(engine.log)
@@ -228,7 +228,7 @@ def test_32_concurrent_requests_batched_none_lost_each_as_alone_memory_bounded(s
             return await asyncio.wait_for(asyncio.gather(*(one(ac, *a) for a in asks)), 150)
 
     got = asyncio.run(main())
-    assert len(got) == 32
+    assert len(got) == 64
     for (text, policy, budget, _), (answer, usage) in zip(asks, got):
         if isinstance(budget, float):  # a fraction of the prompt, never below the server's floor
             floor = engine.settings.min_budget
@@ -240,11 +240,11 @@ def test_32_concurrent_requests_batched_none_lost_each_as_alone_memory_bounded(s
             assert usage.kv_bytes == held_bytes(model, usage.kv_budget_tokens, policy)
     assert len({a for a, _ in got}) > 8  # different prompts, different answers: nothing mixed up
     events = list(engine.log)[log0:]
-    assert sum(e["event"] == "finish" for e in events) == 32
+    assert sum(e["event"] == "finish" for e in events) == 64
     running = [e["running"] for e in events if e["event"] == "admit"]
     assert max(running) > 1 and max(running) < DEFAULTS["max_batch"]  # decoded together, never past max_batch
     assert metric(srv.url, "kvevict_kv_bytes_peak") <= engine.settings.kv_memory
-    assert metric(srv.url, "kvevict_requests_total", outcome="completed") - completed0 == 32
+    assert metric(srv.url, "kvevict_requests_total", outcome="completed") - completed0 == 64
     assert metric(srv.url, "kvevict_generated_tokens_total") - generated0 == sum(u.completion_tokens for _, u in got)
     assert _wait(lambda: metric(srv.url, "kvevict_kv_bytes_held") == 0)  # nothing running, nothing held
 
