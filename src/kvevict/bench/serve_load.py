@@ -67,9 +67,8 @@ def commands(args) -> dict[str, tuple[list[str], dict]]:
                             "--model", str(model_folder()), "--served-model-name", MODEL_ID, "--dtype", "float32",
                             "--max-model-len", str(args.hi + args.max_tokens + 256), "--max-num-seqs", str(args.n),
                             "--kv-cache-memory-bytes", str(args.kv_memory), "--port", "PORT",
-                            "--host", "127.0.0.1", "--disable-log-requests"],
-                           {**env, "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(args.kv_memory / 2**30))),
-                            "VLLM_CPU_OMP_THREADS_BIND": "all"})
+                            "--host", "127.0.0.1"],
+                           env)  # --kv-cache-memory-bytes sizes its KV cache; OMP_NUM_THREADS its threads
     return out
 
 
