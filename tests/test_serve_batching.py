@@ -169,3 +169,14 @@ def test_real_model_defaults_answer_a_short_chat_whole(real_model, tmp_path):
     assert "Paris" in r.choices[0].message.content
     assert r.usage.kv_budget_tokens == engine.settings.budget >= 1024 > r.usage.prompt_tokens
     assert r.usage.kv_evicted_tokens == 0
+
+
+def test_default_budget_is_each_sequences_share_of_the_memory(folder, reference):
+    model, _ = reference
+    per_token = token_bytes(model)
+    for memory, want in ((4 * 200 * per_token, 192),  # 200 tokens each, rounded down to a multiple of 64
+                         (4 * 10 * per_token, 64),  # never below the floor (min_budget)
+                         (1 << 40, model.config.max_position_embeddings)):  # never past the context
+        _, engine = build(folder, {"model_id": MODEL, "kv_memory": memory, "max_batch": 4})
+        engine.stop()
+        assert engine.settings.budget == want
