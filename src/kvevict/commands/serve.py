@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import sys
 
-from ._common import add_model_args, parse_budget
+from ._common import add_model_args, parse_budget, setup_threads
 
 NAME = "serve"
 HELP = "OpenAI-compatible server (/v1/chat/completions, /v1/completions) with per-request kv_policy / kv_budget"
@@ -78,7 +78,7 @@ def run(args):
         return serve_replicas(args.model, settings, args.replicas, args.host, args.port, args.ray, args.threads)
     from ..serve.server import build
 
-    app, engine = build(args.model, settings, args.threads)
+    app, engine = build(args.model, settings, setup_threads(args))
     print(f"kvevict: serving {settings['model_id']} on http://{args.host}:{args.port}/v1 "
           f"(default kv_policy={settings['policy']}, kv_budget={engine.settings.budget} tokens, "
           f"kv_memory={settings['kv_memory']} bytes)", file=sys.stderr)
