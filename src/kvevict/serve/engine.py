@@ -94,9 +94,11 @@ class Engine:
 
     def default_budget(self) -> int:
         """Tokens per layer and KV head one sequence may keep: its share of ``kv_memory`` when
-        ``max_batch`` sequences run (a multiple of 64, at least ``min_budget``, at most the context)."""
+        ``max_batch`` sequences run (a multiple of 64, at least ``min_budget``, at most the context).
+        The share is counted in the default policy's own bytes per slot, its state included."""
         s = self.settings
-        share = s.kv_memory // (s.max_batch * self.budgeter.token_bytes)
+        per_token, rest = self.budgeter.per_token(s.policy)
+        share = (s.kv_memory // s.max_batch - rest) // per_token
         return max(s.min_budget, min(self.context, share // 64 * 64))
 
     # -- the event loop's side ------------------------------------------------------------------

@@ -49,6 +49,14 @@ class Budgeter:
         budgets = layer_budgets(pol, budget_tokens, len(self.per_layer))
         return sum(per_slot * b + rest for b, (per_slot, rest) in zip(budgets, self.slots[policy]))
 
+    def per_token(self, policy: str) -> tuple[int, int]:
+        """(bytes per token one sequence keeps, its bytes besides), every layer, under ``policy``."""
+        if policy == "full":
+            return self.token_bytes, 0
+        a, b = (self.row_bytes(policy, n, None, n) for n in PROBES)
+        per = (b - a) // (PROBES[1] - PROBES[0])
+        return per, a - per * PROBES[0]
+
     def batch_bytes(self, rows: list[int]) -> int:
         """The most a batch of rows sharing one cache can hold: every row at the widest row's
         storage (a full cache's rows are left-padded to the longest; budgeted rows share a budget)."""
