@@ -11,6 +11,7 @@ that layer the per-key attention statistics its policy asks for:
     obs[i]   = sum_{t in last w queries} a_t(i)   (SnapKV's observation window)
     hits[i]  = sum_t 1[a_t(i) >= G / n_t]         (AQAS: attention above uniform, quantised)
     hits_ema[i] = sum_t gamma^(T-t) 1[a_t(i) >= G / n_t]   (Scissorhands' history window, decayed)
+    knorm[i] = ||k_i||_2                     (key norm, taken once when the key is written)
 
 where a_t(i) is the softmax probability query t gives key i, summed over the query heads that
 share key i's KV head (GQA). Queries are processed in chunks, so at most ``chunk x n`` scores
@@ -163,6 +164,8 @@ def attend(query, seg: _Segments, scale, window, softcap, wanted=(), observe=0, 
     kp_t, kn_t = seg.k_past.transpose(-1, -2), seg.k_new.transpose(-1, -2)
     stats = {name: torch.zeros(b, hkv, n_all, dtype=torch.float32, device=dev)
              for name in wanted if name not in ("last", "blocks")}
+    if "knorm" in stats:  # written once: zero for stored keys, so the cache's running sum keeps it
+        stats["knorm"][..., n_past:] = seg.k_new.float().norm(dim=-1)
     if "blocks" in wanted:
         n_blocks = int(seg.pos_new.max()) // block + 1
         stats["blocks"] = torch.zeros(b, hkv, n_blocks, n_all, dtype=torch.float32, device=dev)
