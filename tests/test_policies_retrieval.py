@@ -116,3 +116,35 @@ def test_kvzip_through_generate_matches_full_with_a_covering_budget():
 def test_bad_retrieval_policy_parameters_are_clear(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+def test_expected_attention_statistic_matches_its_definition():
+    torch.manual_seed(5)
+    b, hkv, g, q, d, w = 1, 2, 3, 6, 4, 4
+    query, key = torch.randn(b, hkv * g, q, d), torch.randn(b, hkv, q, d)
+    kp = torch.randn(b, hkv, 2, d)
+    seg = _Segments(k_past=kp, v_past=torch.randn_like(kp), pos_past=None, valid_past=None, k_new=key,
+                    v_new=torch.randn_like(key), pos_new=torch.arange(2, 2 + q).view(1, -1), valid_new=None)
+    _, st = attend(query, seg, d ** -0.5, None, None, ("expected",), observe=w)
+    qs = query.view(b, hkv, g, q, d)[:, :, :, -w:] * d ** -0.5
+    mu, var = qs.mean(3), qs.var(3, unbiased=False)
+    keys = torch.cat([kp, key], 2)
+    for h in range(hkv):
+        want = torch.zeros(q + 2)
+        for gi in range(g):
+            z = keys[0, h] @ mu[0, h, gi] + 0.5 * keys[0, h].square() @ var[0, h, gi]
+            want += z.softmax(-1)
+        assert torch.allclose(st["expected"][0, h], want * q, atol=1e-5)
+    # one decoding query: var = 0, so the statistic is exactly that query's attention
+    one = query[:, :, -1:]
+    seg1 = _Segments(k_past=keys[:, :, :-1], v_past=keys[:, :, :-1], pos_past=None, valid_past=None,
+                     k_new=keys[:, :, -1:], v_new=keys[:, :, -1:], pos_new=torch.tensor([[7]]), valid_new=None)
+    _, s1 = attend(one, seg1, d ** -0.5, None, None, ("expected", "sum"), observe=w)
+    assert torch.allclose(s1["expected"], s1["sum"], atol=1e-5)
+
+
+def test_expected_attention_keeps_the_highest_expectation():
+    ea = [3.0, 0.2, 0.9, 0.1, 0.5, 0.3]
+    assert kept(make_policy("expected", recent=1), candidates({"expected": ea}, 6, 3)) == {0, 2, 5}
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        make_policy("expected", window=0).check(8)

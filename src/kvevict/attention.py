@@ -12,6 +12,8 @@ that layer the per-key attention statistics its policy asks for:
     hits[i]  = sum_t 1[a_t(i) >= G / n_t]         (AQAS: attention above uniform, quantised)
     hits_ema[i] = sum_t gamma^(T-t) 1[a_t(i) >= G / n_t]   (Scissorhands' history window, decayed)
     knorm[i] = ||k_i||_2                     (key norm, taken once when the key is written)
+    expected[i] = m * sum_g softmax_i(mu_g . k_i + 1/2 k_i^T diag(var_g) k_i)   (expected attention:
+                 the last w queries of a forward of m queries as a Gaussian per query head g)
 
 where a_t(i) is the softmax probability query t gives key i, summed over the query heads that
 share key i's KV head (GQA). Queries are processed in chunks, so at most ``chunk x n`` scores
@@ -215,7 +217,33 @@ def attend(query, seg: _Segments, scale, window, softcap, wanted=(), observe=0, 
                 last_row = pg[:, :, -1]
     if "last" in wanted:
         stats["last"] = torch.nn.functional.pad(last_row, (0, n_all - last_row.shape[-1]))
+    if "expected" in stats:
+        stats["expected"] += _expected_attention(qs, seg, observe or q)
     return out.view(b, hq, q, d).transpose(1, 2).contiguous(), stats
+
+
+def _expected_attention(qs, seg: _Segments, w: int):
+    """(b, hkv, n_past + q): the attention a Gaussian query N(mu, diag(var)) fitted to the last
+    ``w`` (scaled) queries of each head is expected to give every key, E[exp(q.k)] =
+    exp(mu.k + k^T diag(var) k / 2), normalised over the keys, summed over the group's heads and
+    weighted by the number of real queries of this forward (decode: one query, var = 0: its
+    attention exactly)."""
+    b, hkv, g, q, d = qs.shape
+    last = qs[:, :, :, q - min(w, q):].float()
+    if seg.valid_new is not None:
+        last = last[:, :, :, -1:]  # padded batches: the last query is real in every row
+    mu, var = last.mean(3), last.var(3, unbiased=False)  # (b, hkv, g, d)
+    keys = torch.cat([seg.k_past, seg.k_new], dim=2).float()  # (b, hkv, n, d)
+    z = mu @ keys.transpose(-1, -2) + 0.5 * (var @ keys.square().transpose(-1, -2))  # (b, hkv, g, n)
+    if seg.valid_past is not None or seg.valid_new is not None:
+        vp = (seg.valid_past if seg.valid_past is not None
+              else torch.ones(1, 1, seg.k_past.shape[2], dtype=torch.bool, device=qs.device))
+        vn = (seg.valid_new[:, None] if seg.valid_new is not None
+              else torch.ones(1, 1, q, dtype=torch.bool, device=qs.device))
+        valid = torch.cat([vp.expand(b, -1, -1), vn.expand(b, -1, -1)], -1)
+        z = z.masked_fill(~valid[:, :, None], float("-inf"))
+    m = q if seg.valid_new is None else seg.valid_new.sum(1).view(b, 1, 1).float()
+    return torch.softmax(z, dim=-1).sum(2) * m
 
 
 def _hidden(seg: _Segments, s, e, window, idx):

@@ -2,7 +2,7 @@
 recent window + sinks, its eviction scope). See base.py for the decomposition."""
 
 from . import (  # noqa: F401  (register)
-    aqas, h2o, knorm, kvzip, mas, oracle, pyramidkv, random, recency, roco, scissorhands, snapkv, tova)
+    aqas, expected, h2o, knorm, kvzip, mas, oracle, pyramidkv, random, recency, roco, scissorhands, snapkv, tova)
 from .base import Candidates, Policy
 from .registry import POLICIES, make_policy, register
 
