@@ -11,6 +11,7 @@ that layer the per-key attention statistics its policy asks for:
     obs[i]   = sum_{t in last w queries} a_t(i)   (SnapKV's observation window)
     hits[i]  = sum_t 1[a_t(i) >= G / n_t]         (AQAS: attention above uniform, quantised)
     hits_ema[i] = sum_t gamma^(T-t) 1[a_t(i) >= G / n_t]   (Scissorhands' history window, decayed)
+    max[i]   = max over the last w queries and the group's heads of a_t,g(i)   (KVzip's score)
     knorm[i] = ||k_i||_2                     (key norm, taken once when the key is written)
     expected[i] = m * sum_g softmax_i(mu_g . k_i + 1/2 k_i^T diag(var_g) k_i)   (expected attention:
                  the last w queries of a forward of m queries as a Gaussian per query head g)
@@ -204,6 +205,9 @@ def attend(query, seg: _Segments, scale, window, softcap, wanted=(), observe=0, 
         if n_past:
             o += torch.matmul(pc[..., :n_past], seg.v_past)
         out[:, :, :, s:e] = o.view(b, hkv, g, c, d)
+        if "max" in stats and e > q - observe:
+            m = probs[:, :, :, max(s, q - observe) - s:].amax(dim=(2, 3))
+            torch.maximum(stats["max"][..., : m.shape[-1]], m, out=stats["max"][..., : m.shape[-1]])
         if wanted == ("sum",):  # H2O: one pass over the chunk, summed over heads and queries at once
             stats["sum"][..., : n_past + e] += probs.sum(dim=(2, 3))
         elif stats or "last" in wanted:
@@ -321,21 +325,21 @@ _recorded: dict = {}
 
 def _record_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                       sliding_window=None, softcap=None, **kwargs):
-    """Full-cache attention that keeps, per layer, the attention each key gets per query block."""
+    """Full-cache attention that keeps, per layer, the statistics asked of ``record_attention_stats``."""
     seg = _generic_segments(key, value, query.shape[2], attention_mask)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out, stats = attend(query, seg, scale, sliding_window, softcap, ("blocks",), block=_recorded["block"])
-    _recorded[module.layer_idx] = stats["blocks"]
+    out, stats = attend(query, seg, scale, sliding_window, softcap, _recorded["wanted"], **_recorded["params"])
+    _recorded[module.layer_idx] = stats
     return out, None
 
 
-def record_attention_blocks(model, input_ids, block: int, attention_mask=None) -> list:
-    """One full-cache forward over ``input_ids``; per layer (b, hkv, n_blocks, n) attention sums,
-    blocks taken over real positions (padding excluded), keys in input order."""
+def record_attention_stats(model, input_ids, wanted: tuple, attention_mask=None, **params) -> list:
+    """One full-cache forward over ``input_ids``; per layer, the dict of the ``wanted`` statistics
+    (see ``attend``) over every key, in input order."""
     AttentionInterface.register(_RECORD, _record_attention)
     AttentionMaskInterface.register(_RECORD, kvevict_mask)
     _recorded.clear()
-    _recorded["block"] = block
+    _recorded.update(wanted=tuple(wanted), params=params)
     model.set_attn_implementation(_RECORD)
     try:
         model(input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
@@ -343,6 +347,12 @@ def record_attention_blocks(model, input_ids, block: int, attention_mask=None) -
         model.set_attn_implementation(ATTN_NAME)
     n_layers = len([k for k in _recorded if isinstance(k, int)])
     return [_recorded.pop(i) for i in range(n_layers)]
+
+
+def record_attention_blocks(model, input_ids, block: int, attention_mask=None) -> list:
+    """Per layer (b, hkv, n_blocks, n) attention sums, blocks taken over real positions (padding
+    excluded), keys in input order (the oracle's record of the future)."""
+    return [st["blocks"] for st in record_attention_stats(model, input_ids, ("blocks",), attention_mask, block=block)]
 
 
 def register() -> None:

@@ -19,10 +19,10 @@ class KVzip(Policy):
     forward over ``[context, repeat request, context]`` (a full-cache pass, 2n + r tokens) records
     the attention the reconstruction queries R (the repeated copy) give each context key:
 
-        score(i) = sum_{t in R} a_t(i)      (summed over the query heads of i's KV group)
+        score(i) = max_{t in R, g in G(i)} a_{t,g}(i)     (G(i): the query heads of i's KV group)
 
-    KVzip takes the max over R and the group's heads; the sum is what the recording pass already
-    collects per block, and ranks the same way when a key is read by one query. The score is fixed
+    a key read sharply by one reconstruction query (a needle's digits, copied once) keeps its place,
+    where a sum would favour keys every query glances at (sinks, recent tokens). The score is fixed
     at prefill (query-agnostic: it never looks at the question); tokens past the recorded context
     (the generated ones) rank above every context token, so decoding evicts context, as kvpress's
     growing cache keeps every generated token. Build it with ``KVzip.record(model, tokenizer,
@@ -44,7 +44,7 @@ class KVzip(Policy):
     @classmethod
     @torch.no_grad()
     def record(cls, model, tokenizer, input_ids, attention_mask=None, **params) -> "KVzip":
-        from ..attention import record_attention_blocks
+        from ..attention import record_attention_stats
 
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("kvzip records unpadded prompts only: give it one prompt per batch.")
@@ -52,9 +52,9 @@ class KVzip(Policy):
         n = input_ids.shape[1]
         rep = tokenizer(REPEAT, add_special_tokens=False, return_tensors="pt")["input_ids"].to(input_ids.device)
         seq = torch.cat([input_ids, rep.expand(input_ids.shape[0], -1), input_ids], dim=1)
-        # blocks of n query positions: block 0 = the context, blocks 1-2 = request + reconstruction
-        blocks = record_attention_blocks(model, seq, block=n)
-        return cls(scores=[b[:, :, 1:, :n].sum(2) for b in blocks], **params)
+        # the queries after the context: the repeat request and the reconstruction
+        stats = record_attention_stats(model, seq, ("max",), observe=seq.shape[1] - n)
+        return cls(scores=[st["max"][..., :n] for st in stats], **params)
 
     def score(self, c: Candidates):
         s = self.scores[c.layer_idx].to(c.pos.device)
