@@ -170,7 +170,7 @@ def test_quick_run_writes_json_markdown_plots(tiny_dir, tmp_path, monkeypatch, c
     assert mb["h2o@0.25"]["batch"] >= mb["stock"]["batch"]  # a quarter of the tokens: more sequences fit
     assert {w["cache"] for w in res["breakdown"]["wall"]} == {"stock", "kvevict-full", "h2o@0.25"}
     core = {"attention.kvevict_attention", "attention.attend", "cache.EvictingLayer.update", "cache.EvictingLayer.absorb",
-            "cache.EvictingLayer._replace_one", "policies.Policy.priority"}
+            "tier.Tier._replace_one", "policies.Policy.priority"}
     for w in res["breakdown"]["wall"]:  # the timed code paths still exist under these names
         assert core <= set(w["wrapped"]), core - set(w["wrapped"])
     pre = {p["label"]: p for p in res["prefill"]["records"]}

@@ -56,7 +56,10 @@ def test_kv_bytes_is_exactly_the_budget_and_stays_there():
     budget, batch = 16, 2
     cache = kvevict.make_cache(model, "h2o", budget=budget)
     head_dim = cfg.hidden_size // cfg.num_attention_heads
-    expected = budget * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2 * 4 * batch
+    # per slot: key + value (fp32), position (int64), validity (bool), H2O's accumulated attention
+    # (fp32); per layer and sequence: its count of real tokens (int64)
+    slot = head_dim * 2 * 4 + 8 + 1 + 4
+    expected = (budget * cfg.num_key_value_heads * slot + 8) * cfg.num_hidden_layers * batch
     ids = torch.randint(0, 128, (batch, 40))
     _logits(model, ids, cache)
     assert cache.kv_bytes() == expected
@@ -67,7 +70,7 @@ def test_kv_bytes_is_exactly_the_budget_and_stays_there():
         assert cache.kv_bytes() == expected
     assert cache.get_seq_length() == 240  # positions go on although only 16 tokens are kept
     assert [layer.keys.data_ptr() for layer in cache.layers] == storage  # written in place, never reallocated
-    assert cache.full_kv_bytes() > 14 * cache.kv_bytes()
+    assert cache.full_kv_bytes() == 240 * cfg.num_key_value_heads * head_dim * 2 * 4 * cfg.num_hidden_layers * batch
 
 
 def test_float_budget_is_a_fraction_of_the_prompt():
@@ -154,7 +157,7 @@ def test_model_that_cannot_be_hooked_is_refused():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).eval()
     cache = kvevict.make_cache(gpt2, "h2o", budget=8)  # GPT-2 does route through the interface
     gpt2(torch.randint(0, 64, (1, 20)), past_key_values=cache)
-    assert cache.kv_bytes() == 8 * 2 * 16 * 2 * 4
+    assert cache.kv_bytes() == 8 * 2 * (16 * 2 * 4 + 8 + 1 + 4) + 8  # slots x heads x (K, V, pos, valid, sum) + n_real
 
 
 def test_a_rejected_attention_call_leaves_the_cache_usable():

@@ -69,8 +69,7 @@ def test_attention_statistics_match_their_definitions():
     torch.manual_seed(0)
     b, hkv, g, q, d = 2, 2, 3, 7, 8
     query, key, value = torch.randn(b, hkv * g, q, d), torch.randn(b, hkv, q, d), torch.randn(b, hkv, q, d)
-    empty = key[:, :, :0]
-    seg = _Segments(k_past=empty, v_past=empty, pos_past=None, valid_past=None, k_new=key, v_new=value,
+    seg = _Segments(pieces=[], pos_past=None, valid_past=None, k_new=key, v_new=value,
                     pos_new=torch.arange(q).view(1, -1), valid_new=None)
     out, st = attend(query, seg, d ** -0.5, None, None,
                      ("sum", "sq", "count", "last", "hits", "hits_ema", "obs"), observe=3, gamma=0.5)
@@ -137,7 +136,10 @@ def test_every_policy_and_prefill_mode_on_a_padded_gqa_batch(name, mode, stride)
     per_layer = [layer.budget for layer in cache.layers]
     assert sum(per_layer) == budget * cfg.num_hidden_layers
     head_dim = cfg.hidden_size // cfg.num_attention_heads
-    assert cache.kv_bytes() == sum(per_layer) * 3 * cfg.num_key_value_heads * head_dim * 2 * 4
+    # per slot: key + value (fp32), position (int64), validity (bool), 4 bytes per policy statistic;
+    # per layer and sequence: its count of real tokens (int64)
+    slot = head_dim * 2 * 4 + 8 + 1 + 4 * len(cache.policy.stats)
+    assert cache.kv_bytes() == sum(per_layer) * 3 * cfg.num_key_value_heads * slot + 8 * 3 * cfg.num_hidden_layers
     for layer in cache.layers:
         assert layer.valid.all()  # 12 real tokens always exist, so padding never holds a slot
         if mode != "full":

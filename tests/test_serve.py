@@ -56,6 +56,15 @@ def token_bytes(model):
     return c.num_hidden_layers * c.num_key_value_heads * 2 * head_dim * 4  # K and V, fp32
 
 
+def held_bytes(model, slots: int, policy: str) -> int:
+    """What an evicting cache holds for one sequence of ``slots`` kept tokens: K and V, plus per slot
+    its position (8 bytes), validity (1) and the policy's statistics (4 each), plus a count per layer."""
+    c = model.config
+    n_stats = len(kvevict.POLICIES[policy].stats)
+    per_slot = token_bytes(model) + c.num_hidden_layers * c.num_key_value_heads * (9 + 4 * n_stats)
+    return slots * per_slot + 8 * c.num_hidden_layers
+
+
 def metric(url, name, **labels):
     text = _get(url, "/metrics")[1]
     lab = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
@@ -109,7 +118,7 @@ def test_chat_equals_generate_alone_and_reports_kv_bytes(client, reference):
     assert (u.prompt_tokens, u.completion_tokens) == (want.prompt_tokens, want.new_tokens)
     assert u.total_tokens == u.prompt_tokens + u.completion_tokens
     assert (u.kv_bytes, u.kv_bytes_full) == (want.kv_bytes, want.full_kv_bytes)
-    assert u.kv_bytes == 8 * token_bytes(model) < u.kv_bytes_full
+    assert u.kv_bytes == held_bytes(model, 8, "h2o") < u.kv_bytes_full
     assert u.kv_policy == "h2o" and u.kv_budget_tokens == 8
 
 
@@ -221,13 +230,12 @@ def test_32_concurrent_requests_batched_none_lost_each_as_alone_memory_bounded(s
 
     got = asyncio.run(main())
     assert len(got) == 32
-    per_token = token_bytes(model)
     for (text, policy, budget, _), (answer, usage) in zip(asks, got):
         want = generate(model, tok, chat(text), policy, budget, max_new_tokens=12)
         assert answer.strip() == want.text, (text, policy, budget)
         assert usage.completion_tokens == want.new_tokens and usage.prompt_tokens == want.prompt_tokens
         if budget is not None:  # the memory bound: the budget, not the context
-            bound = kvevict.cache.resolve_budget(budget, want.prompt_tokens) * per_token
+            bound = held_bytes(model, kvevict.cache.resolve_budget(budget, want.prompt_tokens), policy)
             assert usage.kv_bytes == bound < usage.kv_bytes_full
     assert len({a for a, _ in got}) > 8  # different prompts, different answers: nothing mixed up
     batches = [e for e in list(engine.log)[log0:] if e["event"] == "batch"]
@@ -235,7 +243,7 @@ def test_32_concurrent_requests_batched_none_lost_each_as_alone_memory_bounded(s
     assert max(b["size"] for b in batches) > 1 and all(b["size"] <= DEFAULTS["max_batch"] for b in batches)
     for b in batches:
         if b["budget_tokens"] is not None:
-            assert b["peak_kv_bytes"] <= b["size"] * b["budget_tokens"] * per_token
+            assert b["peak_kv_bytes"] <= b["size"] * held_bytes(model, b["budget_tokens"], b["policy"])
     assert metric(srv.url, "kvevict_requests_total", outcome="completed") - completed0 == 32
     assert metric(srv.url, "kvevict_generated_tokens_total") - generated0 == sum(u.completion_tokens for _, u in got)
     assert _wait(lambda: metric(srv.url, "kvevict_kv_bytes_held") == 0)  # nothing running, nothing held

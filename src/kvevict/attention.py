@@ -31,6 +31,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from .store import Piece
+
 ATTN_NAME = "kvevict"
 
 # Scores held per query chunk (floats): 2**21 fp32 = 8 MiB, small enough to stay in cache.
@@ -88,10 +90,10 @@ def _take_handoff(key: torch.Tensor):
 
 @dataclass
 class _Segments:
-    """Keys split into a past part (stored slots, any order) and the new tokens (in order)."""
+    """Keys split into a past part (stored slots, any order) and the new tokens (in order). The
+    past comes as pieces read one at a time (a packed store dequantizes one chunk at a time)."""
 
-    k_past: torch.Tensor  # (b, hkv, n_past, d)
-    v_past: torch.Tensor
+    pieces: list  # of kvevict.store.Piece: consecutive runs of past slots
     pos_past: torch.Tensor | None  # (b|1, hkv|1, n_past) positions, for sliding windows
     valid_past: torch.Tensor | None  # (b, hkv|1, n_past) bool, None = all valid
     k_new: torch.Tensor  # (b, hkv, q, d), the queries' own keys
@@ -113,8 +115,9 @@ def _generic_segments(key, value, q_len, info: PaddingInfo | None) -> _Segments:
     else:
         pos = torch.arange(kv_offset, kv_offset + n, device=key.device).view(1, -1)
     np_ = n - q_len
+    k_past, v_past = key[:, :, :np_], value[:, :, :np_]
     return _Segments(
-        k_past=key[:, :, :np_], v_past=value[:, :, :np_],
+        pieces=[Piece(np_, lambda: k_past, lambda: v_past)] if np_ else [],
         pos_past=pos[:, None, :np_],
         valid_past=None if valid is None else valid[:, None, :np_],
         k_new=key[:, :, np_:], v_new=value[:, :, np_:],
@@ -158,13 +161,13 @@ def attend(query, seg: _Segments, scale, window, softcap, wanted=(), observe=0, 
     block: with "blocks" wanted, column sums per block of ``block`` query positions,
     shape (b, hkv, n_blocks, n_past + q) (the oracle's record of the future)."""
     b, hq, q, d = query.shape
-    hkv = seg.k_past.shape[1]
+    hkv = seg.k_new.shape[1]
     g = hq // hkv
-    n_past = seg.k_past.shape[2]
+    n_past = sum(p.n for p in seg.pieces)
     n_all = n_past + q
     dev = query.device
     qs = (query * scale).view(b, hkv, g, q, d)  # scaling the few query rows beats scaling every score
-    kp_t, kn_t = seg.k_past.transpose(-1, -2), seg.k_new.transpose(-1, -2)
+    kn_t = seg.k_new.transpose(-1, -2)
     stats = {name: torch.zeros(b, hkv, n_all, dtype=torch.float32, device=dev)
              for name in wanted if name not in ("last", "blocks")}
     if "knorm" in stats:  # written once: zero for stored keys, so the cache's running sum keeps it
@@ -184,7 +187,7 @@ def attend(query, seg: _Segments, scale, window, softcap, wanted=(), observe=0, 
         qc = qs[:, :, :, s:e].reshape(b, hkv, g * c, d)
         scores = torch.matmul(qc, kn_t[..., :e])
         if n_past:
-            scores = torch.cat([torch.matmul(qc, kp_t), scores], dim=-1)
+            scores = torch.cat([torch.matmul(qc, p.keys().transpose(-1, -2)) for p in seg.pieces] + [scores], dim=-1)
         if scores.dtype != torch.float32:
             scores = scores.float()
         if softcap is not None:
@@ -202,8 +205,10 @@ def attend(query, seg: _Segments, scale, window, softcap, wanted=(), observe=0, 
             probs = torch.where(seg.valid_new[:, None, None, s:e, None], probs, 0.0)
         pc = probs.to(query.dtype).view(b, hkv, g * c, n_past + e)
         o = torch.matmul(pc[..., n_past:], seg.v_new[:, :, :e])
-        if n_past:
-            o += torch.matmul(pc[..., :n_past], seg.v_past)
+        off = 0
+        for p in seg.pieces:
+            o += torch.matmul(pc[..., off: off + p.n], p.values())
+            off += p.n
         out[:, :, :, s:e] = o.view(b, hkv, g, c, d)
         if "max" in stats and e > q - observe:
             m = probs[:, :, :, max(s, q - observe) - s:].amax(dim=(2, 3))

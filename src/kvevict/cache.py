@@ -14,8 +14,11 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .attention import ATTN_NAME, PaddingInfo, _Segments, hand_off, register
-from .policies import Candidates, Policy, make_policy
+from .policies import Policy, make_policy
 from .rope import compact_positions, rope_inv_freq, shift_keys
+from .storage import DEFAULT_GROUP, Storage
+from .store import DenseStore, Piece, check_group
+from .tier import Tier
 
 
 def resolve_budget(budget, prompt_len: int) -> int:
@@ -38,22 +41,24 @@ def check_budget(budget) -> None:
 
 
 class EvictingLayer(CacheLayerMixin):
-    """One decoder layer's budgeted key/value storage plus the per-slot state its policy needs."""
+    """One decoder layer's budgeted key/value storage: one ``Tier`` of ``budget`` slots, or two for
+    mixed precision (the evicted tokens demoted to ``evicted_bits`` instead of dropped)."""
 
     is_sliding = False
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, policy: Policy, budget, layer_idx: int, inv_freq=None):
+    def __init__(self, policy: Policy, budget, layer_idx: int, inv_freq=None, storage: "Storage | None" = None):
         super().__init__()
         self.policy = policy
         self.inv_freq = inv_freq  # set: compact positions (keys re-rotated to their rank each step)
         self.budget_spec = budget
         self.layer_idx = layer_idx
+        self.storage = storage or Storage()
         self.budget: int | None = None
-        self.filled = 0  # slots written so far; equal for every (sequence, head)
+        self.tiers: list[Tier] = []
         self.seen = 0  # tokens this layer has been given, padding included
-        self.evicted = 0  # tokens evicted per (sequence, head)
+        self.evicted = 0  # tokens that left the first tier, per (sequence, head)
         self.peak_entries = 0  # most key/value entries held at once (storage + incoming chunk)
         self.returned_keys = None
         self._new = None
@@ -61,33 +66,52 @@ class EvictingLayer(CacheLayerMixin):
 
     # -- transformers' layer protocol -------------------------------------------------------
     def lazy_initialization(self, key_states, value_states) -> None:
-        b, h, m, d = key_states.shape
+        b, h, m, dk = key_states.shape
         self.budget = resolve_budget(self.budget_spec, m)
         self.policy.check(self.budget)
         self.dtype, self.device = key_states.dtype, key_states.device
-        B = self.budget
-        self.keys = torch.zeros(b, h, B, d, dtype=self.dtype, device=self.device)
-        self.values = torch.zeros(b, h, B, value_states.shape[-1], dtype=self.dtype, device=self.device)
-        self.pos = torch.zeros(b, h, B, dtype=torch.long, device=self.device)
-        self.valid = torch.zeros(b, h, B, dtype=torch.bool, device=self.device)
-        self.stats = {n: torch.zeros(b, h, B, dtype=torch.float32, device=self.device) for n in self.policy.stats}
+        self.dims = (h, dk, value_states.shape[-1])
+        st = self.storage
+        check_group(st.group, dk, st.kv_bits)
+        check_group(st.group, value_states.shape[-1], st.kv_bits)
+        args = (b, h, dk, value_states.shape[-1], self.dtype, self.device, self.policy.stats)
+        self.tiers = [Tier(self.budget, *args, bits=st.kv_bits, group=st.group)]
+        if st.evicted_bits is not None:
+            check_group(st.group, dk, st.evicted_bits)
+            check_group(st.group, value_states.shape[-1], st.evicted_bits)
+            spec = st.evicted_budget if st.evicted_budget is not None else 1.0
+            self.tiers.append(Tier(resolve_budget(spec, m), *args, bits=st.evicted_bits, group=st.group))
         self.n_real = torch.zeros(b, dtype=torch.long, device=self.device)
+        self._expose()
         self.is_initialized = True
+
+    def _expose(self) -> None:
+        """``keys`` / ``values``: the first tier's storage (floats, or packed uint8 codes when quantized)."""
+        self.keys, self.values = self.tiers[0].store.keys, self.tiers[0].store.values
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if key_states.shape[0] != self.keys.shape[0]:
+        b = self.n_real.shape[0]
+        if key_states.shape[0] != b:
             raise ValueError(
-                f"this cache was filled with batch size {self.keys.shape[0]} and got {key_states.shape[0]}; "
+                f"this cache was filled with batch size {b} and got {key_states.shape[0]}; "
                 "make a new cache for a new batch."
             )
         self._new = (key_states, value_states)
+        held = sum(t.filled for t in self.tiers)
         # entries this layer holds during this step: stored slots + the incoming tokens
-        self.peak_entries = max(self.peak_entries, self.filled + key_states.shape[2])
-        self.returned_keys = self.keys[:, :, : self.filled]
+        self.peak_entries = max(self.peak_entries, held + key_states.shape[2])
+        t0 = self.tiers[0]
+        if len(self.tiers) == 1 and isinstance(t0.store, DenseStore) and t0.store.keys.dtype == self.dtype:
+            self.returned_keys = t0.store.keys[:, :, : t0.filled]
+            values = t0.store.values[:, :, : t0.filled]
+        else:  # packed or two tiers: attention reads the tiers itself; hand back shape-only stand-ins
+            h, dk, dv = self.dims
+            self.returned_keys = key_states.new_zeros(()).expand(b, h, held, dk)
+            values = value_states.new_zeros(()).expand(b, h, held, dv)
         hand_off(self)
-        return self.returned_keys, self.values[:, :, : self.filled]
+        return self.returned_keys, values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.seen + query_length, 0
@@ -99,14 +123,15 @@ class EvictingLayer(CacheLayerMixin):
         return -1  # any number of tokens can stream through
 
     def reset(self) -> None:
-        self.__init__(self.policy, self.budget_spec, self.layer_idx, self.inv_freq)
+        self.__init__(self.policy, self.budget_spec, self.layer_idx, self.inv_freq, self.storage)
 
     def _map_batch(self, fn) -> None:
         if not self.is_initialized:
             return
-        for name in ("keys", "values", "pos", "valid", "n_real"):
-            setattr(self, name, fn(getattr(self, name)))
-        self.stats = {n: fn(t) for n, t in self.stats.items()}
+        for tier in self.tiers:
+            tier.map_batch(fn)
+        self.n_real = fn(self.n_real)
+        self._expose()
 
     def reorder_cache(self, beam_idx) -> None:
         self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -117,11 +142,30 @@ class EvictingLayer(CacheLayerMixin):
     def batch_select_indices(self, indices) -> None:
         self._map_batch(lambda t: t[indices])
 
+    # -- the first tier's state, as the layer's own (what was kept, where) -------------------
+    @property
+    def pos(self) -> torch.Tensor:
+        return self.tiers[0].pos
+
+    @property
+    def valid(self) -> torch.Tensor:
+        return self.tiers[0].valid
+
+    @property
+    def stats(self) -> dict:
+        return self.tiers[0].stats
+
+    @property
+    def filled(self) -> int:
+        return self.tiers[0].filled
+
     # -- what attention needs, and what it hands back -----------------------------------------
     def kv_bytes(self) -> int:
+        """Every byte this layer holds: keys and values (codes, steps and zeros when packed),
+        positions, validity and the policy's statistics of every tier."""
         if not self.is_initialized:
             return 0
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+        return sum(t.nbytes() for t in self.tiers) + self.n_real.nbytes
 
     def segments(self, value_view, info: PaddingInfo | None, q_len: int) -> _Segments:
         k_new, v_new = self._new
@@ -133,17 +177,19 @@ class EvictingLayer(CacheLayerMixin):
             pos_new = self.n_real[:, None] + torch.arange(q_len, device=self.device)
         else:
             pos_new = self.n_real[:, None] + valid_new.long().cumsum(1) - 1
-        f = self.filled
-        k_past, pos_past = self.returned_keys, self.pos[:, :, :f]
+        pieces = [p for t in self.tiers for p in t.store.pieces(t.filled)]
+        pos_past = _cat([t.pos[:, :, : t.filled] for t in self.tiers])
+        valid_past = _cat([t.valid[:, :, : t.filled] for t in self.tiers])
+        f = pos_past.shape[-1]
         if self.inv_freq is not None and f:
             # compact: kept keys move to their rank, new tokens follow at f, f + 1, ...; the shift
             # d = (first new position) - f maps compact positions onto the queries' own rotation
             shift = (self.n_real - f).view(-1, 1, 1)
-            pos_past = compact_positions(pos_past, self.valid[:, :, :f]) + shift
-            k_past = shift_keys(k_past, pos_past - self.pos[:, :, :f], self.inv_freq)
+            compact = compact_positions(pos_past, valid_past) + shift
+            pieces = _shifted(pieces, compact - pos_past, self.inv_freq)
+            pos_past = compact
         return _Segments(
-            k_past=k_past, v_past=value_view, pos_past=pos_past,
-            valid_past=self.valid[:, :, :f] if self._padded else None,
+            pieces=pieces, pos_past=pos_past, valid_past=valid_past if self._padded else None,
             k_new=k_new, v_new=v_new, pos_new=pos_new, valid_new=valid_new,
         )
 
@@ -152,96 +198,48 @@ class EvictingLayer(CacheLayerMixin):
         k_new, v_new = self._new
         self._new = None
         b, h, m, _ = k_new.shape
-        B, f = self.budget, self.filled
         self.n_real += m if valid_new is None else valid_new.sum(1)
-        for name, st in self.stats.items():
-            if name == "last":
-                st[..., :f] = stats[name][..., :f]
-            elif name == "hits_ema":  # older hits fade: a history window of about 1 / (1 - gamma) steps
-                st[..., :f].mul_(self.policy.decay() ** m).add_(stats[name][..., :f])
-            else:
-                st[..., :f] += stats[name][..., :f]
+        offset, decay = 0, self.policy.decay()
+        for tier in self.tiers:
+            tier.accumulate(stats, offset, decay, m)
+            offset += tier.filled
         new = {
-            "keys": k_new, "values": v_new,
+            "k": k_new, "v": v_new,
             "pos": pos_new.view(-1, 1, m).expand(b, h, m),
             "valid": (torch.ones(1, 1, m, dtype=torch.bool, device=self.device) if valid_new is None
                       else valid_new.view(b, 1, m)).expand(b, h, m),
         }
-        new.update({n: stats[n][..., f:] for n in self.stats})
-        if f + m <= B:
-            for name, t in new.items():
-                self._store(name)[:, :, f: f + m] = t
-            self.filled = f + m
-        elif m == 1:
-            self._replace_one(new, valid_new is None)
-        else:
-            self._replace_many(new, m)
-        self.evicted += max(0, f + m - B)
+        new.update({n: stats[n][..., offset:] for n in self.policy.stats})
+        ctx = {"newest": (self.n_real - 1).view(-1, 1, 1), "budget": self.budget, "layer_idx": self.layer_idx}
+        self.evicted += max(0, self.tiers[0].filled + m - self.budget)
+        gone = self.tiers[0].insert(self.policy, new, ctx, protected_newcomer=valid_new is None,
+                                    want_evicted=len(self.tiers) > 1)
+        if gone is not None and bool(gone["valid"].any()):
+            self.tiers[1].insert(self.policy, gone, ctx, protected_newcomer=False, want_evicted=False)
         self.seen += m
 
-    def _store(self, name: str) -> torch.Tensor:
-        return self.stats[name] if name in self.stats else getattr(self, name)
 
-    def _candidates(self, new: dict | None) -> Candidates:
-        """All B slots (empty ones invalid) followed by the new tokens; the slots alone if ``new`` is None."""
-        names = ("pos", "valid", *self.stats)
-        if new is None:
-            cat = {name: self._store(name) for name in names}
-        else:
-            cat = {name: torch.cat([self._store(name), new[name]], dim=-1) for name in names}
-        return Candidates(
-            stats={n: cat[n] for n in self.stats}, pos=cat["pos"], valid=cat["valid"],
-            newest=(self.n_real - 1).view(-1, 1, 1), budget=self.budget, layer_idx=self.layer_idx,
-        )
+def _cat(parts: list) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
-    def _replace_one(self, new: dict, all_real: bool) -> None:
-        """Decoding: the new token takes the slot of the lowest-priority candidate."""
-        B = self.budget
-        if all_real and self.policy.keeps_newest(B) and self.policy.independent:
-            # the newcomer is protected and cannot change the others' ranks: rank the slots only
-            slot, take = self.policy.priority(self._candidates(None)).argmin(-1, keepdim=True), None
-        else:
-            victim = self.policy.priority(self._candidates(new)).argmin(-1, keepdim=True)  # (b, h, 1)
-            slot, take = victim.clamp(max=B - 1), victim < B
-        for name, t in new.items():
-            store = self._store(name)
-            idx = slot if store.dim() == 3 else slot.unsqueeze(-1).expand(-1, -1, 1, store.shape[-1])
-            src = t if take is None else torch.where(
-                take if store.dim() == 3 else take.unsqueeze(-1), t, store.gather(2, idx))
-            store.scatter_(2, idx, src)
 
-    def _replace_many(self, new: dict, m: int) -> None:
-        """Prefill chunks: evict the m lowest-priority of the B slots + m new tokens; the kept new
-        tokens move into the evicted slots, pairwise, so storage is overwritten in place."""
-        B = self.budget
-        prio = self.policy.priority(self._candidates(new))
-        out = prio.topk(m, dim=-1, largest=False).indices  # (b, h, m) evicted candidates
-        ev_slot = torch.zeros(prio.shape[0], prio.shape[1], B + m, dtype=torch.bool, device=self.device)
-        ev_slot.scatter_(-1, out, True)
-        k = min(m, B)
-        # evicted slots first, then kept ones (stable); kept new tokens first, then evicted ones
-        targets = torch.argsort((~ev_slot[..., :B]).to(torch.int8), dim=-1, stable=True)[..., :k]
-        sources = torch.argsort(ev_slot[..., B:].to(torch.int8), dim=-1, stable=True)[..., :k]
-        n_moves = ev_slot[..., :B].sum(-1, keepdim=True)  # = number of kept new tokens
-        move = torch.arange(k, device=self.device).view(1, 1, k) < n_moves  # (b, h, k)
-        for name, t in new.items():
-            store = self._store(name)
-            if store.dim() == 3:
-                ti, si, mv = targets, sources, move
-            else:
-                d = store.shape[-1]
-                ti, si = targets.unsqueeze(-1).expand(-1, -1, -1, d), sources.unsqueeze(-1).expand(-1, -1, -1, d)
-                mv = move.unsqueeze(-1)
-            store.scatter_(2, ti, torch.where(mv, t.gather(2, si), store.gather(2, ti)))
-        self.filled = B
+def _shifted(pieces: list, delta: torch.Tensor, inv_freq) -> list:
+    """The pieces' keys re-rotated by ``delta`` (b, h, n_past), one piece at a time."""
+    out, o = [], 0
+    for p in pieces:
+        d = delta[..., o: o + p.n]
+        out.append(Piece(p.n, lambda p=p, d=d: shift_keys(p.keys(), d, inv_freq), p.values))
+        o += p.n
+    return out
 
 
 class EvictingCache(Cache):
     """A list of ``EvictingLayer``, one per decoder layer, passed to ``generate`` as ``past_key_values``."""
 
-    def __init__(self, policy: Policy, budget, num_layers: int, inv_freq=None):
+    def __init__(self, policy: Policy, budget, num_layers: int, inv_freq=None, storage: Storage | None = None):
         budgets = layer_budgets(policy, budget, num_layers)
-        super().__init__(layers=[EvictingLayer(policy, b, i, inv_freq) for i, b in enumerate(budgets)])
+        self.storage = storage or Storage()
+        super().__init__(layers=[EvictingLayer(policy, b, i, inv_freq, self.storage) for i, b in enumerate(budgets)])
         self.policy = policy
 
     def set_prompt_length(self, n: int) -> None:
@@ -251,16 +249,18 @@ class EvictingCache(Cache):
                 layer.budget_spec = resolve_budget(layer.budget_spec, n)
 
     def kv_bytes(self) -> int:
-        """Bytes held by the key/value storage of every layer now."""
+        """Every byte the cache holds now: keys and values (packed codes with their steps and zeros
+        when quantized), positions, validity and policy statistics, of every layer and tier."""
         return sum(layer.kv_bytes() for layer in self.layers)
 
     def full_kv_bytes(self) -> int:
-        """Bytes a full (unevicted) cache would hold for the tokens seen so far."""
+        """Bytes a full (unevicted) cache of the model's dtype would hold for the tokens seen so far."""
         total = 0
         for layer in self.layers:
             if layer.is_initialized:
-                b, h, _, d = layer.keys.shape
-                total += b * h * layer.seen * (d + layer.values.shape[-1]) * layer.keys.element_size()
+                h, dk, dv = layer.dims
+                b = layer.n_real.shape[0]
+                total += b * h * layer.seen * (dk + dv) * layer.dtype.itemsize
         return total
 
     def peak_entries(self) -> int:
@@ -307,7 +307,17 @@ def _check_hookable(model) -> int:
     return n
 
 
-def make_cache(model, policy="h2o", budget=0.2, recent=None, compact=False, **policy_params) -> EvictingCache:
+def _head_dim(model) -> int | None:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    d = getattr(config, "head_dim", None)
+    if isinstance(d, int):
+        return d
+    heads, hidden = getattr(config, "num_attention_heads", None), getattr(config, "hidden_size", None)
+    return hidden // heads if isinstance(heads, int) and isinstance(hidden, int) and heads else None
+
+
+def make_cache(model, policy="h2o", budget=0.2, recent=None, compact=False, kv_bits=None, group=DEFAULT_GROUP,
+               evicted_bits=None, evicted_budget=None, **policy_params) -> EvictingCache:
     """A cache for ``model.generate(..., past_key_values=cache)`` that keeps at most ``budget``
     tokens per layer and KV head, evicting with ``policy``.
 
@@ -315,15 +325,25 @@ def make_cache(model, policy="h2o", budget=0.2, recent=None, compact=False, **po
     prompt length). recent: the recent window (default: the policy's; half the budget for H2O).
     compact: give the kept tokens consecutive positions (keys re-rotated, as StreamingLLM does), so
     the model never sees a distance longer than the cache and can go on past its context length.
+    kv_bits: store kept keys and values in 16 (float16), 8, 4 or 2 bits (packed, per-token groups
+    of ``group`` channels; see kvevict.store); None keeps the model's dtype.
+    evicted_bits: demote evicted tokens into a tier of that many bits instead of dropping them
+    (MiKV); ``evicted_budget`` caps it (int tokens or fraction of the prompt; default the prompt).
+    For a budget in bytes instead, see ``kvevict.memory.make_cache_for_memory``.
     Switches the model's attention to the ``kvevict`` implementation (exact with any other cache).
     """
     check_budget(budget)
+    storage = Storage(kv_bits=kv_bits, group=group, evicted_bits=evicted_bits, evicted_budget=evicted_budget)
     if recent is not None:
         if isinstance(recent, bool) or not isinstance(recent, int):
             raise ValueError(f"recent must be an int number of tokens, got {recent!r}.")
         policy_params["recent"] = recent
     pol = make_policy(policy, **policy_params)
     num_layers = _check_hookable(model)
+    head_dim = _head_dim(model)
+    if head_dim is not None:  # fail now, not inside the first forward
+        for bits in (storage.kv_bits, storage.evicted_bits):
+            check_group(storage.group, head_dim, bits)
     if isinstance(budget, int):
         per_layer = layer_budgets(pol, budget, num_layers)
         for b in sorted(set(per_layer)):
@@ -338,4 +358,4 @@ def make_cache(model, policy="h2o", budget=0.2, recent=None, compact=False, **po
     model.set_attn_implementation(ATTN_NAME)
     if model.config._attn_implementation != ATTN_NAME:
         raise ValueError(f"{type(model).__name__} refused attn_implementation={ATTN_NAME!r}; kvevict cannot hook it.")
-    return EvictingCache(pol, budget, num_layers, rope_inv_freq(model) if compact else None)
+    return EvictingCache(pol, budget, num_layers, rope_inv_freq(model) if compact else None, storage)

@@ -34,7 +34,7 @@ def instrument(timers: ExclusiveTimers) -> None:
     from transformers import AttentionInterface
     from transformers.cache_utils import DynamicLayer
 
-    from .. import POLICIES, attention, cache
+    from .. import POLICIES, attention, cache, tier
     from ..policies import Policy
 
     mapping = AttentionInterface._global_mapping
@@ -46,9 +46,11 @@ def instrument(timers: ExclusiveTimers) -> None:
     for fn in ("_chunk_mask", "_hidden", "_seen"):  # mask helpers (names vary across versions)
         if hasattr(attention, fn):
             timers.wrap(attention, fn, "attention", f"attention.{fn}")
-    for fn, label in (("update", "cache write"), ("segments", "attention"), ("absorb", "score bookkeeping"),
-                      ("_replace_one", "eviction"), ("_replace_many", "eviction"), ("_candidates", "eviction")):
+    for fn, label in (("update", "cache write"), ("segments", "attention"), ("absorb", "score bookkeeping")):
         timers.wrap(cache.EvictingLayer, fn, label, f"cache.EvictingLayer.{fn}")
+    for fn, label in (("_replace_one", "eviction"), ("_replace_many", "eviction"), ("candidates", "eviction"),
+                      ("_write", "cache write")):
+        timers.wrap(tier.Tier, fn, label, f"tier.Tier.{fn}")
     for cls in {Policy, *POLICIES.values()}:
         for fn in ("priority", "score", "protected"):
             if fn in cls.__dict__:

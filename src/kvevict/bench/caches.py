@@ -123,6 +123,8 @@ def state_bytes(cache) -> int:
         elif isinstance(obj, (list, tuple)):
             for v in obj:
                 visit(v)
+        elif type(obj).__module__ in ("kvevict.tier", "kvevict.store"):  # tiers and their stores
+            visit(list(vars(obj).values()))
 
     for layer in cache.layers:
         visit(list(vars(layer).values()))

@@ -1,0 +1,49 @@
+"""How a cache stores what it keeps: bits per key/value channel for the kept tokens, and whether
+evicted tokens are dropped or demoted into a low-bit tier of their own (mixed precision)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .store import check_bits, slot_bytes
+
+# per-token groups of 32 channels: measured against 16 and 64 on SmolLM2 (docs/quality-per-byte.md)
+DEFAULT_GROUP = 32
+
+
+@dataclass(frozen=True)
+class Storage:
+    """kv_bits: None (the model's dtype), 16 (float16), 8, 4 or 2 (packed integer codes).
+    group: channels per quantization group along the head dimension.
+    evicted_bits: None (evicted tokens are dropped) or the bits of the tier they are demoted to.
+    evicted_budget: that tier's slots per (sequence, KV head): an int, or a float fraction of the
+    prompt (default 1.0: room for the whole prompt; later tokens evict by the policy)."""
+
+    kv_bits: int | None = None
+    group: int = DEFAULT_GROUP
+    evicted_bits: int | None = None
+    evicted_budget: int | float | None = None
+
+    def __post_init__(self):
+        check_bits(self.kv_bits)
+        check_bits(self.evicted_bits, "evicted_bits")
+        if isinstance(self.group, bool) or not isinstance(self.group, int) or self.group < 1:
+            raise ValueError(f"group must be a positive number of channels (e.g. 32), got {self.group!r}.")
+        if self.evicted_budget is not None:
+            if self.evicted_bits is None:
+                raise ValueError("evicted_budget sizes the low-bit tier of evicted tokens: give evicted_bits too.")
+            from .cache import check_budget
+
+            check_budget(self.evicted_budget)
+
+    @property
+    def label(self) -> str:
+        """Short name: '' (model dtype), 'int4', 'int4+int2', ..."""
+        parts = [] if self.kv_bits is None else ["fp16" if self.kv_bits == 16 else f"int{self.kv_bits}"]
+        if self.evicted_bits is not None:
+            parts.append(("+" if parts else "fp+") + ("fp16" if self.evicted_bits == 16 else f"int{self.evicted_bits}"))
+        return "".join(parts)
+
+    def slot_bytes(self, head_dim_k: int, head_dim_v: int, dtype_bytes: int, n_stats: int, bits=None) -> float:
+        """Bytes one slot of one (sequence, KV head) takes: key, value, position (8), validity (1), statistics (4 each)."""
+        return slot_bytes(head_dim_k, head_dim_v, bits, self.group, dtype_bytes) + 9 + 4 * n_stats

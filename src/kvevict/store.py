@@ -1,0 +1,222 @@
+"""Key/value storage of one cache tier: ``n`` slots per (sequence, KV head), written by index.
+
+Two kinds behind one interface (``write``, ``read``, ``pieces``, ``map_batch``, ``nbytes``):
+
+- ``DenseStore``: keys and values as they come (the model's dtype), or in float16 (``bits=16``).
+- ``PackedStore``: ``bits`` = 8, 4 or 2. Each token's key and value is cut into groups of
+  ``group`` channels along the head dimension; a group stores its minimum ``z`` and step ``s``
+  (float16) and one code per channel,
+
+      c = clamp(round((x - z) / s), 0, 2^bits - 1),    x_hat = z + s * c,    s = (max - z) / (2^bits - 1)
+
+  so |x - x_hat| <= s / 2 (half a quantization step). Codes are bit-packed into uint8 (2 codes a
+  byte at 4 bits, 4 at 2 bits): the memory really shrinks, there is no dequantized copy kept.
+  Per-token groups (KIVI quantizes keys per channel, across tokens) because an evicting cache
+  rewrites single slots: a group that spans tokens would have to be re-quantized, from already
+  quantized values, every time one of its tokens is evicted. Reading happens in ``pieces`` of at
+  most ``CHUNK`` slots, so at most one chunk of a layer exists in full precision at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+BITS = (16, 8, 4, 2)  # 32: the model's own dtype (DenseStore), spelled kv_bits=None
+CHUNK = 2048  # slots dequantized at once when attention reads a packed store
+
+
+def check_bits(bits, name: str = "kv_bits") -> None:
+    if bits is None:
+        return
+    if isinstance(bits, bool) or bits not in BITS:
+        raise ValueError(f"{name} must be one of {', '.join(map(str, BITS))} (or None for the model's dtype), got {bits!r}.")
+
+
+def check_group(group, head_dim: int, bits) -> None:
+    if isinstance(group, bool) or not isinstance(group, int) or group < 1:
+        raise ValueError(f"group must be a positive number of channels, got {group!r}.")
+    if bits in (8, 4, 2) and head_dim % group:
+        divisors = [g for g in (8, 16, 32, 64, 128) if head_dim % g == 0]
+        raise ValueError(f"group={group} does not divide the head dimension {head_dim}; choose one of {divisors}.")
+    per = 8 // bits if bits in (4, 2) else 1
+    if bits in (4, 2) and head_dim % per:
+        raise ValueError(f"{bits}-bit packing needs a head dimension divisible by {per}, got {head_dim}.")
+
+
+@dataclass
+class Piece:
+    """A run of ``n`` consecutive slots as attention reads them: dequantized on demand."""
+
+    n: int
+    keys: Callable[[], torch.Tensor]  # () -> (b, h, n, dk) in the compute dtype
+    values: Callable[[], torch.Tensor]
+
+
+def make_store(b, h, n, dk, dv, dtype, device, bits=None, group: int = 32):
+    if bits in (None, 16):
+        return DenseStore(b, h, n, dk, dv, torch.float16 if bits == 16 else dtype, dtype, device)
+    return PackedStore(b, h, n, dk, dv, dtype, device, bits, group)
+
+
+def _scatter(store: torch.Tensor, idx: torch.Tensor, src: torch.Tensor, take) -> None:
+    """store[b, h, idx[b, h, j]] = src[b, h, j] where take (b, h, j) is True (None: everywhere)."""
+    full = idx.view(*idx.shape, *([1] * (store.dim() - 3))).expand(*idx.shape, *store.shape[3:])
+    if take is not None:
+        src = torch.where(take.view(*take.shape, *([1] * (store.dim() - 3))), src, store.gather(2, full))
+    store.scatter_(2, full, src)
+
+
+class DenseStore:
+    bits = None
+
+    def __init__(self, b, h, n, dk, dv, dtype, compute_dtype, device):
+        self.compute_dtype = compute_dtype
+        self.keys = torch.zeros(b, h, n, dk, dtype=dtype, device=device)
+        self.values = torch.zeros(b, h, n, dv, dtype=dtype, device=device)
+        if dtype == torch.float16:
+            self.bits = 16
+
+    def write(self, idx, k, v, take=None) -> None:
+        _scatter(self.keys, idx, k.to(self.keys.dtype), take)
+        _scatter(self.values, idx, v.to(self.values.dtype), take)
+
+    def read(self, idx):
+        """Keys and values of slots ``idx`` (b, h, m), in the compute dtype."""
+        gk = idx.unsqueeze(-1).expand(-1, -1, -1, self.keys.shape[-1])
+        gv = idx.unsqueeze(-1).expand(-1, -1, -1, self.values.shape[-1])
+        return (self.keys.gather(2, gk).to(self.compute_dtype), self.values.gather(2, gv).to(self.compute_dtype))
+
+    def pieces(self, n: int) -> list[Piece]:
+        k, v = self.keys[:, :, :n], self.values[:, :, :n]
+        if k.dtype == self.compute_dtype:  # views: no copy at all
+            return [Piece(n, lambda: k, lambda: v)]
+        return [Piece(e - s, lambda s=s, e=e: k[:, :, s:e].to(self.compute_dtype),
+                      lambda s=s, e=e: v[:, :, s:e].to(self.compute_dtype)) for s, e in _spans(n)]
+
+    def map_batch(self, fn) -> None:
+        self.keys, self.values = fn(self.keys), fn(self.values)
+
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+    def data_ptr(self) -> int:
+        return self.keys.data_ptr()
+
+
+class _Packed:
+    """One of K or V: codes (b, h, n, d * bits / 8) uint8, zero and step (b, h, n, d / group) fp16."""
+
+    def __init__(self, b, h, n, d, device, bits, group):
+        self.d, self.bits, self.group = d, bits, group
+        self.codes = torch.zeros(b, h, n, d * bits // 8, dtype=torch.uint8, device=device)
+        self.zero = torch.zeros(b, h, n, d // group, dtype=torch.float16, device=device)
+        self.step = torch.zeros(b, h, n, d // group, dtype=torch.float16, device=device)
+
+    def tensors(self):
+        return self.codes, self.zero, self.step
+
+
+def quantize(x: torch.Tensor, bits: int, group: int):
+    """x (..., d) -> packed codes (..., d * bits / 8) uint8, zero and step (..., d / group) fp16."""
+    d = x.shape[-1]
+    g = x.float().reshape(*x.shape[:-1], d // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    levels = (1 << bits) - 1
+    # the fp16 zero is rounded down and the step up, so [zero, zero + levels * step] still covers the group
+    zero = lo.to(torch.float16)
+    zero = torch.where(zero.float() > lo, torch.nextafter(zero, torch.full_like(zero, -float("inf"))), zero)
+    step = ((hi - zero.float()) / levels).to(torch.float16)
+    step = torch.where(step.float() * levels + zero.float() < hi,
+                       torch.nextafter(step, torch.full_like(step, float("inf"))), step)
+    inv = torch.where(step > 0, 1.0 / step.float(), torch.zeros_like(lo))
+    codes = ((g - zero.float().unsqueeze(-1)) * inv.unsqueeze(-1)).round_().clamp_(0, levels)
+    return pack(codes.to(torch.uint8).reshape(x.shape), bits), zero, step
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """(..., d) codes < 2^bits -> (..., d * bits / 8) bytes; byte j holds channels j, j + w, j + 2w, ..."""
+    if bits == 8:
+        return codes
+    per = 8 // bits
+    parts = codes.chunk(per, dim=-1)
+    out = parts[0].clone()
+    for k in range(1, per):
+        out |= parts[k] << (bits * k)
+    return out
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    if bits == 8:
+        return packed
+    mask = (1 << bits) - 1
+    return torch.cat([(packed >> (bits * k)) & mask for k in range(8 // bits)], dim=-1)
+
+
+def dequantize(codes, zero, step, bits: int, group: int, dtype) -> torch.Tensor:
+    c = unpack(codes, bits).to(dtype)
+    shape = c.shape
+    c = c.view(*shape[:-1], shape[-1] // group, group)
+    return torch.addcmul(zero.to(dtype).unsqueeze(-1), c, step.to(dtype).unsqueeze(-1)).view(shape)
+
+
+class PackedStore:
+    def __init__(self, b, h, n, dk, dv, compute_dtype, device, bits, group):
+        self.bits, self.group, self.compute_dtype = bits, group, compute_dtype
+        self.k = _Packed(b, h, n, dk, device, bits, group)
+        self.v = _Packed(b, h, n, dv, device, bits, group)
+
+    def write(self, idx, k, v, take=None) -> None:
+        for part, x in ((self.k, k), (self.v, v)):
+            for store, src in zip(part.tensors(), quantize(x, self.bits, self.group)):
+                _scatter(store, idx, src, take)
+
+    def _deq(self, part: _Packed, sl) -> torch.Tensor:
+        return dequantize(part.codes[sl], part.zero[sl], part.step[sl], self.bits, self.group, self.compute_dtype)
+
+    def read(self, idx):
+        out = []
+        for part in (self.k, self.v):
+            got = [t.gather(2, idx.unsqueeze(-1).expand(-1, -1, -1, t.shape[-1])) for t in part.tensors()]
+            out.append(dequantize(*got, self.bits, self.group, self.compute_dtype))
+        return tuple(out)
+
+    def pieces(self, n: int) -> list[Piece]:
+        def piece(s, e):
+            sl = (slice(None), slice(None), slice(s, e))
+            return Piece(e - s, lambda: self._deq(self.k, sl), lambda: self._deq(self.v, sl))
+
+        return [piece(s, e) for s, e in _spans(n)]
+
+    def map_batch(self, fn) -> None:
+        for part in (self.k, self.v):
+            part.codes, part.zero, part.step = (fn(t) for t in part.tensors())
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for part in (self.k, self.v) for t in part.tensors())
+
+    def data_ptr(self) -> int:
+        return self.k.codes.data_ptr()
+
+    @property
+    def keys(self):  # the packed codes: what "the key storage" is for this store
+        return self.k.codes
+
+    @property
+    def values(self):
+        return self.v.codes
+
+
+def _spans(n: int):
+    return [(s, min(n, s + CHUNK)) for s in range(0, n, CHUNK)]
+
+
+def slot_bytes(head_dim_k: int, head_dim_v: int, bits, group: int, dtype_bytes: int) -> float:
+    """Bytes one slot of one (sequence, KV head) takes for its key and value in a store."""
+    if bits is None:
+        return (head_dim_k + head_dim_v) * dtype_bytes
+    if bits == 16:
+        return (head_dim_k + head_dim_v) * 2
+    return sum(d * bits / 8 + (d // group) * 4 for d in (head_dim_k, head_dim_v))

@@ -1,0 +1,144 @@
+"""One tier of an eviction layer: ``budget`` slots per (sequence, KV head) holding keys and values
+(in a ``store``, full precision or packed) plus each token's position, validity and the policy's
+statistics. The slot machinery is written once, here: new tokens fill free slots, and once the
+tier is full they take the slots of the lowest-priority candidates, overwriting them in place.
+
+A layer has one tier, or two for mixed precision (MiKV, Yang et al. 2024, "No Token Left Behind"):
+the tokens the first tier evicts are demoted into a second, low-bit tier instead of being
+dropped, and that tier evicts by the same policy once its own budget is full.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .policies import Candidates, Policy
+from .store import make_store
+
+# per-candidate metadata besides the key/value pair: position, validity, one entry per statistic
+_META = ("pos", "valid")
+
+
+class Tier:
+    def __init__(self, budget: int, b, h, dk, dv, dtype, device, stats: tuple, bits=None, group: int = 32):
+        self.budget, self.filled = budget, 0
+        self.store = make_store(b, h, budget, dk, dv, dtype, device, bits, group)
+        self.pos = torch.zeros(b, h, budget, dtype=torch.long, device=device)
+        self.valid = torch.zeros(b, h, budget, dtype=torch.bool, device=device)
+        self.stats = {n: torch.zeros(b, h, budget, dtype=torch.float32, device=device) for n in stats}
+
+    def meta(self, name: str) -> torch.Tensor:
+        return self.stats[name] if name in self.stats else getattr(self, name)
+
+    def names(self):
+        return (*_META, *self.stats)
+
+    def accumulate(self, stats: dict, offset: int, decay: float, m: int) -> None:
+        """Add this step's statistics of this tier's slots (columns [offset, offset + filled))."""
+        f = self.filled
+        for name, st in self.stats.items():
+            got = stats[name][..., offset: offset + f]
+            if name == "last":
+                st[..., :f] = got
+            elif name == "hits_ema":  # older hits fade: a history window of about 1 / (1 - gamma) steps
+                st[..., :f].mul_(decay ** m).add_(got)
+            else:
+                st[..., :f] += got
+
+    def candidates(self, new: dict | None, newest, budget: int, layer_idx: int) -> Candidates:
+        """All slots (empty ones invalid) followed by the new entries; the slots alone if ``new`` is None."""
+        cat = {n: self.meta(n) if new is None else torch.cat([self.meta(n), new[n]], dim=-1) for n in self.names()}
+        return Candidates(stats={n: cat[n] for n in self.stats}, pos=cat["pos"], valid=cat["valid"],
+                          newest=newest, budget=budget, layer_idx=layer_idx)
+
+    def insert(self, policy: Policy, new: dict, ctx: dict, protected_newcomer: bool, want_evicted: bool):
+        """Store ``new`` entries (keys "k", "v" and the metadata, each (b, h, m, ...)); return the
+        entries that left (evicted candidates, valid first) when ``want_evicted``, else None."""
+        f, m, B = self.filled, new["pos"].shape[-1], self.budget
+        if f + m <= B:
+            idx = torch.arange(f, f + m, device=self.pos.device).expand(*new["pos"].shape)
+            self._write(idx, new, None)
+            self.filled = f + m
+            return None
+        if m == 1:
+            return self._replace_one(policy, new, ctx, protected_newcomer, want_evicted)
+        return self._replace_many(policy, new, ctx, want_evicted)
+
+    def _write(self, idx, new: dict, take) -> None:
+        self.store.write(idx, new["k"], new["v"], take)
+        for name in self.names():
+            store = self.meta(name)
+            src = new[name] if take is None else torch.where(take, new[name], store.gather(2, idx))
+            store.scatter_(2, idx, src)
+
+    def _read(self, idx) -> dict:
+        k, v = self.store.read(idx)
+        out = {"k": k, "v": v}
+        out.update({name: self.meta(name).gather(2, idx) for name in self.names()})
+        return out
+
+    def _replace_one(self, policy, new, ctx, protected_newcomer, want_evicted):
+        """Decoding: the new token takes the slot of the lowest-priority candidate."""
+        B = self.budget
+        if protected_newcomer and policy.keeps_newest(ctx["budget"]) and policy.independent:
+            # the newcomer is protected and cannot change the others' ranks: rank the slots only
+            slot, take = policy.priority(self.candidates(None, **ctx)).argmin(-1, keepdim=True), None
+        else:
+            victim = policy.priority(self.candidates(new, **ctx)).argmin(-1, keepdim=True)  # (b, h, 1)
+            slot, take = victim.clamp(max=B - 1), victim < B
+        gone = self._read(slot) if want_evicted else None
+        if gone is not None and take is not None:  # where the newcomer lost, it is what leaves
+            gone = {n: torch.where(take.view(*take.shape, *([1] * (t.dim() - 3))), t, new[n]) for n, t in gone.items()}
+        self._write(slot, new, take)
+        return gone
+
+    def _replace_many(self, policy, new, ctx, want_evicted):
+        """Prefill chunks: evict the m lowest-priority of the B slots + m new tokens; the kept new
+        tokens move into the evicted slots, pairwise, so storage is overwritten in place."""
+        B, m = self.budget, new["pos"].shape[-1]
+        prio = policy.priority(self.candidates(new, **ctx))
+        out = prio.topk(m, dim=-1, largest=False).indices  # (b, h, m) evicted candidates
+        gone = self._evicted(out, new) if want_evicted else None
+        ev_slot = torch.zeros(prio.shape[0], prio.shape[1], B + m, dtype=torch.bool, device=prio.device)
+        ev_slot.scatter_(-1, out, True)
+        k = min(m, B)
+        # evicted slots first, then kept ones (stable); kept new tokens first, then evicted ones
+        targets = torch.argsort((~ev_slot[..., :B]).to(torch.int8), dim=-1, stable=True)[..., :k]
+        sources = torch.argsort(ev_slot[..., B:].to(torch.int8), dim=-1, stable=True)[..., :k]
+        n_moves = ev_slot[..., :B].sum(-1, keepdim=True)  # = number of kept new tokens
+        move = torch.arange(k, device=prio.device).view(1, 1, k) < n_moves  # (b, h, k)
+        moved = {n: t.gather(2, _expand(sources, t)) for n, t in new.items()}
+        self._write(targets, moved, move)
+        self.filled = B
+        return gone
+
+    def _evicted(self, out, new: dict) -> dict:
+        """The entries of evicted candidates ``out`` (indices into slots + new), valid ones first,
+        cut to the most valid ones any (sequence, head) has."""
+        B = self.budget
+        from_slot = out < B
+        stored = self._read(out.clamp(max=B - 1))
+        fresh = {n: t.gather(2, _expand((out - B).clamp(min=0), t)) for n, t in new.items()}
+        got = {n: torch.where(_bcast(from_slot, stored[n]), stored[n], fresh[n]) for n in stored}
+        order = torch.argsort((~got["valid"]).to(torch.int8), dim=-1, stable=True)
+        keep = int(got["valid"].sum(-1).max())
+        order = order[..., :keep]
+        return {n: t.gather(2, _expand(order, t)) for n, t in got.items()}
+
+    def map_batch(self, fn) -> None:
+        self.store.map_batch(fn)
+        self.pos, self.valid = fn(self.pos), fn(self.valid)
+        self.stats = {n: fn(t) for n, t in self.stats.items()}
+
+    def nbytes(self) -> int:
+        """Every byte this tier holds: keys and values (codes, steps, zeros), positions, validity, statistics."""
+        return self.store.nbytes() + sum(self.meta(n).nbytes for n in self.names())
+
+
+def _expand(idx: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Index (b, h, j) expanded over ``like``'s trailing dims (head_dim for keys and values)."""
+    return idx.view(*idx.shape, *([1] * (like.dim() - 3))).expand(*idx.shape, *like.shape[3:])
+
+
+def _bcast(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return mask.view(*mask.shape, *([1] * (like.dim() - 3)))

@@ -1,0 +1,197 @@
+"""Issue 10: packed key/value storage (8/4/2 bits) and mixed precision under eviction."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvevict
+from conftest import tiny_model
+from kvevict.store import dequantize, quantize
+
+
+def _logits(model, ids, cache, mask=None):
+    with torch.no_grad():
+        return model(ids, attention_mask=mask, past_key_values=cache).logits
+
+
+def _stream(model, cache, prompt, steps):
+    """Logits of the prompt's last token and of each single-token step after it."""
+    out = [_logits(model, prompt, cache)[:, -1]]
+    out += [_logits(model, steps[:, i:i + 1], cache)[:, -1] for i in range(steps.shape[1])]
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("group", [8, 32])
+def test_round_trip_is_within_half_a_step(bits, group):
+    torch.manual_seed(bits)
+    x = torch.randn(2, 3, 50, 64) * torch.rand(1, 1, 1, 64) * 5  # channels of very different scales
+    codes, zero, step = quantize(x, bits, group)
+    assert codes.dtype == torch.uint8 and codes.shape[-1] == 64 * bits // 8  # really packed
+    assert zero.shape[-1] == 64 // group and zero.dtype == torch.float16
+    back = dequantize(codes, zero, step, bits, group, torch.float32)
+    err = (back - x).abs().view(2, 3, 50, 64 // group, group)
+    half = step.float().unsqueeze(-1) / 2
+    assert (err <= half * (1 + 1e-3) + 1e-6).all()
+    # and the step is not inflated: it is the group's range over the levels, up to fp16 rounding
+    g = x.view(2, 3, 50, 64 // group, group)
+    want = (g.amax(-1) - g.amin(-1)) / ((1 << bits) - 1)
+    assert torch.allclose(step.float(), want, rtol=2e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_a_constant_group_is_exact(bits):
+    x = torch.full((1, 1, 3, 16), -2.5)
+    x[..., 8:] = torch.tensor([0.0, 1.0, 0.5]).view(1, 1, 3, 1)  # each token: its second group constant
+    codes, zero, step = quantize(x, bits, 8)
+    assert torch.equal(dequantize(codes, zero, step, bits, 8, torch.float32), x)
+
+
+def _slot_bytes(head_dim, bits, group, n_stats):
+    """Bytes of one slot of one KV head, counted by hand: K and V codes, fp16 zero and step per
+    group, int64 position, bool validity, fp32 statistics."""
+    codes = head_dim * bits // 8
+    return 2 * (codes + 2 * 2 * (head_dim // group)) + 8 + 1 + 4 * n_stats
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_kv_bytes_is_exact_for_packed_storage(bits):
+    model = tiny_model("llama-mha")  # head_dim 16, 4 KV heads, 3 layers
+    cfg = model.config
+    budget, batch, n_layers, heads = 10, 2, cfg.num_hidden_layers, cfg.num_key_value_heads
+    cache = kvevict.make_cache(model, "h2o", budget=budget, kv_bits=bits, group=8)
+    _logits(model, torch.randint(0, 128, (batch, 30)), cache)
+    expected = (budget * heads * _slot_bytes(16, bits, 8, 1) + 8) * n_layers * batch
+    assert cache.kv_bytes() == expected
+    ptr = [layer.keys.data_ptr() for layer in cache.layers]
+    assert all(layer.keys.dtype == torch.uint8 for layer in cache.layers)
+    for _ in range(20):
+        _logits(model, torch.randint(0, 128, (batch, 1)), cache)
+    assert cache.kv_bytes() == expected and [layer.keys.data_ptr() for layer in cache.layers] == ptr
+    # mixed: a second tier of evicted_budget slots at evicted_bits
+    mixed = kvevict.make_cache(model, "h2o", budget=budget, kv_bits=8, group=8, evicted_bits=2, evicted_budget=6)
+    _logits(model, torch.randint(0, 128, (batch, 30)), mixed)
+    two = (budget * _slot_bytes(16, 8, 8, 1) + 6 * _slot_bytes(16, 2, 8, 1)) * heads
+    assert mixed.kv_bytes() == (two + 8) * n_layers * batch
+
+
+@pytest.mark.parametrize("arch", ["llama-gqa", "qwen2"])
+def test_int8_with_a_covering_budget_stays_close_to_the_full_cache(arch):
+    model = tiny_model(arch)
+    torch.manual_seed(3)
+    prompt, steps = torch.randint(0, 128, (2, 24)), torch.randint(0, 128, (2, 6))
+    ref = _stream(model, DynamicCache(config=model.config), prompt, steps)
+    errors = {}
+    for bits in (16, 8, 4):
+        cache = kvevict.make_cache(model, "h2o", budget=30, kv_bits=bits, group=8)
+        errors[bits] = (_stream(model, cache, prompt, steps) - ref).abs().max().item()
+    assert errors[16] < 1e-3 and errors[8] < 5e-3  # the stated tolerance: max |logit difference|
+    assert errors[16] < errors[8] < errors[4]  # fewer bits, more error: quantization really happens
+
+
+def test_int8_on_smollm2_stays_close_to_the_full_cache(real_model):
+    model, tok = real_model
+    ids = tok("The quick brown fox jumps over the lazy dog. " * 12, return_tensors="pt")["input_ids"]
+    steps = tok(" It was a sunny day and the fox", return_tensors="pt")["input_ids"]
+    model.set_attn_implementation("sdpa")
+    ref = _stream(model, DynamicCache(config=model.config), ids, steps)
+    cache = kvevict.make_cache(model, "h2o", budget=ids.shape[1] + steps.shape[1], kv_bits=8)
+    got = _stream(model, cache, ids, steps)
+    assert (got - ref).abs().max().item() < 0.25  # stated tolerance; logits span ~30, measured 0.11
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    assert cache.kv_bytes() < 0.32 * cache.full_kv_bytes()  # int8 + fp16 zero/step per 32 + pos/valid/stat
+
+
+def test_mixed_precision_with_a_covering_low_bit_tier_loses_no_token():
+    model = tiny_model("llama-gqa")
+    torch.manual_seed(4)
+    prompt, steps = torch.randint(0, 128, (2, 30)), torch.randint(0, 128, (2, 8))
+    cache = kvevict.make_cache(model, "h2o", budget=10, recent=4, kv_bits=None, evicted_bits=16,
+                               evicted_budget=40)
+    got = _stream(model, cache, prompt, steps)
+    for layer in cache.layers:
+        hi, lo = layer.tiers
+        assert hi.filled == 10 and lo.filled == 38 - 10  # every token is somewhere
+        both = torch.cat([hi.pos, lo.pos[:, :, : lo.filled]], dim=-1).sort(-1).values
+        assert torch.equal(both, torch.arange(38).expand_as(both))
+    # fp16 for the demoted tokens: as good as the full cache up to fp16 rounding, unlike dropping them
+    ref = _stream(model, DynamicCache(config=model.config), prompt, steps)
+    dropped = _stream(model, kvevict.make_cache(model, "h2o", budget=10, recent=4), prompt, steps)
+    assert (got - ref).abs().max().item() < 1e-3 < (dropped - ref).abs().max().item()
+
+
+def test_the_low_bit_tier_is_capped_and_keeps_what_the_policy_ranks_highest():
+    model = tiny_model("llama-gqa")
+    cache = kvevict.make_cache(model, "h2o", budget=8, recent=2, evicted_bits=4, evicted_budget=5, group=8)
+    _logits(model, torch.randint(0, 128, (1, 20)), cache)
+    for _ in range(30):  # a long stream: memory stays flat, every tier full, nothing kept twice
+        before = cache.kv_bytes()
+        _logits(model, torch.randint(0, 128, (1, 1)), cache)
+        assert cache.kv_bytes() == before
+    for layer in cache.layers:
+        hi, lo = layer.tiers
+        assert (hi.filled, lo.filled) == (8, 5)
+        assert lo.valid.all()
+        for h in range(hi.pos.shape[1]):
+            assert not set(hi.pos[0, h].tolist()) & set(lo.pos[0, h].tolist())
+
+
+def test_packed_storage_on_a_padded_batch_equals_each_row_alone():
+    model = tiny_model("llama-gqa")
+    torch.manual_seed(5)
+    a, b = torch.randint(1, 128, (1, 20)), torch.randint(1, 128, (1, 14))
+    ids = torch.cat([a, torch.cat([torch.zeros(1, 6, dtype=torch.long), b], dim=1)])
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    kw = dict(policy="h2o", budget=10, recent=3, kv_bits=4, group=8, evicted_bits=2, evicted_budget=6)
+    out = model.generate(ids, attention_mask=mask, past_key_values=kvevict.make_cache(model, **kw),
+                         max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    for row, x in ((0, a), (1, b)):
+        alone = model.generate(x, attention_mask=torch.ones_like(x), past_key_values=kvevict.make_cache(model, **kw),
+                               max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+        assert torch.equal(out[row, -8:], alone[0, -8:])
+
+
+def test_batch_operations_on_packed_storage():
+    model = tiny_model("llama-gqa")
+    torch.manual_seed(6)
+    ids = torch.randint(0, 128, (3, 16))
+    cache = kvevict.make_cache(model, "h2o", budget=8, kv_bits=4, group=8, evicted_bits=2, evicted_budget=4)
+    _logits(model, ids, cache)
+    one = kvevict.make_cache(model, "h2o", budget=8, kv_bits=4, group=8, evicted_bits=2, evicted_budget=4)
+    _logits(model, ids[2:3], one)
+    cache.batch_select_indices(torch.tensor([2]))  # keep the third row only
+    step = torch.randint(0, 128, (1, 1))
+    assert torch.equal(_logits(model, step, cache), _logits(model, step, one))
+    assert cache.kv_bytes() == one.kv_bytes()
+    cache.batch_repeat_interleave(2)  # beam search: two copies of the row, each continuing alike
+    step2 = torch.randint(0, 128, (1, 1))
+    got = _logits(model, step2.expand(2, 1), cache)
+    assert torch.equal(got[0], got[1]) and torch.allclose(got[:1], _logits(model, step2, one), atol=1e-5)
+    cache.reorder_cache(torch.tensor([1, 0]))
+    assert cache.kv_bytes() == 2 * one.kv_bytes()
+
+
+def test_beam_search_and_compact_positions_run_on_packed_storage():
+    model = tiny_model("llama-gqa")
+    ids = torch.randint(0, 128, (1, 20))
+    cache = kvevict.make_cache(model, "h2o", budget=8, kv_bits=4, group=8, evicted_bits=2, evicted_budget=8,
+                               compact=True)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, num_beams=2,
+                         max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 26)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(kv_bits=3), "kv_bits must be one of"),
+    (dict(kv_bits=True), "kv_bits must be one of"),
+    (dict(evicted_bits=5), "evicted_bits must be one of"),
+    (dict(kv_bits=4, group=5), "does not divide the head dimension 8"),
+    (dict(kv_bits=4, group=0), "group must be a positive"),
+    (dict(evicted_budget=10), "give evicted_bits too"),
+    (dict(evicted_bits=2, evicted_budget=1.5), "fraction of the prompt"),
+])
+def test_bad_storage_options_are_clear_errors(kw, match):
+    model = tiny_model("llama-gqa")
+    with pytest.raises(ValueError, match=match):
+        kvevict.make_cache(model, "h2o", budget=8, **kw)
