@@ -8,6 +8,7 @@ from transformers import DynamicCache
 import kvevict
 from conftest import tiny_model
 from kvevict.attention import _Segments, attend
+from kvevict.store import Piece
 from kvevict.policies import Candidates, make_policy
 from kvevict.policies.kvzip import KVzip
 
@@ -17,6 +18,11 @@ def candidates(stats, n, budget, newest=None):
                       pos=torch.arange(n).view(1, 1, -1), valid=torch.ones(1, 1, n, dtype=torch.bool),
                       newest=torch.tensor(n - 1 if newest is None else newest).view(1, 1, 1), budget=budget,
                       layer_idx=0)
+
+
+def piece(keys):
+    """A past piece of stored keys (values: the keys again; only the statistics are checked)."""
+    return Piece(n=keys.shape[2], keys=lambda: keys, values=lambda: keys)
 
 
 def kept(policy, c):
@@ -34,7 +40,7 @@ def test_attention_writes_the_key_norm_once():
     torch.manual_seed(1)
     b, hkv, g, d = 1, 2, 2, 4
     kp, kn = torch.randn(b, hkv, 3, d), torch.randn(b, hkv, 2, d)
-    seg = _Segments(k_past=kp, v_past=torch.randn_like(kp), pos_past=None, valid_past=None, k_new=kn,
+    seg = _Segments(pieces=[piece(kp)], pos_past=None, valid_past=None, k_new=kn,
                     v_new=torch.randn_like(kn), pos_new=torch.tensor([[3, 4]]), valid_new=None)
     _, st = attend(torch.randn(b, hkv * g, 2, d), seg, d ** -0.5, None, None, ("knorm",))
     assert torch.equal(st["knorm"][..., :3], torch.zeros(b, hkv, 3))  # stored keys: already counted
@@ -123,7 +129,7 @@ def test_expected_attention_statistic_matches_its_definition():
     b, hkv, g, q, d, w = 1, 2, 3, 6, 4, 4
     query, key = torch.randn(b, hkv * g, q, d), torch.randn(b, hkv, q, d)
     kp = torch.randn(b, hkv, 2, d)
-    seg = _Segments(k_past=kp, v_past=torch.randn_like(kp), pos_past=None, valid_past=None, k_new=key,
+    seg = _Segments(pieces=[piece(kp[:, :, :1]), piece(kp[:, :, 1:])], pos_past=None, valid_past=None, k_new=key,
                     v_new=torch.randn_like(key), pos_new=torch.arange(2, 2 + q).view(1, -1), valid_new=None)
     _, st = attend(query, seg, d ** -0.5, None, None, ("expected",), observe=w)
     qs = query.view(b, hkv, g, q, d)[:, :, :, -w:] * d ** -0.5
@@ -137,7 +143,7 @@ def test_expected_attention_statistic_matches_its_definition():
         assert torch.allclose(st["expected"][0, h], want * q, atol=1e-5)
     # one decoding query: var = 0, so the statistic is exactly that query's attention
     one = query[:, :, -1:]
-    seg1 = _Segments(k_past=keys[:, :, :-1], v_past=keys[:, :, :-1], pos_past=None, valid_past=None,
+    seg1 = _Segments(pieces=[piece(keys[:, :, :-1])], pos_past=None, valid_past=None,
                      k_new=keys[:, :, -1:], v_new=keys[:, :, -1:], pos_new=torch.tensor([[7]]), valid_new=None)
     _, s1 = attend(one, seg1, d ** -0.5, None, None, ("expected", "sum"), observe=w)
     assert torch.allclose(s1["expected"], s1["sum"], atol=1e-5)

@@ -242,17 +242,24 @@ def _expected_attention(qs, seg: _Segments, w: int):
     if seg.valid_new is not None:
         last = last[:, :, :, -1:]  # padded batches: the last query is real in every row
     mu, var = last.mean(3), last.var(3, unbiased=False)  # (b, hkv, g, d)
-    keys = torch.cat([seg.k_past, seg.k_new], dim=2).float()  # (b, hkv, n, d)
-    z = mu @ keys.transpose(-1, -2) + 0.5 * (var @ keys.square().transpose(-1, -2))  # (b, hkv, g, n)
+    z = torch.cat([_expected_logits(mu, var, p.keys()) for p in seg.pieces]
+                  + [_expected_logits(mu, var, seg.k_new)], dim=-1)  # (b, hkv, g, n): piece by piece
     if seg.valid_past is not None or seg.valid_new is not None:
+        n_past = z.shape[-1] - q
         vp = (seg.valid_past if seg.valid_past is not None
-              else torch.ones(1, 1, seg.k_past.shape[2], dtype=torch.bool, device=qs.device))
+              else torch.ones(1, 1, n_past, dtype=torch.bool, device=qs.device))
         vn = (seg.valid_new[:, None] if seg.valid_new is not None
               else torch.ones(1, 1, q, dtype=torch.bool, device=qs.device))
-        valid = torch.cat([vp.expand(b, -1, -1), vn.expand(b, -1, -1)], -1)
+        valid = torch.cat([vp.expand(b, hkv, -1), vn.expand(b, hkv, -1)], -1)
         z = z.masked_fill(~valid[:, :, None], float("-inf"))
     m = q if seg.valid_new is None else seg.valid_new.sum(1).view(b, 1, 1).float()
     return torch.softmax(z, dim=-1).sum(2) * m
+
+
+def _expected_logits(mu, var, keys):
+    """mu . k + k^T diag(var) k / 2 for every key of one piece: (b, hkv, g, n)."""
+    k = keys.float()
+    return mu @ k.transpose(-1, -2) + 0.5 * (var @ k.square().transpose(-1, -2))
 
 
 def _hidden(seg: _Segments, s, e, window, idx):
