@@ -39,8 +39,8 @@ def test_bandwidth_and_floor_by_hand():
     assert mm.copy_bandwidth(10**9, 0.1) == pytest.approx(2e10)
     # 8 sequences x 1,639 kept tokens x 46,080 B = 604,200,960 B of K/V, + 538,000,000 B of weights,
     # at 22 GB/s: 1,142,200,960 / 22e9 = 51.918 ms
-    kv = 8 * 1639 * 46080
-    assert kv == 604_200_960
+    kv = 8 * CacheSpec("h2o", 0.2).kept_tokens(8192) * mm.kv_bytes_per_token(30, 3, 64, 4)
+    assert kv == 604_200_960  # 20% of 8,192 rounds up to 1,639 kept tokens
     assert mm.floor_seconds(538_000_000, kv, 22e9) == pytest.approx(0.0519182, rel=1e-5)
     with pytest.raises(ValueError):
         mm.floor_seconds(1, 1, 0)
@@ -141,6 +141,29 @@ def test_target_verdicts_from_ratios():
     assert f["value"] == pytest.approx(1.25) and f["status"] == "met"
     empty = targets.evaluate({}, None, 0.2, 8192, 8)
     assert {t["status"] for t in empty} == {"not measured"}
+
+
+def test_medians_of_an_even_count_average_the_two_middle_values():
+    """Two rounds: the median of the round-wise ratios is their mean, not the upper one."""
+    h, r = _record("h2o@0.2", 0.15), _record("recency@0.2", 0.10)
+    h["round_median_step_s"], r["round_median_step_s"] = [0.11, 0.15], [0.10, 0.10]  # +10% and +50%
+    got = {t["target"]: t for t in targets.evaluate({"decode": {"records": [h, r]}}, "h2o", 0.2, 8192, 8)}
+    assert got["H2O bookkeeping over recency (step time)"]["value"] == pytest.approx(0.30)
+
+
+def test_round_medians_of_4_decode_steps(monkeypatch):
+    from kvevict.bench import decode
+
+    steps = iter([[4.0, 1.0, 3.0, 2.0], [9.0, 7.0, 8.0, 6.0]])
+    monkeypatch.setattr(decode, "time_decode", lambda *a: (next(steps), 100))
+
+    class Bases:
+        def get(self, spec, context):
+            return None
+
+    recs = decode.run_interleaved(None, Bases(), [(64, 1, CacheSpec(STOCK))], 2, 4, log=lambda m: None)
+    assert recs[0]["round_median_step_s"] == [2.5, 7.5]
+    assert recs[0]["step_s"]["median"] == 5.0
 
 
 @pytest.fixture(scope="module")

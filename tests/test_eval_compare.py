@@ -26,3 +26,23 @@ def test_paired_difference_uses_only_shared_samples(tmp_path, capsys):
         main([str(tmp_path), "--task", "ppl", "--budget", "0.2", "--metric", "top1", "h2o:nobody"])
     err = capsys.readouterr().err
     assert "policy 'nobody'" in err and "it has: full, h2o, roco" in err
+
+
+def test_paired_keeps_two_models_apart(tmp_path, capsys):
+    """The same sample ids under two models must not collide: each model pairs with itself."""
+    with open(tmp_path / "records.jsonl", "w") as f:
+        for model, h2o, roco in (("m1", 0.5, 0.6), ("m2", 0.9, 0.7)):
+            for pol, v in (("h2o", h2o), ("roco", roco)):
+                for sample, shift in (("s1", 0.0), ("s2", 0.1)):
+                    f.write(json.dumps({"model": model, "task": "ppl", "policy": pol, "budget": 0.2,
+                                        "sample": sample, "scores": {"top1": v + shift}}) + "\n")
+    recs = load(tmp_path)
+    assert paired(recs, "ppl", "roco", "h2o", 0.2, "top1", model="m1").mean == pytest.approx(0.1)
+    assert paired(recs, "ppl", "roco", "h2o", 0.2, "top1", model="m2").mean == pytest.approx(-0.2)
+    with pytest.raises(ValueError, match="several models \\(m1, m2\\); say which with --model"):
+        paired(recs, "ppl", "roco", "h2o", 0.2, "top1")
+    with pytest.raises(SystemExit):
+        main([str(tmp_path), "--task", "ppl", "--budget", "0.2", "--metric", "top1", "roco:h2o"])
+    assert "--model" in capsys.readouterr().err
+    main([str(tmp_path), "--task", "ppl", "--budget", "0.2", "--metric", "top1", "--model", "m2", "roco:h2o"])
+    assert "roco - h2o @ 0.2: -0.2 [" in capsys.readouterr().out

@@ -55,6 +55,7 @@ def test_rouge_by_hand():
     assert s["rouge1"] == pytest.approx(2 / 3)
     assert s["rouge2"] == pytest.approx(1 / 2)
     assert s["rougeL"] == pytest.approx(2 / 3)
+    assert metrics._rouge_scorer() is metrics._rouge_scorer()  # built once, not per call
     assert metrics.rouge("same words here", "same words here")["rougeL"] == pytest.approx(1.0)
 
 

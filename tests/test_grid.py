@@ -110,3 +110,24 @@ def test_kvevict_sweep_bad_numbers_fail_before_any_worker(tmp_path, capsys, flag
     assert main(argv) == 2  # the model folder does not exist: failing here means nothing was loaded
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err
+
+
+def test_a_bad_model_under_worker_processes_is_one_clear_line(tmp_path, capsys):
+    """Checked in the parent, before any worker: not BrokenProcessPool."""
+    from kvevict.cli import main
+
+    argv = ["sweep", "--model", str(tmp_path / "no-model-here"), "--workers", "2", "--out", str(tmp_path / "s.jsonl"),
+            "--policies", "h2o", "--budgets", "0.5", "--tokens", "64", "--depths", "0.5"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "unknown model" in err and "no-model-here" in err
+
+
+def test_a_worker_that_dies_loading_the_model_is_a_clear_error(tmp_path):
+    """A folder that passes the cheap check but is not a model: the worker dies in its initializer."""
+    bad = tmp_path / "not-a-model"
+    bad.mkdir()
+    (bad / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="a worker process died .*--inline to see the error"):
+        run_grid(items(("recency",), (0.5,)), FN, str(bad), tmp_path / "out.jsonl", executor="local", workers=1,
+                 threads=1, progress=False)

@@ -49,9 +49,9 @@ def test_a_constant_group_is_exact(bits):
 
 def _slot_bytes(head_dim, bits, group, n_stats):
     """Bytes of one slot of one KV head, counted by hand: K and V codes, fp16 zero and step per
-    group, int64 position, bool validity, fp32 statistics."""
+    group, int32 position, bool validity, fp32 statistics."""
     codes = head_dim * bits // 8
-    return 2 * (codes + 2 * 2 * (head_dim // group)) + 8 + 1 + 4 * n_stats
+    return 2 * (codes + 2 * 2 * (head_dim // group)) + 4 + 1 + 4 * n_stats
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2])
@@ -195,3 +195,39 @@ def test_bad_storage_options_are_clear_errors(kw, match):
     model = tiny_model("llama-gqa")
     with pytest.raises(ValueError, match=match):
         kvevict.make_cache(model, "h2o", budget=8, **kw)
+
+
+def test_memory_plans_follow_the_measured_rule():
+    from kvevict.memory import parse_memory, plan
+
+    # SmolLM2's shape: head_dim 64, fp32, H2O (one statistic): per slot and KV head a full token is
+    # 512 bytes; int8 153, int4 89 (codes + fp16 zero/step per 32 channels + pos, valid, sum)
+    def p(mem):
+        return plan(mem, 64, 64, 4, 1)
+
+    assert p(0.5).storage.kv_bits == 8 and p(0.5).budget == 1.0 and p(0.5).storage.evicted_bits is None
+    assert p(0.25).storage.kv_bits == 4 and p(0.25).budget == 1.0  # every token at int4 beats 84% at int8
+    assert p(0.2).storage.kv_bits == 4 and p(0.2).budget == 1.0
+    low = p(0.1)  # under int4-for-everything: evict, keep int4
+    assert low.storage.kv_bits == 4 and low.storage.evicted_bits is None and low.budget == pytest.approx(0.1 * 512 / 89)
+    tokens = plan("1MiB", 64, 64, 4, 1, layers_heads=90)  # bytes per sequence -> int4 slots per layer and head
+    assert tokens.budget == 2**20 // (90 * 89)
+    assert parse_memory("20%") == pytest.approx(0.2) and parse_memory("2GiB") == 2**31 and parse_memory(0.3) == 0.3
+
+
+@pytest.mark.parametrize("memory", [0.5, 0.2, 0.1, 0.05])
+def test_a_memory_budget_holds_in_kv_bytes(memory):
+    model = tiny_model("llama-mha")  # head_dim 16: overheads are large, yet the bound must hold
+    cache = kvevict.make_cache(model, "h2o", memory=memory, group=8)
+    _logits(model, torch.randint(0, 128, (2, 200)), cache)
+    # within the budget, up to one slot of rounding per layer and head
+    slack = 2 * cache.layers[0].dims[0] * len(cache.layers) * (16 * 2 * 4)
+    assert cache.kv_bytes() <= memory * cache.full_kv_bytes() + slack
+    assert cache.kv_bytes() >= 0.6 * memory * cache.full_kv_bytes()  # and uses most of it
+
+
+@pytest.mark.parametrize("memory, match", [(0.0, "in \\(0, 1\\]"), (1.5, "in \\(0, 1\\]"), ("lots", "cannot read"),
+                                           (True, "fraction"), ("10", "less than one 4-bit token")])
+def test_bad_memory_budgets_are_clear_errors(memory, match):
+    with pytest.raises(ValueError, match=match):
+        kvevict.make_cache(tiny_model("llama-gqa"), "h2o", memory=memory)

@@ -58,10 +58,10 @@ def token_bytes(model):
 
 def held_bytes(model, slots: int, policy: str) -> int:
     """What an evicting cache holds for one sequence of ``slots`` kept tokens: K and V, plus per slot
-    its position (8 bytes), validity (1) and the policy's statistics (4 each), plus a count per layer."""
+    its position (4 bytes), validity (1) and the policy's statistics (4 each), plus a count per layer."""
     c = model.config
     n_stats = len(kvevict.POLICIES[policy].stats)
-    per_slot = token_bytes(model) + c.num_hidden_layers * c.num_key_value_heads * (9 + 4 * n_stats)
+    per_slot = token_bytes(model) + c.num_hidden_layers * c.num_key_value_heads * (5 + 4 * n_stats)
     return slots * per_slot + 8 * c.num_hidden_layers
 
 
@@ -104,6 +104,14 @@ def test_models_health_and_metrics_format(server, client):
     for name in ("kvevict_requests_total", "kvevict_generated_tokens_total", "kvevict_tokens_per_second",
                  "kvevict_kv_bytes_held", "kvevict_evicted_tokens_total"):
         assert f"# TYPE {name} " in text
+    # the values move with a request: one completed, its tokens counted, evictions past an 8-token budget
+    done0 = metric(srv.url, "kvevict_requests_total", outcome="completed")
+    gen0, ev0 = metric(srv.url, "kvevict_generated_tokens_total"), metric(srv.url, "kvevict_evicted_tokens_total")
+    r = client.chat.completions.create(model=MODEL, messages=chat("count the metrics, please"), max_tokens=6,
+                                       extra_body={"kv_policy": "h2o", "kv_budget": 8})
+    assert metric(srv.url, "kvevict_requests_total", outcome="completed") - done0 == 1
+    assert metric(srv.url, "kvevict_generated_tokens_total") - gen0 == r.usage.completion_tokens >= 1
+    assert metric(srv.url, "kvevict_evicted_tokens_total") > ev0 and metric(srv.url, "kvevict_kv_bytes_peak") > 0
 
 
 def test_chat_equals_generate_alone_and_reports_kv_bytes(client, reference):

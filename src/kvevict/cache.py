@@ -56,6 +56,7 @@ class EvictingLayer(CacheLayerMixin):
         self.layer_idx = layer_idx
         self.storage = storage or Storage()
         self.budget: int | None = None
+        self.prompt_len: int | None = None  # when known before the first forward (chunked prefill)
         self.tiers: list[Tier] = []
         self.seen = 0  # tokens this layer has been given, padding included
         self.evicted = 0  # tokens that left the first tier, per (sequence, head)
@@ -79,8 +80,11 @@ class EvictingLayer(CacheLayerMixin):
         if st.evicted_bits is not None:
             check_group(st.group, dk, st.evicted_bits)
             check_group(st.group, value_states.shape[-1], st.evicted_bits)
-            spec = st.evicted_budget if st.evicted_budget is not None else 1.0
-            self.tiers.append(Tier(resolve_budget(spec, m), *args, bits=st.evicted_bits, group=st.group))
+            if st.evicted_budget is not None:
+                low = resolve_budget(st.evicted_budget, self.prompt_len or m)
+            else:  # room for the rest of the prompt; later tokens evict by the policy
+                low = max(1, (self.prompt_len or m) - self.budget)
+            self.tiers.append(Tier(low, *args, bits=st.evicted_bits, group=st.group))
         self.n_real = torch.zeros(b, dtype=torch.long, device=self.device)
         self._expose()
         self.is_initialized = True
@@ -123,7 +127,9 @@ class EvictingLayer(CacheLayerMixin):
         return -1  # any number of tokens can stream through
 
     def reset(self) -> None:
+        prompt_len = self.prompt_len
         self.__init__(self.policy, self.budget_spec, self.layer_idx, self.inv_freq, self.storage)
+        self.prompt_len = prompt_len
 
     def _map_batch(self, fn) -> None:
         if not self.is_initialized:
@@ -178,7 +184,7 @@ class EvictingLayer(CacheLayerMixin):
         else:
             pos_new = self.n_real[:, None] + valid_new.long().cumsum(1) - 1
         pieces = [p for t in self.tiers for p in t.store.pieces(t.filled)]
-        pos_past = _cat([t.pos[:, :, : t.filled] for t in self.tiers])
+        pos_past = _cat([t.pos[:, :, : t.filled] for t in self.tiers]).long()
         valid_past = _cat([t.valid[:, :, : t.filled] for t in self.tiers])
         f = pos_past.shape[-1]
         if self.inv_freq is not None and f:
@@ -243,10 +249,33 @@ class EvictingCache(Cache):
         self.policy = policy
 
     def set_prompt_length(self, n: int) -> None:
-        """Fix fractional budgets against the whole prompt before it is fed in chunks."""
+        """Fix fractional budgets against the whole prompt before it is fed in chunks
+        (``kvevict.prefill`` does it; call it before ``generate(..., prefill_chunk_size=s)``)."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"the prompt length must be a positive int number of tokens, got {n!r}.")
         for layer in self.layers:
             if not layer.is_initialized:
                 layer.budget_spec = resolve_budget(layer.budget_spec, n)
+                layer.prompt_len = n
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        # A float budget not fixed by set_prompt_length is taken of the first forward. A second
+        # multi-token forward before any one-token (decoding) step means the prompt came in chunks
+        # (generate's prefill_chunk_size): the budget was a fraction of its first chunk only.
+        first = self.layers[0]
+        if layer_idx == 0 and isinstance(first.budget_spec, float):
+            if not first.is_initialized:
+                self._decoding = False
+            elif key_states.shape[2] == 1:
+                self._decoding = True
+            elif not self._decoding:
+                raise ValueError(
+                    "a float budget is a fraction of the prompt, but the prompt is coming in chunks "
+                    f"(generate's prefill_chunk_size, or several model calls), so it was taken of the first "
+                    f"{first.seen}-token chunk. Call cache.set_prompt_length(input_ids.shape[1]) on a new cache "
+                    "before generate (kvevict.prefill does it), or pass an int budget."
+                )
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def kv_bytes(self) -> int:
         """Every byte the cache holds now: keys and values (packed codes with their steps and zeros
@@ -317,7 +346,7 @@ def _head_dim(model) -> int | None:
 
 
 def make_cache(model, policy="h2o", budget=0.2, recent=None, compact=False, kv_bits=None, group=DEFAULT_GROUP,
-               evicted_bits=None, evicted_budget=None, **policy_params) -> EvictingCache:
+               evicted_bits=None, evicted_budget=None, memory=None, **policy_params) -> EvictingCache:
     """A cache for ``model.generate(..., past_key_values=cache)`` that keeps at most ``budget``
     tokens per layer and KV head, evicting with ``policy``.
 
@@ -328,17 +357,26 @@ def make_cache(model, policy="h2o", budget=0.2, recent=None, compact=False, kv_b
     kv_bits: store kept keys and values in 16 (float16), 8, 4 or 2 bits (packed, per-token groups
     of ``group`` channels; see kvevict.store); None keeps the model's dtype.
     evicted_bits: demote evicted tokens into a tier of that many bits instead of dropping them
-    (MiKV); ``evicted_budget`` caps it (int tokens or fraction of the prompt; default the prompt).
-    For a budget in bytes instead, see ``kvevict.memory.make_cache_for_memory``.
+    (MiKV); ``evicted_budget`` caps it (int tokens or fraction of the prompt; default the rest of the prompt).
+    memory: a budget in bytes instead: a fraction of what the full cache would hold (0.2, '20%') or
+    bytes per sequence ('64MiB'). It replaces ``budget`` and the storage options with the split of
+    tokens kept x bits per token measured best (``kvevict.memory.plan``): the recommended way to
+    bound a cache; 0.2 keeps every token at 4 bits (+~1% perplexity on SmolLM2).
     Switches the model's attention to the ``kvevict`` implementation (exact with any other cache).
     """
-    check_budget(budget)
-    storage = Storage(kv_bits=kv_bits, group=group, evicted_bits=evicted_bits, evicted_budget=evicted_budget)
     if recent is not None:
         if isinstance(recent, bool) or not isinstance(recent, int):
             raise ValueError(f"recent must be an int number of tokens, got {recent!r}.")
         policy_params["recent"] = recent
     pol = make_policy(policy, **policy_params)
+    if memory is not None:
+        from .memory import plan_for_model
+
+        p = plan_for_model(model, memory, pol, group)
+        budget, kv_bits, evicted_bits, evicted_budget = (p.budget, p.storage.kv_bits, p.storage.evicted_bits,
+                                                          p.storage.evicted_budget)
+    check_budget(budget)
+    storage = Storage(kv_bits=kv_bits, group=group, evicted_bits=evicted_bits, evicted_budget=evicted_budget)
     num_layers = _check_hookable(model)
     head_dim = _head_dim(model)
     if head_dim is not None:  # fail now, not inside the first forward

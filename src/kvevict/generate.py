@@ -12,8 +12,11 @@ from transformers import DynamicCache
 from .cache import make_cache
 from .policies import POLICIES
 from .prefill import check_mode, prefill
+from .storage import Storage, split_spec
 
 FULL = ("full", "none")
+# make_cache parameters that describe the cache, not the policy
+_CACHE_PARAMS = ("compact", "kv_bits", "group", "evicted_bits", "evicted_budget")
 
 
 @dataclass
@@ -26,6 +29,7 @@ class Result:
     kv_bytes: int
     full_kv_bytes: int
     seconds: float
+    storage: str = ""  # how the kept tokens are stored, e.g. "int4, every token"
 
     def as_dict(self):
         return asdict(self)
@@ -51,13 +55,15 @@ def _greedy(model, tokenizer, ids, cache, max_new_tokens) -> torch.Tensor:
 
 @torch.no_grad()
 def generate(model, tokenizer, prompt, policy="h2o", budget=0.2, max_new_tokens=64, prefill_mode="full",
-             stride=None, **policy_params) -> Result:
+             stride=None, memory=None, **policy_params) -> Result:
     """Greedy generation of one prompt (chat messages or raw text) under ``policy`` and ``budget``;
     ``policy="full"`` runs the stock transformers DynamicCache with SDPA as the reference.
     ``prefill_mode``: full, token or block (with ``stride``), see kvevict.prefill.
+    ``memory``: a budget in bytes instead of ``budget`` (see ``make_cache``).
     Switches the model's attention implementation: not for concurrent use on a shared model
     (the server runs every model call on one worker thread)."""
     check_mode(prefill_mode, stride)
+    label = policy if isinstance(policy, str) else getattr(policy, "name", policy)
     ids = encode_chat(tokenizer, prompt) if not isinstance(prompt, torch.Tensor) else prompt
     if policy == "oracle":  # Belady needs the future: the full cache's own continuation, recorded
         from .policies.oracle import Oracle
@@ -67,19 +73,26 @@ def generate(model, tokenizer, prompt, policy="h2o", budget=0.2, max_new_tokens=
         compact = policy_params.pop("compact", False)
         policy = Oracle.record(model, full_seq, **policy_params)
         policy_params = {"compact": compact} if compact else {}
+    name, storage = split_spec(policy) if isinstance(policy, str) else (policy, Storage())
+    if storage != Storage():  # "h2o/int4", "full/int4": a storage named with the policy
+        policy_params.update(kv_bits=storage.kv_bits, evicted_bits=storage.evicted_bits)
+        if name in FULL:  # nothing evicted: room for the prompt and the answer
+            name, budget = "h2o", ids.shape[1] + max_new_tokens
+        policy = name
+    record_seconds = 0.0
     if isinstance(policy, str) and getattr(POLICIES.get(policy.lower()), "needs_prompt", False):
-        # a policy that scores the prompt in a pass of its own (kvzip): its cost is timed below
+        # a policy that scores the prompt in a pass of its own (kvzip): its cost is timed with the rest
         t0 = time.perf_counter()
-        compact = policy_params.pop("compact", False)
+        cache_params = {k: policy_params.pop(k) for k in _CACHE_PARAMS if k in policy_params}
         policy = POLICIES[policy.lower()].record(model, tokenizer, ids, **policy_params)
-        policy_params = {"compact": compact} if compact else {}
+        policy_params = cache_params
         record_seconds = time.perf_counter() - t0
-    else:
-        record_seconds = 0.0
     if policy in FULL:
         model.set_attn_implementation("sdpa")
         cache = DynamicCache(config=model.config)
     else:
+        if memory is not None:
+            policy_params["memory"] = memory
         cache = make_cache(model, policy, budget, **policy_params)
     start = time.perf_counter()
     if policy not in FULL:
@@ -91,6 +104,14 @@ def generate(model, tokenizer, prompt, policy="h2o", budget=0.2, max_new_tokens=
         held = full = dynamic_kv_bytes(cache)
     else:
         held, full = cache.kv_bytes(), cache.full_kv_bytes()
-    return Result(policy=getattr(policy, "name", policy), budget=None if policy in FULL else budget,
+    return Result(policy=label, budget=None if policy in FULL else budget,
                   text=tokenizer.decode(new, skip_special_tokens=True).strip(), prompt_tokens=ids.shape[1],
-                  new_tokens=len(new), kv_bytes=held, full_kv_bytes=full, seconds=seconds)
+                  new_tokens=len(new), kv_bytes=held, full_kv_bytes=full, seconds=seconds,
+                  storage="" if policy in FULL else _storage_label(cache))
+
+
+def _storage_label(cache) -> str:
+    """'int4, 1068 of 1084 tokens': how the kept tokens are stored, and how many of those seen are kept."""
+    layer = cache.layers[0]
+    kept = min(layer.budget, layer.seen)
+    return f"{cache.storage.label or 'model dtype'}, {kept} of {layer.seen} tokens"

@@ -36,6 +36,18 @@ def _convert_gguf(name: str) -> Path:
     return out
 
 
+def check_model(name_or_path) -> None:
+    """A ValueError unless ``name_or_path`` is a known name or a folder with a config.json: cheap,
+    so a parent process can check before its workers load the model."""
+    if name_or_path in KNOWN_MODELS:
+        return
+    if not isinstance(name_or_path, str) or not Path(name_or_path).is_dir():
+        known = ", ".join(sorted(KNOWN_MODELS))
+        raise ValueError(f"unknown model {name_or_path!r}: give a local model folder or one of: {known}.")
+    if not (Path(name_or_path) / "config.json").exists():
+        raise ValueError(f"{name_or_path!r} has no config.json: give a Hugging Face model folder.")
+
+
 def load_model(name_or_path: str, dtype=None, device: str | None = None):
     """Return ``(model, tokenizer)`` in eval mode.
 
@@ -49,13 +61,8 @@ def load_model(name_or_path: str, dtype=None, device: str | None = None):
 
     hf_logging.set_verbosity_error()  # the GGUF conversion and generate() chatter hide the answer
     hf_logging.disable_progress_bar()
-    if name_or_path in KNOWN_MODELS:
-        path = _convert_gguf(name_or_path)
-    elif Path(name_or_path).is_dir():
-        path = Path(name_or_path)
-    else:
-        known = ", ".join(sorted(KNOWN_MODELS))
-        raise ValueError(f"unknown model {name_or_path!r}: give a local model folder or one of: {known}.")
+    check_model(name_or_path)
+    path = _convert_gguf(name_or_path) if name_or_path in KNOWN_MODELS else Path(name_or_path)
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
     if device:

@@ -5,6 +5,11 @@
 - ``token``: the greedy rule as each prompt token arrives, one eviction per token (stride 1).
 - ``block``: the prompt goes in chunks of ``stride`` tokens; after each chunk ``stride`` tokens are
   evicted, so the KV memory peaks at budget + stride per layer whatever the prompt length.
+
+transformers' own ``model.generate(ids, past_key_values=cache, prefill_chunk_size=s)`` is the same
+block prefill: its chunks lie on the same grid (0, s, 2s, ... from the cache's length), so it keeps
+the same tokens as ``prefill(mode="block", stride=s)`` followed by ``generate``. generate cannot
+tell the cache the prompt length, so a float budget needs ``cache.set_prompt_length(n)`` first.
 """
 
 from __future__ import annotations
@@ -29,18 +34,22 @@ def check_mode(mode: str, stride: int | None) -> int | None:
 @torch.no_grad()
 def prefill(model, cache, input_ids, attention_mask=None, mode: str = "full", stride: int | None = None,
             keep_last: int = 1):
-    """Feed ``input_ids`` except the last ``keep_last`` tokens into ``cache`` the ``mode`` way, so
-    that ``model.generate(input_ids, past_key_values=cache)`` continues from there.
+    """Feed ``input_ids`` into ``cache`` the ``mode`` way, so that ``model.generate(input_ids,
+    past_key_values=cache)`` continues from there. The chunks lie on a grid of ``stride`` tokens from
+    the cache's length; every chunk that ends before the last ``keep_last`` tokens is fed, and the
+    rest (the last chunk, which holds them) is left to generate, as ``prefill_chunk_size`` would.
     Returns the logits of the last fed token (or None for mode ``full``, where generate does it all)."""
     step = check_mode(mode, stride)
     if step is None:
         return None
     if hasattr(cache, "set_prompt_length"):
         cache.set_prompt_length(input_ids.shape[1])
-    end = input_ids.shape[1] - keep_last
+    n, end = input_ids.shape[1], input_ids.shape[1] - keep_last
     logits = None
     for start in range(cache.get_seq_length(), end, step):
-        stop = min(end, start + step)
+        stop = min(n, start + step)
+        if stop > end:
+            break
         mask = None if attention_mask is None else attention_mask[:, :stop]
         logits = model(input_ids[:, start:stop], attention_mask=mask, past_key_values=cache,
                        use_cache=True, logits_to_keep=1).logits

@@ -17,7 +17,7 @@ class Storage:
     group: channels per quantization group along the head dimension.
     evicted_bits: None (evicted tokens are dropped) or the bits of the tier they are demoted to.
     evicted_budget: that tier's slots per (sequence, KV head): an int, or a float fraction of the
-    prompt (default 1.0: room for the whole prompt; later tokens evict by the policy)."""
+    prompt (default: the rest of the prompt, prompt length - budget; later tokens evict by the policy)."""
 
     kv_bits: int | None = None
     group: int = DEFAULT_GROUP
@@ -44,6 +44,31 @@ class Storage:
             parts.append(("+" if parts else "fp+") + ("fp16" if self.evicted_bits == 16 else f"int{self.evicted_bits}"))
         return "".join(parts)
 
+    @classmethod
+    def parse(cls, label: str) -> "Storage":
+        """The inverse of ``label``: 'int4' -> kv_bits=4; 'int4+int2' -> kv_bits=4, evicted_bits=2;
+        'fp+int2' -> model dtype, evicted_bits=2; 'fp16' -> kv_bits=16; '' -> model dtype."""
+        def bits(part: str):
+            if part == "fp":
+                return None
+            if part == "fp16":
+                return 16
+            if part.startswith("int") and part[3:].isdigit():
+                return int(part[3:])
+            raise ValueError(f"unknown storage {label!r}: write it as fp16, int8, int4, int2, or KEPT+EVICTED "
+                             "such as int4+int2 or fp+int2.")
+
+        if not label:
+            return cls()
+        kept, _, evicted = label.partition("+")
+        return cls(kv_bits=bits(kept), evicted_bits=bits(evicted) if evicted else None)
+
     def slot_bytes(self, head_dim_k: int, head_dim_v: int, dtype_bytes: int, n_stats: int, bits=None) -> float:
-        """Bytes one slot of one (sequence, KV head) takes: key, value, position (8), validity (1), statistics (4 each)."""
-        return slot_bytes(head_dim_k, head_dim_v, bits, self.group, dtype_bytes) + 9 + 4 * n_stats
+        """Bytes one slot of one (sequence, KV head) takes: key, value, position (4), validity (1), statistics (4 each)."""
+        return slot_bytes(head_dim_k, head_dim_v, bits, self.group, dtype_bytes) + 5 + 4 * n_stats
+
+
+def split_spec(spec: str) -> tuple[str, Storage]:
+    """'h2o/int4+int2' -> ('h2o', Storage(kv_bits=4, evicted_bits=2)); 'h2o' -> ('h2o', Storage())."""
+    policy, _, label = spec.partition("/")
+    return policy, Storage.parse(label)

@@ -13,7 +13,10 @@ Two kinds behind one interface (``write``, ``read``, ``pieces``, ``map_batch``, 
   byte at 4 bits, 4 at 2 bits): the memory really shrinks, there is no dequantized copy kept.
   Per-token groups (KIVI quantizes keys per channel, across tokens) because an evicting cache
   rewrites single slots: a group that spans tokens would have to be re-quantized, from already
-  quantized values, every time one of its tokens is evicted. Reading happens in ``pieces`` of at
+  quantized values, every time one of its tokens is evicted. Dividing keys by a per-channel scale
+  first (SmoothQuant-style) was measured and rejected: on SmolLM2 it doubled int4's NLL cost (the
+  error of the outlier channels, which queries weight most, grows with their scale); see
+  docs/quality-per-byte.md. Reading happens in ``pieces`` of at
   most ``CHUNK`` slots, so at most one chunk of a layer exists in full precision at a time.
 """
 

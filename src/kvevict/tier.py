@@ -23,7 +23,8 @@ class Tier:
     def __init__(self, budget: int, b, h, dk, dv, dtype, device, stats: tuple, bits=None, group: int = 32):
         self.budget, self.filled = budget, 0
         self.store = make_store(b, h, budget, dk, dv, dtype, device, bits, group)
-        self.pos = torch.zeros(b, h, budget, dtype=torch.long, device=device)
+        # int32: positions below 2^31 tokens; at 2 bits an int64 would be an eighth of a slot
+        self.pos = torch.zeros(b, h, budget, dtype=torch.int32, device=device)
         self.valid = torch.zeros(b, h, budget, dtype=torch.bool, device=device)
         self.stats = {n: torch.zeros(b, h, budget, dtype=torch.float32, device=device) for n in stats}
 
@@ -48,7 +49,7 @@ class Tier:
     def candidates(self, new: dict | None, newest, budget: int, layer_idx: int) -> Candidates:
         """All slots (empty ones invalid) followed by the new entries; the slots alone if ``new`` is None."""
         cat = {n: self.meta(n) if new is None else torch.cat([self.meta(n), new[n]], dim=-1) for n in self.names()}
-        return Candidates(stats={n: cat[n] for n in self.stats}, pos=cat["pos"], valid=cat["valid"],
+        return Candidates(stats={n: cat[n] for n in self.stats}, pos=cat["pos"].long(), valid=cat["valid"],
                           newest=newest, budget=budget, layer_idx=layer_idx)
 
     def insert(self, policy: Policy, new: dict, ctx: dict, protected_newcomer: bool, want_evicted: bool):
@@ -68,7 +69,9 @@ class Tier:
         self.store.write(idx, new["k"], new["v"], take)
         for name in self.names():
             store = self.meta(name)
-            src = new[name] if take is None else torch.where(take, new[name], store.gather(2, idx))
+            src = new[name].to(store.dtype)
+            if take is not None:
+                src = torch.where(take, src, store.gather(2, idx))
             store.scatter_(2, idx, src)
 
     def _read(self, idx) -> dict:

@@ -51,9 +51,11 @@ def available_policies(requested: list[str]) -> tuple[list[str], list[str]]:
     """The requested policies that exist in ``kvevict.POLICIES`` now, and a note per missing one."""
     from .. import POLICIES
 
+    from ..storage import split_spec
+
     have, notes = [], []
     for name in requested:
-        if name.lower() in POLICIES:
+        if split_spec(name.lower())[0] in POLICIES:  # a policy, maybe with its storage: h2o/int4
             have.append(name.lower())
         else:
             notes.append(f"policy {name!r} is not in kvevict.POLICIES yet ({', '.join(sorted(POLICIES))}); skipped.")
@@ -68,7 +70,7 @@ def use_attention(model, spec: CacheSpec) -> None:
     """Route the model's attention for this cache: SDPA for the stock cache, kvevict otherwise."""
     from ..attention import ATTN_NAME
 
-    model.set_attn_implementation("sdpa" if spec.kind == STOCK else ATTN_NAME)
+    model.set_attn_implementation("sdpa" if spec.kind == STOCK else ATTN_NAME)  # "kvevict-full/int4" too
 
 
 @torch.no_grad()
@@ -77,6 +79,7 @@ def prefill(model, spec: CacheSpec, context: int, decode_tokens: int, seed: int 
     from transformers import DynamicCache
 
     from ..cache import make_cache
+    from ..storage import split_spec
 
     gen = torch.Generator().manual_seed(seed)
     cfg = model.config
@@ -90,11 +93,16 @@ def prefill(model, spec: CacheSpec, context: int, decode_tokens: int, seed: int 
             k, v = (torch.randn(1, heads, context, head_dim, generator=gen, dtype=dtype) for _ in range(2))
             cache.update(k, v, i)
         return cache
-    if spec.kind == NO_EVICTION:
-        cache, n = make_cache(model, "h2o", context + decode_tokens + 1), context
+    name, storage = split_spec(spec.kind)  # "h2o/int4": the policy over 4-bit storage
+    kw = {"kv_bits": storage.kv_bits, "evicted_bits": storage.evicted_bits}
+    if name == NO_EVICTION:
+        cache, n = make_cache(model, "h2o", context + decode_tokens + 1, **kw), context
     else:
-        n = spec.kept_tokens(context)
-        cache = make_cache(model, spec.kind, n)
+        kept = n = spec.kept_tokens(context)
+        if storage.evicted_bits is not None:  # mixed: the rest of the context fills the low-bit tier,
+            kw["evicted_budget"] = max(1, context - kept)  # so the prompt really goes through
+            n = context
+        cache = make_cache(model, name, kept, **kw)
     ids = torch.randint(0, cfg.vocab_size, (1, n), generator=gen)
     model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
     return cache

@@ -5,6 +5,7 @@ are taken between configurations of the same round."""
 from __future__ import annotations
 
 import gc
+import statistics
 import time
 
 import torch
@@ -75,7 +76,7 @@ def run_interleaved(model, bases: BaseCaches, points: list[tuple[int, int, Cache
         log(f"  round {r + 1}/{repeats} done in {time.perf_counter() - t_round:.1f} s, load {load_average()}")
     out = []
     for (c, b, spec), per_round in rounds.items():
-        medians = [sorted(t)[len(t) // 2] for t in per_round]
+        medians = [statistics.median(t) for t in per_round]  # the mean of the two middle values when even
         every = [x for t in per_round for x in t]
         out.append({
             "context": c, "batch": b, "cache": spec.label, "kind": spec.kind, "budget": spec.budget,

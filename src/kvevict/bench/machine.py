@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -64,4 +65,4 @@ def measure_copy_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 7) -> dict:
         dst.copy_(src)
         rates.append(copy_bandwidth(nbytes, time.perf_counter() - t0))
     rates.sort()
-    return {"bytes": nbytes, "best": rates[-1], "median": rates[len(rates) // 2], "worst": rates[0]}
+    return {"bytes": nbytes, "best": rates[-1], "median": statistics.median(rates), "worst": rates[0]}

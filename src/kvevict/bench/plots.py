@@ -5,21 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def available() -> bool:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+from ..plotting import pyplot
 
 
 def _series(records, batch, value):
@@ -31,7 +17,7 @@ def _series(records, batch, value):
 
 
 def throughput_vs_context(records: list[dict], path: Path) -> Path:
-    plt = _plt()
+    plt = pyplot()
     batches = sorted({r["batch"] for r in records})
     fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4.2), squeeze=False)
     for ax, b in zip(axes[0], batches):
@@ -52,7 +38,7 @@ def throughput_vs_context(records: list[dict], path: Path) -> Path:
 
 
 def memory_vs_context(records: list[dict], path: Path) -> Path:
-    plt = _plt()
+    plt = pyplot()
     b = min(r["batch"] for r in records)
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for label, pts in _series(records, b, lambda r: r["state_bytes"] / r["batch"] / 2**20).items():

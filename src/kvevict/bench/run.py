@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import time
 from pathlib import Path
 
+from ..commands._common import default_threads
 from . import report, targets
 from .caches import NO_EVICTION, STOCK, CacheSpec, available_policies, specs_for
 from .machine import load_average, machine_info, measure_copy_bandwidth
@@ -43,7 +43,7 @@ def run_bench(s: Settings, out_dir: Path, command: str = "", log=print) -> dict:
 
     check(s)
     t_start = time.perf_counter()
-    threads = s.threads or os.cpu_count() or 1
+    threads = s.threads or default_threads()  # not every core: see default_threads
     torch.set_num_threads(threads)
     out_dir.mkdir(parents=True, exist_ok=True)
     res: dict = {"command": command, "settings": s.as_dict(), "machine": machine_info(), "notes": []}
@@ -110,12 +110,13 @@ def run_bench(s: Settings, out_dir: Path, command: str = "", log=print) -> dict:
 
 
 def write_outputs(res: dict, out_dir: Path) -> None:
+    from ..plotting import available
     from . import plots
 
     (out_dir / "bench.json").write_text(json.dumps(res, indent=1, default=str))
     (out_dir / "bench.md").write_text(report.render(res))
     if res.get("decode"):
-        if not plots.available():
+        if not available():
             print("kvevict bench: plots skipped: matplotlib is missing (pip install 'kvevict[bench]')")
             return
         plots.throughput_vs_context(res["decode"]["records"], out_dir / "throughput_vs_context.png")

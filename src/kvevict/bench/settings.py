@@ -19,7 +19,7 @@ class Settings:
     policies: list[str] = field(default_factory=lambda: ["h2o", "roco", "recency"])
     repeats: int = 3  # rounds over every configuration
     steps: int = 4  # timed decode steps per measurement (after one untimed warm-up step)
-    threads: int | None = None  # torch threads (default: all cores)
+    threads: int | None = None  # torch threads (default: default_threads(), half the cores)
     kv_memory_gib: float = 4.0  # memory for the largest-batch section
     prefill_context: int = 8192
     prefill_modes: list[str] = field(default_factory=lambda: list(PREFILL_MODES))

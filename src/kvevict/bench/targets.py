@@ -3,6 +3,8 @@ measured in the same run: met, missed, or not measured (with why)."""
 
 from __future__ import annotations
 
+import statistics
+
 GB = 10**9
 
 
@@ -34,7 +36,7 @@ def evaluate(results: dict, policy: str | None, budget: float, context: int, bat
     v = None
     if h and rec:
         ratios = [a / b - 1 for a, b in zip(h["round_median_step_s"], rec["round_median_step_s"])]
-        v = sorted(ratios)[len(ratios) // 2]
+        v = statistics.median(ratios)
     out.append(_target("H2O bookkeeping over recency (step time)", "<= +10%", v, v is not None and v <= 0.10,
                        f"ctx {context}, batch {batch}, budget {budget:g}; median of round-wise (h2o / recency - 1)"
                        if v is not None else "needs both h2o and recency in the run"))

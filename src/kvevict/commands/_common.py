@@ -30,7 +30,9 @@ def add_model_args(p, policy=True, prefill=True):
     """--model, --threads; with ``policy`` --policy/--budget/--recent, and with ``prefill`` too the
     per-run options (--prefill, --stride, --compact, --param) that only single runs honour."""
     p.add_argument("--model", default="smollm2-135m", help="known name (smollm2-135m) or local HF folder")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: $OMP_NUM_THREADS, else half the cores; all cores stall "
+                        "when another process is busy)")
     if policy:
         p.add_argument("--policy", default="h2o", help="eviction policy, or 'full' for the stock full cache")
         p.add_argument("--budget", default="0.2", help="tokens kept per layer and KV head (int) or fraction of the prompt")
@@ -77,10 +79,42 @@ def check_policy_args(args) -> None:
     check_mode(args.prefill, args.stride)
 
 
-def setup_threads(args) -> None:
+def output_folder(text: str, flag: str = "--out"):
+    """The folder ``text``, created if missing; a file in the way is a ValueError naming ``flag``."""
+    from pathlib import Path
+
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{flag} {text!r} is a file; give a folder (it is created if missing).")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"{flag} {text!r}: cannot create the folder ({err.strerror}); give another.") from None
+    return path
+
+
+def default_threads() -> int:
+    """Torch threads when --threads is not given: $OMP_NUM_THREADS if set, else half the cores this
+    process may run on (at least 1). Why not torch's default (every core): its threads spin at each
+    parallel region's barrier, so while another busy process holds a core every barrier waits for a
+    descheduled thread, and a decode step gets 4-60x slower (docs/performance.md, "Threads").
+    Half the cores leaves room for one neighbour and costs at most 2x on an idle machine."""
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // 2)
+
+
+def setup_threads(args) -> int:
+    """Set torch's threads from --threads or ``default_threads()``; returns the number set."""
     import torch
 
-    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    threads = default_threads() if args.threads is None else args.threads
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads!r}.")
+    torch.set_num_threads(threads)
+    return threads
 
 
 def mib(n: int) -> str:

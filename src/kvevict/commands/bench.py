@@ -4,9 +4,8 @@ full cache (and kvpress), interleaved in one process; writes JSON, markdown and 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-from ._common import number_list
+from ._common import number_list, output_folder
 
 NAME = "bench"
 HELP = "measure decode speed, memory and prefill cost of budgeted caches vs the stock full cache"
@@ -26,13 +25,21 @@ def add_arguments(p):
     p.add_argument("--policies", help="comma list of policies (default h2o,roco,recency; missing ones are skipped)")
     p.add_argument("--repeats", type=int, help="rounds over every configuration (default 3)")
     p.add_argument("--steps", type=int, help="timed decode steps per measurement (default 4)")
-    p.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    p.add_argument("--threads", type=int, help="torch threads (default: $OMP_NUM_THREADS, else half the cores)")
     p.add_argument("--kv-memory-gib", type=float, help="cache memory for the largest-batch section (default 4)")
     p.add_argument("--prefill-context", type=int, help="prompt length of the prefill section (default 8192)")
     p.add_argument("--prefill-modes", help="comma list of sdpa,eager,kvevict (default all three)")
     p.add_argument("--prefill-repeats", type=int, help="rounds of the prefill jobs (default 1)")
     p.add_argument("--peer-presses", help="kvpress presses (default snapkv,expected_attention,knorm)")
     p.add_argument("--sections", help="comma list of decode,maxbatch,breakdown,prefill,peer (default all)")
+    g = p.add_argument_group("endless stream (--stream: this benchmark instead of the sections above)")
+    g.add_argument("--stream", action="store_true",
+                   help="stream a long real text: perplexity per window and memory, vs the stock cache")
+    g.add_argument("--stream-tokens", type=int, help="tokens to stream (default 100000)")
+    g.add_argument("--stream-budget", type=int, help="tokens kept per layer and KV head (default 1024)")
+    g.add_argument("--stream-block", type=int, help="tokens per forward (default 512)")
+    g.add_argument("--stream-window", type=int, help="tokens per perplexity window (default 1024)")
+    g.add_argument("--stream-stock-tokens", type=int, help="how far the stock cache goes (default 12288)")
 
 
 def settings_from(args):
@@ -55,12 +62,34 @@ def settings_from(args):
     return Settings(**{k: v for k, v in given.items() if v is not None})
 
 
+def stream_settings_from(args):
+    from ..bench.stream import StreamSettings
+
+    given = {"model": args.model, "threads": args.threads, "tokens": args.stream_tokens,
+             "budget": args.stream_budget, "block": args.stream_block, "window": args.stream_window,
+             "stock_tokens": args.stream_stock_tokens,
+             "policies": _names(args.policies) if args.policies else None}
+    settings = StreamSettings(**{k: v for k, v in given.items() if v is not None})
+    settings.check()
+    return settings
+
+
 def run(args):
+    command = "kvevict " + " ".join(sys.argv[1:])
+    log = lambda msg: print(msg, flush=True)  # noqa: E731
+    if args.stream:
+        from ..bench.stream import run_stream_bench
+
+        settings = stream_settings_from(args)
+        out = output_folder(args.out)
+        run_stream_bench(settings, out, command=command, log=log)
+        print((out / "stream.md").read_text())
+        return 0
     from ..bench.run import run_bench
 
     settings = settings_from(args)
-    res = run_bench(settings, Path(args.out), command="kvevict " + " ".join(sys.argv[1:]),
-                    log=lambda msg: print(msg, flush=True))
+    out = output_folder(args.out)
+    res = run_bench(settings, out, command=command, log=log)
     print()
-    print((Path(args.out) / "bench.md").read_text().split("## Decode")[0])
+    print((out / "bench.md").read_text().split("## Decode")[0])
     return 0 if res else 1

@@ -1,39 +1,54 @@
-"""kvevict demo: a pass key hidden in a long essay, answered by the full cache and by H2O."""
+"""kvevict demo: a pass key hidden in a long essay, answered by the full cache, by plain H2O and by
+kvevict's recommended cache at the same share of the full cache's bytes."""
 
 from __future__ import annotations
 
-from ._common import add_model_args, mib, parse_budget, setup_threads
+from ._common import add_model_args, mib, setup_threads
 
 NAME = "demo"
-HELP = "passkey in a long Paul Graham essay: full cache vs H2O, answers, KV memory and time side by side"
+HELP = ("passkey in a long Paul Graham essay: full cache vs plain H2O vs the recommended cache at the same "
+        "memory; answers, KV memory and time side by side")
 
 
 def add_arguments(p):
     add_model_args(p, policy=False)
     p.add_argument("--tokens", type=int, default=1000, help="haystack length in tokens")
     p.add_argument("--depth", type=float, default=0.5, help="where the key hides (0 = start, 1 = end)")
-    p.add_argument("--budget", default="0.2")
-    p.add_argument("--policies", default="full,h2o", help="comma-separated; 'full' is the stock cache")
+    p.add_argument("--memory", default="0.2",
+                   help="share of the full cache's bytes both budgeted caches may hold (0.2, 20%%, 64MiB)")
 
 
 def run(args):
     from ..data.essays import haystack
     from ..data.passkey import passkey_prompt
+    from ..cache import _head_dim
     from ..generate import generate
+    from ..storage import Storage
+    from ..memory import parse_memory
     from ..models import load_model
 
+    memory = parse_memory(args.memory)
+    if not isinstance(memory, float):
+        raise ValueError("the demo compares at a share of the full cache's bytes: give --memory as 0.2 or 20%.")
     setup_threads(args)
     model, tok = load_model(args.model)
     task = passkey_prompt(haystack(tok, args.tokens), args.depth, seed=args.tokens)
-    budget = parse_budget(args.budget)
+    # plain H2O at the same bytes: tokens in the model's dtype, each slot with its bookkeeping
+    d = _head_dim(model)
+    share = memory * 2 * d * model.dtype.itemsize / Storage().slot_bytes(d, d, model.dtype.itemsize, 1)
+    runs = [("full cache (stock)", dict(policy="full")),
+            ("plain H2O", dict(policy="h2o", budget=share)),
+            ("kvevict recommended", dict(policy="h2o", memory=memory))]
     rows = []
-    for policy in [p.strip() for p in args.policies.split(",") if p.strip()]:
-        r = generate(model, tok, task.messages, policy, budget, max_new_tokens=16)
-        rows.append((policy if policy == "full" else f"{policy} @ {budget}", r.text, task.answer in r.text,
-                     mib(r.kv_bytes), f"{r.seconds:.2f} s"))
-    print(f"pass key {task.answer} hidden at depth {args.depth:.0%} of a {r.prompt_tokens}-token prompt "
+    for name, kw in runs:
+        r = generate(model, tok, task.messages, max_new_tokens=16, **kw)
+        label = f"{name}: {r.storage}" if r.storage else name
+        rows.append((label, r.text, "yes" if task.answer in r.text else "no",
+                     f"{mib(r.kv_bytes)} ({r.kv_bytes / r.full_kv_bytes:.0%})", f"{r.seconds:.2f} s"))
+    print(f"pass key {task.answer} hidden at depth {args.depth:.0%} of a {r.prompt_tokens}-token prompt; "
+          f"budgeted caches get {memory:.0%} of the full cache's bytes "
           f"({args.model}, {__import__('torch').get_num_threads()} threads)\n")
-    head = ("cache", "answer", "found", "KV held", "time")
+    head = ("cache", "answer", "found", "KV held (of full)", "time")
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     for row in (head, *rows):
         print("  ".join(str(x).ljust(w) for x, w in zip(row, widths)))

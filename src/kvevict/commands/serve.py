@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from ._common import add_model_args, parse_budget
+from ._common import add_model_args, parse_budget, setup_threads
 
 NAME = "serve"
 HELP = "OpenAI-compatible server (/v1/chat/completions, /v1/completions) with per-request kv_policy / kv_budget"
@@ -61,7 +61,7 @@ def run(args):
         return serve_replicas(args.model, settings, args.replicas, args.host, args.port, args.ray, args.threads)
     from ..serve.server import build
 
-    app, _ = build(args.model, settings, args.threads)
+    app, _ = build(args.model, settings, setup_threads(args))
     print(f"kvevict: serving {settings['model_id']} on http://{args.host}:{args.port}/v1 "
           f"(default kv_policy={settings['policy']}, kv_budget={settings['budget']})", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

@@ -13,6 +13,9 @@ import os
 
 from .worker import ModelHolder, init_process, run_in_process
 
+WORKER_DIED = ("{where} died (most often while loading the model: out of memory, or a folder that is not "
+               "a model); run with --inline to see the error in this process.")
+
 
 class InlineExecutor:
     def __init__(self, model_name: str | None, threads: int | None = None, preloaded=None):
@@ -39,10 +42,14 @@ class LocalExecutor:
 
     def map(self, fn_path, keyed_items):
         from concurrent.futures import as_completed
+        from concurrent.futures.process import BrokenProcessPool
 
         futures = [self.pool.submit(run_in_process, fn_path, key, item) for key, item in keyed_items]
-        for f in as_completed(futures):
-            yield f.result()
+        try:
+            for f in as_completed(futures):
+                yield f.result()
+        except BrokenProcessPool:
+            raise ValueError(WORKER_DIED.format(where="a worker process")) from None
 
     def close(self) -> None:
         self.pool.shutdown(cancel_futures=True)
@@ -51,17 +58,12 @@ class LocalExecutor:
 class RayExecutor:
     def __init__(self, model_name: str | None, workers: int | None = None, threads: int | None = None,
                  address: str | None = None, num_cpus: int | None = None):
-        try:
-            import ray
-        except ImportError:
-            raise ValueError("--ray needs the ray extra: pip install 'kvevict[ray]'.") from None
+        from .ray_init import ensure_ray
+
+        self.started = ensure_ray(address, num_cpus)
+        import ray
+
         self.ray = ray
-        self.started = not ray.is_initialized()
-        if self.started:
-            if address in (None, "", "local"):
-                ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False)
-            else:
-                ray.init(address=address, include_dashboard=False, log_to_driver=False)
         cpus = int(ray.cluster_resources().get("CPU", 1))
         workers = workers or max(1, cpus // (threads or 1))
         per_actor = max(1, cpus // workers)
@@ -81,7 +83,11 @@ class RayExecutor:
             done, _ = ray.wait(list(running), num_returns=1)
             for ref in done:
                 idle.append(running.pop(ref))
-                yield ray.get(ref)
+                try:
+                    out = ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    raise ValueError(WORKER_DIED.format(where="a Ray actor")) from None
+                yield out
 
     def close(self) -> None:
         for a in self.actors:
@@ -95,6 +101,10 @@ def make_executor(spec: str | None, model_name: str | None, workers: int | None 
                   threads: int | None = None, preloaded=None):
     """spec: "inline", "local" (default) or "ray[:ADDRESS]" ("ray:auto", "ray:ray://head:10001")."""
     spec = spec or "local"
+    if model_name is not None and spec != "inline":
+        from ..models import check_model
+
+        check_model(model_name)  # here, not as a dead worker: BrokenProcessPool / RayActorError say nothing
     if spec == "inline":
         return InlineExecutor(model_name, threads, preloaded)
     if spec == "local":

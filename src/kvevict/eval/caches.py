@@ -5,27 +5,38 @@ from __future__ import annotations
 from transformers import DynamicCache
 
 from ..cache import make_cache
+from ..storage import Storage, split_spec
 
 FULL = "full"
 
 
-def new_cache(model, policy: str, budget, sequence=None):
+def new_cache(model, policy: str, budget, sequence=None, covering: int | None = None):
     """``policy == "full"``: a DynamicCache (attention stays whatever it is: the kvevict attention
-    is exact with it); otherwise ``make_cache(model, policy, budget)``. ``sequence`` (1, n): every
-    token the cache will see, known in advance in teacher-forced scoring; the oracle is recorded on
-    it (it cannot run without it)."""
-    if policy == FULL:
-        return DynamicCache(config=model.config)
-    if policy == "oracle" and sequence is not None:
+    is exact with it); otherwise ``make_cache(model, policy, budget)``. A policy may name its
+    storage after a slash (``h2o/int4``, ``h2o/int4+int2``; see ``Storage.parse``); ``full/int4``
+    is that storage with nothing evicted (a budget of ``covering`` tokens, or the sequence's length).
+    ``sequence`` (1, n): every token the cache will see, known in advance in teacher-forced scoring;
+    the oracle is recorded on it (it cannot run without it)."""
+    name, storage = split_spec(policy)
+    kw = {"kv_bits": storage.kv_bits, "evicted_bits": storage.evicted_bits}
+    if name == FULL:
+        if storage == Storage():
+            return DynamicCache(config=model.config)
+        size = covering if covering is not None else (sequence.shape[1] if sequence is not None else None)
+        if size is None:
+            raise ValueError(f"{policy!r} keeps every token: give the sequence or the number of tokens to cover.")
+        return make_cache(model, "h2o", size, **kw)
+    if name == "oracle" and sequence is not None:
         from ..policies.oracle import Oracle
 
-        return make_cache(model, Oracle.record(model, sequence), budget)
-    return make_cache(model, policy, budget)
+        return make_cache(model, Oracle.record(model, sequence), budget, **kw)
+    return make_cache(model, name, budget, **kw)
 
 
 def policy_names(requested: str | list[str], known: dict) -> list[str]:
     """Policy names from ``"h2o,roco"`` or ``"all"`` (every registered policy, aliases once).
-    Unknown names are a ValueError listing the known ones; 'full' is always run, never listed."""
+    Unknown names are a ValueError listing the known ones; 'full' is always run, never listed.
+    A name may carry a storage (``h2o/int4``, ``full/int2``: quantized, nothing evicted)."""
     items = requested.split(",") if isinstance(requested, str) else list(requested)
     items = [p.strip().lower() for p in items if p.strip()]
     if items == ["all"]:
@@ -37,7 +48,10 @@ def policy_names(requested: str | list[str], known: dict) -> list[str]:
             seen.add(cls)
             out.append(getattr(cls, "name", name) if getattr(cls, "name", name) in known else name)
         return out
-    bad = [p for p in items if p not in known and p != FULL]
+    for p in items:
+        if "/" in p:
+            split_spec(p)  # a bad storage is a clear error now, not in the middle of the grid
+    bad = [p for p in items if p.partition("/")[0] not in known and p.partition("/")[0] != FULL]
     if bad:
         raise ValueError(f"unknown policy {', '.join(map(repr, bad))}; known policies: {', '.join(sorted(known))} "
                          "(or 'all'; the full cache is always included).")

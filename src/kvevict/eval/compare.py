@@ -2,7 +2,8 @@
 
     python -m kvevict.eval.compare results/quality --task ppl --budget 0.2 --metric top1 roco:h2o h2o:full
 
-prints mean(a - b) with its 95% t interval over the samples both policies ran.
+prints mean(a - b) with its 95% t interval over the samples both policies ran (of one model: give
+--model when the folder holds several).
 """
 
 from __future__ import annotations
@@ -11,18 +12,28 @@ import argparse
 
 from .caches import FULL
 from .records import load
-from .stats import Interval, mean_ci
+from .report import collect, paired_difference
+from .stats import Interval
 
 
-def paired(records: dict, task: str, a: str, b: str, budget, metric: str) -> Interval:
-    def scores(policy):
-        want = None if policy == FULL else budget  # the full cache's records have no budget
-        return {r["sample"]: r["scores"][metric] for r in records.values()
-                if r["task"] == task and r["policy"] == policy and r.get("budget") == want
-                and metric in r.get("scores", {})}
+def paired(records, task: str, a: str, b: str, budget, metric: str, model: str | None = None) -> Interval:
+    """Policy ``a`` - policy ``b`` at ``budget`` (the full cache: at any budget) on ``task``'s
+    ``metric``, paired by sample within one model. ``records``: load()'s dict or a list."""
+    recs = list(records.values()) if isinstance(records, dict) else list(records)
+    models = sorted({r["model"] for r in recs if r["task"] == task})
+    if model is None and len(models) > 1:
+        raise ValueError(f"the records hold {task} runs of several models ({', '.join(models)}); "
+                         "say which with --model.")
+    if model is not None:
+        if model not in models:
+            raise ValueError(f"no {task} records of model {model!r}; the folder has: {', '.join(models) or 'none'}.")
+        recs = [r for r in recs if r["model"] == model]
+    cells = collect(recs)[task][metric]
 
-    sa, sb = scores(a), scores(b)
-    return mean_ci([sa[k] - sb[k] for k in sa if k in sb])
+    def cell(policy):
+        return (policy, None if policy == FULL else budget)  # the full cache's records have no budget
+
+    return paired_difference(cells, cell(a), cell(b))
 
 
 def main(argv=None) -> int:
@@ -31,6 +42,7 @@ def main(argv=None) -> int:
     p.add_argument("--task", required=True)
     p.add_argument("--budget", type=float, required=True)
     p.add_argument("--metric", required=True)
+    p.add_argument("--model", default=None, help="the model whose records to pair (needed when there are several)")
     p.add_argument("pairs", nargs="+", help="A:B pairs of policy names")
     args = p.parse_args(argv)
     records = load(args.out)
@@ -44,7 +56,10 @@ def main(argv=None) -> int:
         for name in (a, b):
             if name not in known:
                 p.error(f"no {args.task} records of policy {name!r} in {args.out}; it has: {', '.join(known)}")
-        ci = paired(records, args.task, a, b, args.budget, args.metric)
+        try:
+            ci = paired(records, args.task, a, b, args.budget, args.metric, args.model)
+        except ValueError as err:
+            p.error(str(err))
         if ci.n == 0:
             print(f"{args.task} {args.metric} {a} - {b} @ {args.budget}: no shared samples")
         elif ci.n == 1:

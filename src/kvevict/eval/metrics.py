@@ -6,6 +6,7 @@ import math
 import re
 import string
 from collections import Counter
+from functools import lru_cache
 
 import torch
 
@@ -65,12 +66,17 @@ def token_f1(prediction: str, references) -> float:
     return best
 
 
-def rouge(prediction: str, reference: str) -> dict[str, float]:
-    """ROUGE-1/2/L F-measures (Lin, 2004) with Porter stemming, via ``rouge-score``."""
+@lru_cache(maxsize=1)
+def _rouge_scorer():
+    """One scorer for the process: building it loads the stemmer and tokenizer every time."""
     from rouge_score import rouge_scorer
 
-    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
-    s = scorer.score(reference, prediction)
+    return rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
+
+
+def rouge(prediction: str, reference: str) -> dict[str, float]:
+    """ROUGE-1/2/L F-measures (Lin, 2004) with Porter stemming, via ``rouge-score``."""
+    s = _rouge_scorer().score(reference, prediction)
     return {k: s[k].fmeasure for k in ("rouge1", "rouge2", "rougeL")}
 
 

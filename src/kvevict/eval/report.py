@@ -8,6 +8,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from . import records
+from ..plotting import pyplot
 from .caches import FULL
 from .stats import aggregate, mean_ci
 from .tasks import TASKS
@@ -75,16 +76,17 @@ def _metric_table(metric, kind, cells):
     return out + [""]
 
 
+def paired_difference(cells, a: tuple, b: tuple) -> "Interval":
+    """Mean and 95% t interval of the per-sample difference cell ``a`` - cell ``b`` (each a
+    (policy, budget) key of ``cells``) over the samples both ran (pairing removes how hard each
+    sample is)."""
+    va, vb = cells.get(a, {}), cells.get(b, {})
+    return mean_ci([va[s] - vb[s] for s in va if s in vb])
+
+
 def paired_to_full(cells) -> dict[tuple, "Interval"]:
-    """{(policy, budget): mean and 95% t interval of the per-sample difference policy - full} over
-    the samples both ran (pairing removes how hard each sample is)."""
-    full = cells.get((FULL, None), {})
-    out = {}
-    for (p, b), vals in cells.items():
-        if p == FULL:
-            continue
-        out[(p, b)] = mean_ci([vals[s] - full[s] for s in vals if s in full])
-    return out
+    """{(policy, budget): ``paired_difference`` policy - full} for every policy cell."""
+    return {(p, b): paired_difference(cells, (p, b), (FULL, None)) for p, b in cells if p != FULL}
 
 
 def _paired_table(metric, kind, cells):
@@ -112,10 +114,7 @@ def plot_paired(task_name, metric, kind, cells, higher_is_better, path):
     """Heatmap, policy x budget, of the paired difference to the full cache in ``metric``, coloured
     so that red is always worse than the full cache; cells whose 95% interval excludes 0 are
     printed in bold, with n."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     diffs = {k: v for k, v in paired_to_full(cells).items() if v.n}
     if not diffs:
@@ -154,10 +153,7 @@ def plot_paired(task_name, metric, kind, cells, higher_is_better, path):
 def plot_task(task_name, by_metric, kinds, path):
     """One panel per metric: score vs budget, one line per policy with its 95% CI as a band; the
     full cache as a dashed horizontal line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     metrics = list(by_metric)
     width = 4.2 * len(metrics) + 1.5  # + room for the legend on the right

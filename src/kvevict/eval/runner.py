@@ -12,7 +12,10 @@ from .caches import FULL
 
 
 def cells_for(policies: list[str], budgets: list) -> list[tuple]:
-    return [(FULL, None)] + [(p, b) for p in policies for b in budgets]
+    """The reference, then each policy at each budget; a storage that evicts nothing (``full/int4``)
+    is one cell, whatever the budgets."""
+    keep_all = [(p, None) for p in policies if p.startswith(FULL + "/")]
+    return [(FULL, None)] + keep_all + [(p, b) for p in policies if not p.startswith(FULL + "/") for b in budgets]
 
 
 def run_grid(model, tokenizer, tasks, policies, budgets, n_samples: int, out_dir, model_name: str,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import metrics
+from ..generate import dynamic_kv_bytes
 from .caches import FULL, new_cache
 
 
@@ -21,6 +22,8 @@ class StreamScore:
     nll: list = field(default_factory=list)  # per scored token
     top1: list = field(default_factory=list)
     kl: list = field(default_factory=list)
+    kv_bytes: int = 0  # held at the end of the stream
+    full_kv_bytes: int = 0  # a full cache of the model's dtype, same tokens
 
 
 @torch.no_grad()
@@ -32,6 +35,8 @@ def stream_compare(model, ids: torch.Tensor, cells: list[tuple[str, object]], ch
     n = ids.shape[1]
     ref_cache = new_cache(model, FULL, None)
     caches = {cell: new_cache(model, *cell, sequence=ids) for cell in cells if cell[0] != FULL}
+    for cache in caches.values():  # the whole text is the prompt (sizes a mixed cache's low-bit tier)
+        cache.set_prompt_length(n)
     # make_cache switched attention to kvevict, which is exact with the DynamicCache too
     scores = {cell: StreamScore() for cell in cells}
     for s in range(0, n - 1, chunk):
@@ -50,6 +55,10 @@ def stream_compare(model, ids: torch.Tensor, cells: list[tuple[str, object]], ch
             sc.nll += metrics.token_nll(out, y).tolist()
             sc.top1 += metrics.top1_agreement(out, ref).tolist()
             sc.kl += metrics.kl_divergence(out, ref).clamp_min(0).tolist()
+    full = dynamic_kv_bytes(ref_cache)
+    for cell, sc in scores.items():
+        sc.full_kv_bytes = full
+        sc.kv_bytes = full if cell[0] == FULL else caches[cell].kv_bytes()
     return scores
 
 

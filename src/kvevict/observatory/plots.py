@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import matplotlib
+from ..plotting import pyplot
+from . import analyses
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from . import analyses  # noqa: E402
+plt = pyplot()
 
 
 def _layers_to_show(rec, k: int = 4):

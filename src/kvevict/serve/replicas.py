@@ -46,14 +46,11 @@ def start(model_name: str, settings: dict, replicas: int, host: str, port: int, 
           threads: int | None = None, num_cpus: int | None = None, cpus_per_replica: float | None = None):
     """Start Ray (or join ``address``), Ray Serve's HTTP proxy on host:port, and the replicas.
     Returns when every replica is up; stop with ``stop()``."""
-    import ray
     from ray import serve
 
-    if not ray.is_initialized():
-        if address:
-            ray.init(address=address, include_dashboard=False, log_to_driver=False)
-        else:
-            ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    from ..distributed.ray_init import ensure_ray
+
+    ensure_ray(address, num_cpus)
     serve.start(http_options={"host": host, "port": port})
     serve.run(deployment(model_name, settings, replicas, threads, cpus_per_replica), name="kvevict",
               route_prefix="/")

@@ -72,7 +72,7 @@ class PerplexityTask(Task):
         ids = torch.tensor([sample.data["ids"]])
         n = ids.shape[1]
         # a float budget is a fraction of the whole window (make_cache would take it of the first chunk)
-        resolved = [(p, b if p == "full" or isinstance(b, int) else max(1, math.ceil(b * n))) for p, b in cells]
+        resolved = [(p, b if b is None or isinstance(b, int) else max(1, math.ceil(b * n))) for p, b in cells]
         scores = stream_compare(model, ids, resolved, self.chunk)
         half = (n - 1) // 2
         out = {}
@@ -82,5 +82,6 @@ class PerplexityTask(Task):
             late = sc.nll[half:]
             out[cell] = {"scores": {"nll": nll, "nll_late": sum(late) / len(late),
                                     "top1": sum(sc.top1) / len(sc.top1), "kl": sum(sc.kl) / len(sc.kl)},
-                         "output": None, "tokens": n, "budget_tokens": rcell[1]}
+                         "output": None, "tokens": n, "budget_tokens": rcell[1],
+                         "kv_bytes": sc.kv_bytes, "full_kv_bytes": sc.full_kv_bytes}
         return out
