@@ -206,8 +206,11 @@ def test_memory_plans_follow_the_measured_rule():
         return plan(mem, 64, 64, 4, 1)
 
     assert p(0.5).storage.kv_bits == 8 and p(0.5).budget == 1.0 and p(0.5).storage.evicted_bits is None
-    assert p(0.25).storage.kv_bits == 4 and p(0.25).budget == 1.0  # every token at int4 beats 84% at int8
-    assert p(0.2).storage.kv_bits == 4 and p(0.2).budget == 1.0
+    mixed = p(0.2)  # every token: f at int8, 1 - f at int4, f * 153 + (1 - f) * 89 = 0.2 * 512
+    assert (mixed.storage.kv_bits, mixed.storage.evicted_bits) == (8, 4)
+    assert mixed.budget == pytest.approx((0.2 * 512 - 89) / (153 - 89))
+    assert mixed.budget + mixed.storage.evicted_budget == pytest.approx(1.0)
+    assert p(89 / 512).storage.kv_bits == 4 and p(89 / 512).budget == 1.0  # just int4 for every token
     low = p(0.1)  # under int4-for-everything: evict, keep int4
     assert low.storage.kv_bits == 4 and low.storage.evicted_bits is None and low.budget == pytest.approx(0.1 * 512 / 89)
     tokens = plan("1MiB", 64, 64, 4, 1, layers_heads=90)  # bytes per sequence -> int4 slots per layer and head

@@ -345,7 +345,7 @@ def _head_dim(model) -> int | None:
     return hidden // heads if isinstance(heads, int) and isinstance(hidden, int) and heads else None
 
 
-def make_cache(model, policy="h2o", budget=0.2, recent=None, compact=False, kv_bits=None, group=DEFAULT_GROUP,
+def make_cache(model, policy="h2o", budget=0.2, recent=None, compact=False, kv_bits=None, group=None,
                evicted_bits=None, evicted_budget=None, memory=None, **policy_params) -> EvictingCache:
     """A cache for ``model.generate(..., past_key_values=cache)`` that keeps at most ``budget``
     tokens per layer and KV head, evicting with ``policy``.
@@ -355,7 +355,7 @@ def make_cache(model, policy="h2o", budget=0.2, recent=None, compact=False, kv_b
     compact: give the kept tokens consecutive positions (keys re-rotated, as StreamingLLM does), so
     the model never sees a distance longer than the cache and can go on past its context length.
     kv_bits: store kept keys and values in 16 (float16), 8, 4 or 2 bits (packed, per-token groups
-    of ``group`` channels; see kvevict.store); None keeps the model's dtype.
+    of ``group`` channels, default 32 or gcd(32, head_dim); see kvevict.store); None keeps the model's dtype.
     evicted_bits: demote evicted tokens into a tier of that many bits instead of dropping them
     (MiKV); ``evicted_budget`` caps it (int tokens or fraction of the prompt; default the rest of the prompt).
     memory: a budget in bytes instead: a fraction of what the full cache would hold (0.2, '20%') or
@@ -369,6 +369,9 @@ def make_cache(model, policy="h2o", budget=0.2, recent=None, compact=False, kv_b
             raise ValueError(f"recent must be an int number of tokens, got {recent!r}.")
         policy_params["recent"] = recent
     pol = make_policy(policy, **policy_params)
+    head_dim = _head_dim(model)
+    if group is None:  # 32 channels per zero/step, or what divides a smaller head
+        group = math.gcd(DEFAULT_GROUP, head_dim) if head_dim else DEFAULT_GROUP
     if memory is not None:
         from .memory import plan_for_model
 
@@ -378,7 +381,6 @@ def make_cache(model, policy="h2o", budget=0.2, recent=None, compact=False, kv_b
     check_budget(budget)
     storage = Storage(kv_bits=kv_bits, group=group, evicted_bits=evicted_bits, evicted_budget=evicted_budget)
     num_layers = _check_hookable(model)
-    head_dim = _head_dim(model)
     if head_dim is not None:  # fail now, not inside the first forward
         for bits in (storage.kv_bits, storage.evicted_bits):
             check_group(storage.group, head_dim, bits)

@@ -94,6 +94,8 @@ def generate(model, tokenizer, prompt, policy="h2o", budget=0.2, max_new_tokens=
         if memory is not None:
             policy_params["memory"] = memory
         cache = make_cache(model, policy, budget, **policy_params)
+        if memory is not None:  # what the memory budget was planned into
+            budget = cache.layers[0].budget_spec
     start = time.perf_counter()
     if policy not in FULL:
         prefill(model, cache, ids, mode=prefill_mode, stride=stride)
@@ -111,7 +113,7 @@ def generate(model, tokenizer, prompt, policy="h2o", budget=0.2, max_new_tokens=
 
 
 def _storage_label(cache) -> str:
-    """'int4, 1068 of 1084 tokens': how the kept tokens are stored, and how many of those seen are kept."""
+    """'int8+int4, 1068 of 1084 tokens': how the kept tokens are stored, how many of those seen are kept."""
     layer = cache.layers[0]
-    kept = min(layer.budget, layer.seen)
+    kept = sum(t.filled for t in layer.tiers)
     return f"{cache.storage.label or 'model dtype'}, {kept} of {layer.seen} tokens"

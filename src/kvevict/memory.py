@@ -4,10 +4,14 @@
 prompt (``0.2``, ``"20%"``), or bytes per sequence (``"64MiB"``, ``2**26``). ``plan`` turns it into
 a storage and a token budget by the rule measured on SmolLM2 (docs/quality-per-byte.md):
 
-  - keep every token at the most bits that fit: int8 from ~30% of the full bytes, int4 from ~17.4%;
-  - below that, evict with the policy and keep int4 for the tokens kept: at the same bytes this
-    halves H2O's NLL cost at 10% and divides it by ~3 at 5%, while 2-bit storage (every token, or
-    the evicted ones demoted to it) costs +1 to +3 nats per token on SmolLM2: never chosen.
+  - from ~30% of the full bytes, every token at int8 (+0.0002 nats per token: lossless);
+  - from ~17.4% (what int4 for every token costs) to 30%, every token still kept, in two tiers:
+    the share f the policy ranks highest (H2O: heavy hitters + the recent window) at int8, the rest
+    demoted to int4 (mixed precision, MiKV), f chosen so the two tiers fill the memory. At 20% this
+    costs +0.002 nats per token, a fifth of int4 for every token and a seventh of plain H2O;
+  - below 17.4%, evict with the policy and keep int4 for the tokens kept: at the same bytes this
+    costs a third of plain H2O's NLL at 10% and a quarter at 5%. 2-bit storage (for every token,
+    or for the demoted ones) costs +1 to +3 nats per token, or more than evicting: never chosen.
 
 Per slot and KV head: ``Storage.slot_bytes`` (codes, fp16 zero and step per group, int32 position,
 bool validity, the policy's fp32 statistics).
@@ -80,11 +84,15 @@ def plan(memory, head_dim_k: int, head_dim_v: int, dtype_bytes: int, n_stats: in
             raise ValueError(f"{memory} bytes hold less than one 4-bit token per layer and KV head "
                              f"({layers_heads * slot(4):.0f} bytes); give more memory.")
         return Plan(tokens, Storage(kv_bits=4, group=group))
-    ratio = {bits: slot(bits) / full for bits in (8, 4, 2)}
+    ratio = {bits: slot(bits) / full for bits in (8, 4)}
     if memory >= ratio[8]:
         return Plan(min(1.0, memory / ratio[8]), Storage(kv_bits=8, group=group))
     if memory >= ratio[4]:
-        return Plan(1.0, Storage(kv_bits=4, group=group))
+        # every token: the policy's top f at int8, the rest demoted to int4; f r8 + (1 - f) r4 = memory
+        f = (memory - ratio[4]) / (ratio[8] - ratio[4])
+        if f * 1000 < 1:
+            return Plan(1.0, Storage(kv_bits=4, group=group))
+        return Plan(f, Storage(kv_bits=8, group=group, evicted_bits=4, evicted_budget=1.0 - f))
     return Plan(memory / ratio[4], Storage(kv_bits=4, group=group))
 
 

@@ -45,6 +45,12 @@ def add_model_args(p, policy=True, prefill=True):
                        help="compact positions (StreamingLLM re-rotation): go on past the context length")
         p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
                        help="a policy parameter, e.g. --param sinks=4 --param window=32 (repeatable)")
+        p.add_argument("--memory", default=None,
+                       help="a budget in bytes instead of --budget: share of the full cache (0.2, 20%%) or size "
+                            "(64MiB); kvevict picks tokens kept x bits (see README)")
+        p.add_argument("--kv-bits", type=int, default=None, help="store kept tokens in 16, 8, 4 or 2 bits")
+        p.add_argument("--evicted-bits", type=int, default=None,
+                       help="demote evicted tokens to a tier of 16, 8, 4 or 2 bits instead of dropping them")
 
 
 def policy_params(args) -> dict:
@@ -52,6 +58,9 @@ def policy_params(args) -> dict:
     out = {} if args.recent is None else {"recent": args.recent}
     if getattr(args, "compact", False):
         out["compact"] = True
+    for name in ("memory", "kv_bits", "evicted_bits"):
+        if getattr(args, name, None) is not None:
+            out[name] = args.__dict__[name]
     for item in args.param:
         name, sep, value = item.partition("=")
         if not sep or not name:
@@ -77,6 +86,14 @@ def check_policy_args(args) -> None:
     if args.policy != "full":
         check_budget(parse_budget(args.budget))
     check_mode(args.prefill, args.stride)
+    if getattr(args, "memory", None) is not None:
+        from ..memory import parse_memory
+
+        parse_memory(args.memory)
+    if getattr(args, "kv_bits", None) is not None or getattr(args, "evicted_bits", None) is not None:
+        from ..storage import Storage
+
+        Storage(kv_bits=args.kv_bits, evicted_bits=args.evicted_bits)
 
 
 def output_folder(text: str, flag: str = "--out"):

@@ -46,7 +46,8 @@ def run(args):
         return 0
     print(res.text)
     ratio = res.kv_bytes / res.full_kv_bytes if res.full_kv_bytes else 1.0
-    print(f"\n[{res.policy} budget={res.budget}] prompt {res.prompt_tokens} tokens, {res.new_tokens} new, "
+    stored = f", {res.storage}" if res.storage else ""
+    print(f"\n[{res.policy} budget={res.budget}{stored}] prompt {res.prompt_tokens} tokens, {res.new_tokens} new, "
           f"{res.seconds:.2f} s; KV held {mib(res.kv_bytes)} vs full cache {mib(res.full_kv_bytes)} "
           f"({ratio:.0%})", file=sys.stderr)
     return 0

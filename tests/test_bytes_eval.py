@@ -1,0 +1,80 @@
+"""Issue 10's evaluation plumbing: cells that name their storage, and quality against bytes."""
+
+import pytest
+import torch
+
+import kvevict
+from conftest import tiny_model
+from kvevict.eval.bytes_report import pareto, rows
+from kvevict.eval.caches import new_cache, policy_names
+from kvevict.eval.runner import cells_for
+from kvevict.storage import Storage, split_spec
+
+
+def test_cache_specs_name_their_storage():
+    assert split_spec("h2o/int8+int4") == ("h2o", Storage(kv_bits=8, evicted_bits=4))
+    assert split_spec("full/int4") == ("full", Storage(kv_bits=4))
+    assert split_spec("snapkv") == ("snapkv", Storage())
+    assert Storage(kv_bits=4, evicted_bits=2).label == "int4+int2" and Storage(evicted_bits=4).label == "fp+int4"
+    with pytest.raises(ValueError, match="kv_bits must be one of 16, 8, 4, 2"):
+        split_spec("h2o/int3")
+    with pytest.raises(ValueError, match="unknown storage 'q4'"):
+        split_spec("h2o/q4")
+    with pytest.raises(ValueError, match="unknown policy 'nope/int4'"):
+        policy_names("h2o,nope/int4", kvevict.POLICIES)
+    assert policy_names("h2o/int4,full/int8", kvevict.POLICIES) == ["h2o/int4", "full/int8"]
+    # a storage that evicts nothing is one cell whatever the budgets
+    assert cells_for(["full/int4", "h2o/int4"], [0.1, 0.2]) == [
+        ("full", None), ("full/int4", None), ("h2o/int4", 0.1), ("h2o/int4", 0.2)]
+
+
+def test_full_with_a_storage_keeps_every_token_quantized():
+    model = tiny_model("llama-gqa")
+    seq = torch.randint(0, 128, (1, 30))
+    cache = new_cache(model, "full/int8", None, sequence=seq)
+    with torch.no_grad():
+        model(seq, past_key_values=cache)
+    layer = cache.layers[0]
+    assert layer.keys.dtype == torch.uint8 and layer.budget == 30 and layer.evicted == 0
+    with pytest.raises(ValueError, match="keeps every token"):
+        new_cache(model, "full/int8", None)
+
+
+def test_generate_runs_a_storage_spec_and_reports_it(real_model):
+    model, tok = real_model
+    from kvevict.generate import generate
+
+    msgs = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+    full = generate(model, tok, msgs, "full", None, max_new_tokens=8)
+    q = generate(model, tok, msgs, "full/int8", None, max_new_tokens=8)
+    assert q.text == full.text and q.policy == "full/int8" and q.storage.startswith("int8, ")
+    assert q.kv_bytes < 0.32 * q.full_kv_bytes
+    m = generate(model, tok, msgs, "h2o", None, max_new_tokens=8, memory=0.2)
+    assert m.kv_bytes <= 0.2 * m.full_kv_bytes * 1.02 and "Paris" in m.text  # short prompts stay whole
+    # every prompt token found a slot in one of the two tiers; decoding then evicts within the bytes
+    kept, seen = (int(x) for x in m.storage.split(", ")[1].removesuffix(" tokens").split(" of "))
+    assert m.storage.startswith("int8+int4, ") and m.prompt_tokens <= kept < seen == m.prompt_tokens + 7
+
+
+def _row(policy, share, diff, higher=True, n=5):
+    return {"task": "t", "metric": "m", "policy": policy, "budget": None, "bytes": share, "mean": 0.0,
+            "ref_mean": 0.0, "diff": diff, "lo": diff - 0.1, "hi": diff + 0.1, "n": n, "higher_is_better": higher}
+
+
+def test_pareto_front_is_what_nothing_beats_on_bytes_and_quality():
+    rs = [_row("a", 0.10, -0.5), _row("b", 0.20, -0.1), _row("c", 0.20, -0.3), _row("d", 0.30, -0.1),
+          _row("e", 0.05, -0.9)]
+    assert pareto(rs) == {0, 1, 4}  # c loses to b (same bytes, worse); d to b (more bytes, same quality)
+    low = [_row("a", 0.1, +0.5, higher=False), _row("b", 0.2, +0.1, higher=False), _row("c", 0.3, +0.2, higher=False)]
+    assert pareto(low) == {0, 1}  # lower is better (NLL): c costs more and loses more
+
+
+def test_rows_pair_each_cell_with_the_full_cache_on_shared_samples():
+    recs = []
+    for s, (full, h2o, q) in enumerate([(1, 0, 1), (1, 1, 1), (0, 0, 1)]):
+        for policy, budget, em, kb in (("full", None, full, 100), ("h2o", 0.2, h2o, 20), ("full/int4", None, q, 18)):
+            recs.append({"model": "m", "task": "passkey", "policy": policy, "budget": budget, "sample": str(s),
+                         "scores": {"em": em}, "kv_bytes": kb, "full_kv_bytes": 100})
+    got = {r["policy"]: r for r in rows(recs)}
+    assert got["h2o"]["diff"] == pytest.approx(-1 / 3) and got["h2o"]["bytes"] == pytest.approx(0.2)
+    assert got["full/int4"]["diff"] == pytest.approx(1 / 3) and got["full/int4"]["n"] == 3
