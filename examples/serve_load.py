@@ -1,5 +1,6 @@
 """Load check for a running ``kvevict serve``: N requests one after another, then the same N at
-once (batched by the server), through the openai client. Prints a table and writes JSON.
+once (batched continuously by the server), through the openai client. Prints a table and writes JSON.
+The side-by-side load test against vLLM is ``python -m kvevict.bench.serve_load`` (docs/serving.md).
 
     kvevict serve --model smollm2-135m --max-batch 8 &
     python examples/serve_load.py --n 8 --max-tokens 32 --out runs/serve_load.json
@@ -30,7 +31,8 @@ def prompts(n: int) -> list[str]:
 
 
 async def run(url, n, max_tokens, policy, budget):
-    kw = dict(max_tokens=max_tokens, extra_body={"kv_policy": policy, "kv_budget": budget})
+    extra = {"kv_policy": policy} if budget is None else {"kv_policy": policy, "kv_budget": budget}
+    kw = dict(max_tokens=max_tokens, extra_body=extra)
     async with openai.AsyncOpenAI(base_url=url, api_key="kvevict", max_retries=0, timeout=900) as client:
         model = (await client.models.list()).data[0].id
 
@@ -53,7 +55,7 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--policy", default="h2o")
-    p.add_argument("--budget", type=float, default=0.2)
+    p.add_argument("--budget", type=float, default=None, help="kv_budget (default: the server's)")
     p.add_argument("--out", default="runs/serve_load.json")
     a = p.parse_args(argv)
     seq, t_seq, conc, t_conc = asyncio.run(run(a.url, a.n, a.max_tokens, a.policy, a.budget))

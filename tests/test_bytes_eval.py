@@ -78,3 +78,12 @@ def test_rows_pair_each_cell_with_the_full_cache_on_shared_samples():
     got = {r["policy"]: r for r in rows(recs)}
     assert got["h2o"]["diff"] == pytest.approx(-1 / 3) and got["h2o"]["bytes"] == pytest.approx(0.2)
     assert got["full/int4"]["diff"] == pytest.approx(1 / 3) and got["full/int4"]["n"] == 3
+
+
+def test_storage_pilot_configs_parse_or_say_what_is_wrong():
+    from kvevict.eval.storage_pilot import parse_config
+
+    assert parse_config("mix:kv_bits=8,evicted_bits=4,budget=0.2") == (
+        "mix", {"kv_bits": 8, "evicted_bits": 4, "budget": 0.2})
+    with pytest.raises(ValueError, match="NAME:KEY=VALUE"):
+        parse_config("bad:bits=4")

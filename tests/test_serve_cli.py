@@ -45,6 +45,8 @@ def test_kvevict_serve_starts_answers_and_stops(tmp_path):
     (["--budget", "0"], "positive"),
     (["--policy", "h20"], "unknown --policy 'h20'"),
     (["--max-batch", "0"], "--max-batch must be >= 1"),
+    (["--kv-memory", "lots"], "--kv-memory takes a size such as 512MiB or 2GiB, got 'lots'"),
+    (["--min-budget", "0"], "--min-budget must be >= 1"),
 ])
 def test_kvevict_serve_bad_flags_fail_clearly_before_loading(flags, message, capsys):
     from kvevict.cli import main
@@ -52,3 +54,14 @@ def test_kvevict_serve_bad_flags_fail_clearly_before_loading(flags, message, cap
     assert main(["serve", "--model", "nowhere", *flags]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_kvevict_generate_default_budget_keeps_a_short_chat_whole(real_model):
+    """Like the server's default: a token budget (1024) that a short chat never reaches."""
+    out = subprocess.run([sys.executable, "-m", "kvevict.cli", "generate", "--prompt",
+                          "What is the capital of France? Answer in one word.", "--max-new-tokens", "12",
+                          "--threads", "2", "--json"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    assert res["budget"] == 1024 and res["prompt_tokens"] + res["new_tokens"] < 1024
+    assert "Paris" in res["text"]

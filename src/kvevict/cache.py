@@ -148,6 +148,30 @@ class EvictingLayer(CacheLayerMixin):
     def batch_select_indices(self, indices) -> None:
         self._map_batch(lambda t: t[indices])
 
+    def can_append(self, other: "EvictingLayer") -> bool:
+        return (self.is_initialized and other.is_initialized and self.budget == other.budget
+                and self.policy == other.policy and self.storage == other.storage
+                and [t.budget for t in self.tiers] == [t.budget for t in other.tiers]
+                and self.inv_freq is None and other.inv_freq is None)
+
+    def append_rows(self, other: "EvictingLayer") -> None:
+        """Append ``other``'s sequences (same budget, policy and storage) after this layer's, for
+        continuous batching. Rows may be at different fill levels: a row's slots past its own fill
+        are empty (invalid, priority -inf), so its next tokens take them before anything of it is
+        evicted, exactly as alone. ``seen`` becomes the longer history: the caller left-pads the
+        shorter rows' attention masks to it."""
+        theirs = []
+        other._map_batch(lambda t: theirs.append(t) or t)  # every per-row tensor, in _map_batch's order
+        rows = iter(theirs)
+        self._map_batch(lambda t: torch.cat([t, next(rows)]))
+        for mine, their in zip(self.tiers, other.tiers):
+            self._padded = self._padded or mine.filled != their.filled
+            mine.filled = max(mine.filled, their.filled)
+        self._padded = self._padded or other._padded
+        self.seen = max(self.seen, other.seen)
+        self.evicted = max(self.evicted, other.evicted)
+        self.peak_entries = max(self.peak_entries, other.peak_entries)
+
     # -- the first tier's state, as the layer's own (what was kept, where) -------------------
     @property
     def pos(self) -> torch.Tensor:
@@ -276,6 +300,16 @@ class EvictingCache(Cache):
                     "before generate (kvevict.prefill does it), or pass an int budget."
                 )
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def can_append(self, other: "EvictingCache") -> bool:
+        """Whether ``append_rows(other)`` can merge the two: same policy, budgets and storage, both filled."""
+        return len(self.layers) == len(other.layers) and all(
+            a.can_append(b) for a, b in zip(self.layers, other.layers))
+
+    def append_rows(self, other: "EvictingCache") -> None:
+        """Append ``other``'s sequences to this cache's batch (continuous batching); ``other`` is used up."""
+        for a, b in zip(self.layers, other.layers):
+            a.append_rows(b)
 
     def kv_bytes(self) -> int:
         """Every byte the cache holds now: keys and values (packed codes with their steps and zeros

@@ -14,6 +14,8 @@ HELP = "answer a prompt under a KV budget; print the answer and the KV bytes hel
 
 def add_arguments(p):
     add_model_args(p)
+    # like the server: short prompts stay whole, eviction starts past 1024 tokens per layer & KV head
+    p.set_defaults(budget="1024")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", help="file with the prompt text ('-' for stdin)")

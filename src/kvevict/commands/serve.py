@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 
 from ._common import add_model_args, parse_budget, setup_threads
@@ -12,11 +13,16 @@ HELP = "OpenAI-compatible server (/v1/chat/completions, /v1/completions) with pe
 
 def add_arguments(p):
     add_model_args(p, prefill=False)  # requests choose kv_policy / kv_budget / kv_recent, nothing else
+    p.set_defaults(budget="auto")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-name", default=None, help="model id clients ask for (default: --model)")
-    p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together")
-    p.add_argument("--batch-wait-ms", type=float, default=10.0, help="wait this long for more requests to batch")
+    p.add_argument("--max-batch", type=int, default=16, help="most sequences decoded at once")
+    p.add_argument("--kv-memory", default="2GiB", metavar="SIZE",
+                   help="K/V bytes the server may hold (e.g. 512MiB, 2GiB); requests that do not fit wait. "
+                        "The default --budget 'auto' gives each sequence kv-memory / max-batch")
+    p.add_argument("--min-budget", type=int, default=64,
+                   help="a fractional kv_budget keeps at least this many tokens")
     p.add_argument("--budget-round", type=int, default=1,
                    help="round a fractional budget's token count up to a multiple of this, so that prompts of "
                         "similar length share a batch (1 = exact)")
@@ -30,22 +36,33 @@ def add_arguments(p):
 def settings_from_args(args) -> dict:
     from ..policies import POLICIES
 
-    budget = parse_budget(args.budget)
+    budget = None if args.budget == "auto" else parse_budget(args.budget)
     policy = args.policy.lower()
     if policy not in POLICIES and policy not in ("full", "none"):
         raise ValueError(f"unknown --policy {args.policy!r}; known: full, {', '.join(sorted(POLICIES))}.")
     from ..cache import check_budget
 
-    check_budget(budget)
-    for name in ("max_batch", "max_tokens", "max_tokens_limit", "replicas", "budget_round"):
+    if budget is not None:
+        check_budget(budget)
+    for name in ("max_batch", "max_tokens", "max_tokens_limit", "replicas", "budget_round", "min_budget"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
-    if args.batch_wait_ms < 0:
-        raise ValueError(f"--batch-wait-ms must be >= 0, got {args.batch_wait_ms}.")
     return dict(model_id=args.served_name or args.model, policy="full" if policy == "none" else policy,
                 budget=budget, recent=args.recent, max_tokens=args.max_tokens,
                 max_tokens_limit=args.max_tokens_limit, max_batch=args.max_batch,
-                batch_wait_s=args.batch_wait_ms / 1000, budget_round=args.budget_round)
+                kv_memory=parse_bytes(args.kv_memory), min_budget=args.min_budget, budget_round=args.budget_round)
+
+
+UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+         "g": 10**9, "gb": 10**9, "gib": 2**30}
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB' -> 2147483648, '500MB' -> 500000000, '1048576' -> 1048576."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in UNITS or float(m.group(1)) * UNITS[m.group(2).lower()] < 1:
+        raise ValueError(f"--kv-memory takes a size such as 512MiB or 2GiB, got {text!r}.")
+    return int(float(m.group(1)) * UNITS[m.group(2).lower()])
 
 
 def run(args):
@@ -61,8 +78,9 @@ def run(args):
         return serve_replicas(args.model, settings, args.replicas, args.host, args.port, args.ray, args.threads)
     from ..serve.server import build
 
-    app, _ = build(args.model, settings, setup_threads(args))
+    app, engine = build(args.model, settings, setup_threads(args))
     print(f"kvevict: serving {settings['model_id']} on http://{args.host}:{args.port}/v1 "
-          f"(default kv_policy={settings['policy']}, kv_budget={settings['budget']})", file=sys.stderr)
+          f"(default kv_policy={settings['policy']}, kv_budget={engine.settings.budget} tokens, "
+          f"kv_memory={settings['kv_memory']} bytes)", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

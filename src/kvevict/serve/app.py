@@ -66,7 +66,7 @@ def create_app(engine: Engine, stop_engine_on_shutdown: bool = True) -> FastAPI:
         if isinstance(body, dict) and body.get("model") not in (None, model_id):
             raise BadRequest(f"the model {body.get('model')!r} does not exist; this server serves {model_id!r}.",
                              "model", status=404, type="NotFoundError")
-        req = parse(body, engine.tokenizer, engine.settings, engine.context)
+        req = parse(body, engine.tokenizer, engine.settings, engine.context, len(engine.budgeter.per_layer))
         handle = engine.submit(req, asyncio.get_running_loop())
         if req.stream:
             return StreamingResponse(_stream(handle), media_type="text/event-stream")

@@ -1,14 +1,17 @@
-"""One decode batch: left-padded prompts sharing one cache, stepped one token at a time.
+"""Rows sharing one cache, stepped one token at a time; rows join and leave between steps.
 
-Left padding + the 2-D attention mask + per-sequence positions make each sequence's tokens equal
-to what it gets alone (kvevict's padding-aware cache never keeps a pad over a real token, see
-tests/test_core.py). Finished or abandoned sequences are dropped from the cache's batch dimension
-(``batch_select_indices``), which copies the kept rows into new storage and frees the old.
+A row is prefilled alone (``DecodeBatch.prefill``: one prompt, no padding), then joins a running
+batch of its group (``join``): the shorter side's history is left-padded, and the 2-D attention mask
+plus per-row positions keep each row equal to what it gets alone (kvevict's attention never lets a
+pad take part, see tests/test_core.py). A row that ends leaves at once (``keep``): the cache's
+``batch_select_indices`` copies the kept rows into new storage and frees the old, and padding
+columns no remaining row needs are cut off.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 
 from ..cache import EvictingCache, make_cache
@@ -16,48 +19,65 @@ from ..generate import dynamic_kv_bytes
 
 
 class DecodeBatch:
-    def __init__(self, model, prompts: list[list[int]], policy: str, budget_tokens: int | None,
-                 recent: int | None, pad_id: int):
-        self.model = model
-        b, width = len(prompts), max(len(p) for p in prompts)
-        self.ids = torch.full((b, width), pad_id, dtype=torch.long)
-        self.mask = torch.zeros((b, width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            self.ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            self.mask[i, width - len(p):] = 1
+    def __init__(self, model, cache, mask: torch.Tensor, next_pos: torch.Tensor):
+        self.model, self.cache = model, cache
+        self.mask = mask  # (rows, columns seen): 1 = a real token of that row
+        self.next_pos = next_pos  # (rows,) the position of each row's next token
+
+    @classmethod
+    def prefill(cls, model, prompt: list[int], policy: str, budget_tokens: int | None, recent: int | None):
+        """One prompt into a fresh cache; returns (batch of one row, its last logits (1, vocab))."""
         if policy == "full":
             # kvevict attention is exact with a DynamicCache, so the model keeps one implementation
-            self.cache = DynamicCache(config=model.config)
+            cache = DynamicCache(config=model.config)
         else:
-            self.cache = make_cache(model, policy, budget_tokens, recent=recent)
-        self.next_pos = None
+            cache = make_cache(model, policy, budget_tokens, recent=recent)
+        ids = torch.tensor([prompt], dtype=torch.long)
+        out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        n = len(prompt)
+        return cls(model, cache, torch.ones(1, n, dtype=torch.long), torch.tensor([n])), out.logits[:, -1]
 
     @property
     def size(self) -> int:
         return self.mask.shape[0]
 
-    def prefill(self) -> torch.Tensor:
-        """Run the prompts; return the last logits (batch, vocab)."""
-        pos = (self.mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(self.ids, attention_mask=self.mask, position_ids=pos, past_key_values=self.cache,
-                         use_cache=True, logits_to_keep=1)
-        self.next_pos = pos[:, -1] + 1
-        self.ids = None
-        return out.logits[:, -1]
-
     def step(self, tokens: list[int]) -> torch.Tensor:
-        """Feed one token per sequence; return the next logits (batch, vocab)."""
+        """Feed one token per row; return the next logits (rows, vocab)."""
         self.mask = torch.cat([self.mask, self.mask.new_ones(self.size, 1)], dim=1)
         out = self.model(torch.tensor(tokens, dtype=torch.long)[:, None], attention_mask=self.mask,
                          position_ids=self.next_pos[:, None], past_key_values=self.cache, use_cache=True)
         self.next_pos = self.next_pos + 1
         return out.logits[:, -1]
 
+    def can_join(self, other: "DecodeBatch") -> bool:
+        if isinstance(self.cache, DynamicCache) and isinstance(other.cache, DynamicCache):
+            return True
+        return (isinstance(self.cache, EvictingCache) and isinstance(other.cache, EvictingCache)
+                and hasattr(self.cache, "append_rows") and self.cache.can_append(other.cache))
+
+    def join(self, other: "DecodeBatch") -> None:
+        """Append ``other``'s rows after this batch's (``can_join`` must be true)."""
+        width = max(self.mask.shape[1], other.mask.shape[1])
+        if isinstance(self.cache, DynamicCache):
+            for mine, theirs in zip(self.cache.layers, other.cache.layers):
+                mine.keys = torch.cat([_left_pad(mine.keys, width), _left_pad(theirs.keys, width)])
+                mine.values = torch.cat([_left_pad(mine.values, width), _left_pad(theirs.values, width)])
+        else:
+            self.cache.append_rows(other.cache)
+        self.mask = torch.cat([_left_pad(self.mask, width, dim=1), _left_pad(other.mask, width, dim=1)])
+        self.next_pos = torch.cat([self.next_pos, other.next_pos])
+
     def keep(self, rows: list[int]) -> None:
-        """Drop every sequence not in ``rows`` (indices into the current batch), freeing its storage."""
+        """Drop every row not in ``rows`` (indices into the current batch), freeing its storage."""
         index = torch.tensor(rows, dtype=torch.long)
         self.cache.batch_select_indices(index)
         self.mask, self.next_pos = self.mask[index], self.next_pos[index]
+        # columns that are padding in every remaining row: nobody needs them any more
+        cut = int(self.mask.any(0).long().argmax())
+        if cut and isinstance(self.cache, DynamicCache):
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, cut:], layer.values[:, :, cut:]
+            self.mask = self.mask[:, cut:]
 
     def kv_bytes(self) -> int:
         """Bytes of K/V storage the whole batch holds now."""
@@ -65,15 +85,10 @@ class DecodeBatch:
             return self.cache.kv_bytes()
         return dynamic_kv_bytes(self.cache)
 
-    def token_bytes(self) -> int:
-        """Bytes one token of one sequence takes in a full cache (all layers, K and V)."""
-        total = 0
-        for layer in self.cache.layers:
-            if layer.is_initialized:
-                k, v = layer.keys, layer.values
-                total += k.shape[1] * (k.shape[-1] + v.shape[-1]) * k.element_size()
-        return total
 
-    def num_kv_entries_per_token(self) -> int:
-        """Layers x KV heads: how many cache entries one token takes."""
-        return sum(layer.keys.shape[1] for layer in self.cache.layers if layer.is_initialized)
+def _left_pad(t: torch.Tensor, width: int, dim: int = 2) -> torch.Tensor:
+    short = width - t.shape[dim]
+    if not short:
+        return t
+    pad = [0, 0] * (t.dim() - 1 - dim) + [short, 0]
+    return F.pad(t, pad)

@@ -1,10 +1,12 @@
-"""The engine: a queue of requests, a scheduler that groups them into batches, and one worker
-thread that runs every model call and streams tokens back to each request's asyncio queue.
+"""The engine: a queue of requests, continuous batching, and one worker thread that runs every
+model call and streams tokens back to each request's asyncio queue.
 
-Requests that share a cache must share its policy and budget, so the scheduler takes the oldest
-waiting request's group (policy, budget in tokens, recent window) and up to ``max_batch`` waiting
-requests of that group, oldest first. A batch runs until its last sequence ends; a sequence that
-ends (EOS, max_tokens, stop string) or whose client went away is dropped from the cache at once.
+Each loop of the worker (1) admits waiting requests, oldest first, while their K/V bytes fit
+``Settings.kv_memory`` and fewer than ``max_batch`` sequences run (``memory.Budgeter`` bounds the
+bytes); each admitted prompt is prefilled on its own, gives its first token at once, and joins the
+running batch of its group (a cache holds one policy and budget); (2) steps every running batch by
+one token. A sequence that ends (EOS, max_tokens, stop string) or whose client went away leaves its
+batch at once and its storage is freed, so a waiting request can take its place at the next step.
 """
 
 from __future__ import annotations
@@ -19,10 +21,14 @@ import torch
 from ..attention import ATTN_NAME, register
 from .batch import DecodeBatch
 from .detokenize import TextStream
+from .errors import BadRequest
+from .memory import Budgeter
 from .metrics import Metrics
 from .protocol import GenRequest
-from .sampling import make_generator, next_token
+from .sampling import make_generator, pick_tokens
 from .settings import Settings
+
+PREFILL_TOKENS_PER_STEP = 2048  # prompt tokens prefilled between two decode steps (at least one prompt)
 
 
 class Handle:
@@ -31,10 +37,11 @@ class Handle:
     Events: ("delta", text), ("finish", finish_reason, usage), ("error", message).
     """
 
-    def __init__(self, req: GenRequest, loop):
-        self.req, self.loop = req, loop
+    def __init__(self, req: GenRequest, loop, reserve: int):
+        self.req, self.loop, self.reserve = req, loop, reserve
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
+        self.submitted = time.monotonic()
 
     def push(self, event: tuple) -> None:
         try:
@@ -47,7 +54,7 @@ class Handle:
 
 
 class _Row:
-    """A sequence in the running batch."""
+    """A running sequence."""
 
     def __init__(self, handle: Handle, tokenizer):
         self.handle, self.req = handle, handle.req
@@ -55,6 +62,14 @@ class _Row:
         self.generator = make_generator(handle.req.seed)
         self.generated = 0
         self.fed = len(handle.req.prompt_ids)  # real tokens the cache has been given
+        self.pending = None  # the token sampled last, fed at the next step
+
+
+class _Running:
+    """A decode batch and its rows, in cache row order."""
+
+    def __init__(self, group: tuple, batch: DecodeBatch, rows: list[_Row]):
+        self.group, self.batch, self.rows = group, batch, rows
 
 
 class Engine:
@@ -62,16 +77,29 @@ class Engine:
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
         self.metrics = metrics or Metrics()
         self.context = getattr(model.config, "max_position_embeddings", None) or 1 << 30
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.eos_ids = _eos_ids(model, tokenizer)
-        self.log: deque[dict] = deque(maxlen=10_000)  # batches and drops, for /metrics-like inspection and tests
-        self._pending: list[Handle] = []
+        self.log: deque[dict] = deque(maxlen=10_000)  # admissions, joins, finishes: for inspection and tests
+        self._pending: deque[Handle] = deque()
+        self._running: list[_Running] = []
         self._cond = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="kvevict-engine", daemon=True)
         # one attention implementation for every policy, "full" included (exact with a DynamicCache)
         register()
         model.set_attn_implementation(ATTN_NAME)
+        self.budgeter = Budgeter(model)
+        if settings.budget is None:
+            settings.budget = self.default_budget()
+        self.metrics.set("kvevict_kv_memory_bytes", settings.kv_memory)
+
+    def default_budget(self) -> int:
+        """Tokens per layer and KV head one sequence may keep: its share of ``kv_memory`` when
+        ``max_batch`` sequences run (a multiple of 64, at least ``min_budget``, at most the context).
+        The share is counted in the default policy's own bytes per slot, its state included."""
+        s = self.settings
+        per_token, rest = self.budgeter.per_token(s.policy)
+        share = (s.kv_memory // s.max_batch - rest) // per_token
+        return max(s.min_budget, min(self.context, share // 64 * 64))
 
     # -- the event loop's side ------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -89,8 +117,22 @@ class Engine:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
+    def reserve_bytes(self, req: GenRequest) -> int:
+        """The most K/V bytes ``req`` holds; a BadRequest when that alone exceeds ``kv_memory``."""
+        if req.policy != "full" and req.policy not in self.budgeter.slots:
+            raise BadRequest(f"kv_policy {req.policy!r} cannot serve requests.", "kv_policy")
+        need = self.budgeter.row_bytes(req.policy, req.budget_tokens, req.recent,
+                                       len(req.prompt_ids) + req.max_tokens)
+        if need > self.settings.kv_memory:
+            what = ("lower max_tokens or shorten the prompt" if req.policy == "full"
+                    else "lower kv_budget")
+            raise BadRequest(f"this request needs {need} bytes of K/V storage, more than the server's "
+                             f"kv_memory of {self.settings.kv_memory} bytes; {what}.",
+                             "max_tokens" if req.policy == "full" else "kv_budget")
+        return need
+
     def submit(self, req: GenRequest, loop) -> Handle:
-        handle = Handle(req, loop)
+        handle = Handle(req, loop, self.reserve_bytes(req))
         with self._cond:
             self._pending.append(handle)
             self.metrics.set("kvevict_queued_requests", len(self._pending))
@@ -100,97 +142,116 @@ class Engine:
     # -- the worker thread ------------------------------------------------------------------------
     def _run(self) -> None:
         torch.set_grad_enabled(False)
-        while True:
-            picked = self._next_batch()
-            if picked is None:
-                if self._stopping:
-                    return
-                continue
-            group, handles = picked
-            try:
-                with torch.inference_mode():
-                    self._decode(group, handles)
-            except Exception as err:  # a failure ends this batch, never the server
-                msg = f"generation failed: {type(err).__name__}: {err}"
-                for h in handles:
-                    h.push(("error", msg))
-                self.metrics.add("kvevict_requests_total", len(handles), outcome="failed")
-                self.log.append({"event": "failed", "ids": [h.req.id for h in handles], "error": msg})
-            finally:
-                self.metrics.set("kvevict_running_sequences", 0)
-                self.metrics.set("kvevict_kv_bytes_held", 0)
-                self.metrics.set("kvevict_kv_bytes_full", 0)
+        with torch.inference_mode():
+            while True:
+                admitted = self._admit()
+                if admitted is None:
+                    break
+                for h in admitted:
+                    self._start(h)
+                for run in list(self._running):
+                    self._step(run)
+                self._gauges()
+        for run in self._running:
+            for r in run.rows:
+                r.handle.push(("error", "the server is shutting down."))
+        self._running.clear()
+        self._gauges()
 
-    def _next_batch(self):
+    def _bound(self, extra: list[Handle] = ()) -> int:
+        """The most bytes the running batches can hold, with each of ``extra`` joining its group's batch."""
+        batches = [(run.group, [r.handle.reserve for r in run.rows]) for run in self._running]
+        for h in extra:
+            for group, rows in batches:
+                if group == h.req.group:
+                    rows.append(h.reserve)
+                    break
+            else:
+                batches.append((h.req.group, [h.reserve]))
+        return sum(self.budgeter.batch_bytes(rows) for _, rows in batches)
+
+    def _admit(self) -> list[Handle] | None:
+        """Waiting requests that fit now, oldest first (the oldest that does not fit blocks the rest,
+        so nobody starves); None when the server stops."""
         s = self.settings
         with self._cond:
-            while not self._pending and not self._stopping:
+            while True:
+                if self._stopping:
+                    for h in self._pending:
+                        h.push(("error", "the server is shutting down."))
+                    self._pending.clear()
+                    return None
+                gone = [h for h in self._pending if h.cancelled.is_set()]
+                for h in gone:
+                    self._pending.remove(h)
+                    self.log.append({"event": "cancelled", "id": h.req.id, "t": time.monotonic(), "queued": True})
+                if gone:
+                    self.metrics.add("kvevict_requests_total", len(gone), outcome="cancelled")
+                if self._running or self._pending:
+                    break
                 self._cond.wait(0.5)
-            if self._stopping:
-                for h in self._pending:
-                    h.push(("error", "the server is shutting down."))
-                self._pending.clear()
-                return None
-            deadline = time.monotonic() + s.batch_wait_s  # let concurrent arrivals join this batch
-            while len(self._pending) < s.max_batch and (left := deadline - time.monotonic()) > 0:
-                self._cond.wait(left)
-            gone = [h for h in self._pending if h.cancelled.is_set()]
-            if gone:
-                self.metrics.add("kvevict_requests_total", len(gone), outcome="cancelled")
-            self._pending = [h for h in self._pending if not h.cancelled.is_set()]
-            if not self._pending:
-                return None
-            group = self._pending[0].req.group
-            take = [h for h in self._pending if h.req.group == group][: s.max_batch]
-            self._pending = [h for h in self._pending if h not in take]
+            taken, tokens = [], 0
+            running = sum(len(run.rows) for run in self._running)
+            while (self._pending and running + len(taken) < s.max_batch and tokens < PREFILL_TOKENS_PER_STEP
+                   and self._bound([*taken, self._pending[0]]) <= s.kv_memory):
+                h = self._pending.popleft()
+                taken.append(h)
+                tokens += len(h.req.prompt_ids)
             self.metrics.set("kvevict_queued_requests", len(self._pending))
-            return group, take
+            return taken
 
-    def _decode(self, group, handles: list[Handle]) -> None:
-        policy, budget_tokens, recent = group
-        rows = [_Row(h, self.tokenizer) for h in handles]
-        batch = DecodeBatch(self.model, [r.req.prompt_ids for r in rows], policy, budget_tokens, recent, self.pad_id)
-        info = {"event": "batch", "policy": policy, "budget_tokens": budget_tokens, "size": len(rows),
-                "ids": [r.req.id for r in rows], "peak_kv_bytes": 0}
-        self.log.append(info)
-        self.metrics.add("kvevict_batches_total")
-        self.metrics.add("kvevict_batched_sequences_total", len(rows))
-        logits = batch.prefill()
-        token_bytes, entries = batch.token_bytes(), batch.num_kv_entries_per_token()
-        while rows:
-            held = batch.kv_bytes()
-            info["peak_kv_bytes"] = max(info["peak_kv_bytes"], held)
-            self.metrics.set("kvevict_running_sequences", len(rows))
-            self.metrics.set("kvevict_kv_bytes_held", held)
-            self.metrics.set("kvevict_kv_bytes_full", sum(r.fed for r in rows) * token_bytes)
-            self.metrics.peak("kvevict_kv_bytes_peak", held)
-            alive, tokens, ending = self._next_tokens(rows, logits)
-            # counters first: a client that reads /metrics right after its answer sees its tokens
-            self.metrics.add("kvevict_generated_tokens_total", len(rows) - sum(x == "cancelled" for _, x in ending))
-            for r, reason in ending:
-                self._drop(r, reason, held, len(rows), budget_tokens, token_bytes, entries)
-            if not alive:
-                break
-            if len(alive) < len(rows):
-                before = len(rows)
-                batch.keep(alive)
-                rows = [rows[i] for i in alive]
-                self.log.append({"event": "shrink", "ids": [r.req.id for r in rows], "size_before": before,
-                                 "size": len(rows), "kv_bytes_before": held, "kv_bytes": batch.kv_bytes()})
-            logits = batch.step(tokens)
-            for r in rows:
-                r.fed += 1
+    def _start(self, h: Handle) -> None:
+        """Prefill one admitted request alone, stream its first token, and join its group's batch."""
+        req, now = h.req, time.monotonic()
+        self.log.append({"event": "admit", "id": req.id, "t": now, "waited": now - h.submitted,
+                         "running": sum(len(run.rows) for run in self._running)})
+        row = _Row(h, self.tokenizer)
+        try:
+            batch, logits = DecodeBatch.prefill(self.model, req.prompt_ids, req.policy, req.budget_tokens, req.recent)
+        except Exception as err:  # this request fails alone; the running batches go on
+            self._fail([row], err)
+            return
+        self.metrics.observe("kvevict_time_to_first_token_seconds", time.monotonic() - h.submitted)
+        if self._advance([row], logits):
+            return  # it ended at its first token
+        for run in self._running:
+            if run.group == req.group and run.batch.can_join(batch):
+                run.batch.join(batch)
+                run.rows.append(row)
+                self.log.append({"event": "join", "id": req.id, "size": len(run.rows), "t": time.monotonic()})
+                return
+        self._running.append(_Running(req.group, batch, [row]))
+        self.log.append({"event": "join", "id": req.id, "size": 1, "t": time.monotonic()})
 
-    def _next_tokens(self, rows: list[_Row], logits):
-        """Pick each sequence's next token and stream its text; -> (rows going on, their tokens,
-        [(row, finish reason)] for the rows that end here)."""
-        alive, tokens, ending = [], [], []
-        for i, r in enumerate(rows):
-            if r.handle.cancelled.is_set():
-                ending.append((r, "cancelled"))
-                continue
-            tok = next_token(logits[i], r.req.temperature, r.req.top_p, r.generator)
+    def _step(self, run: _Running) -> None:
+        gone = [i for i, r in enumerate(run.rows) if r.handle.cancelled.is_set()]
+        for i in gone:
+            self._finish(run.rows[i], "cancelled")
+        if gone:
+            self._keep(run, [i for i in range(len(run.rows)) if i not in gone])
+            if not run.rows:
+                return
+        try:
+            logits = run.batch.step([r.pending for r in run.rows])
+        except Exception as err:  # a failure ends this batch, never the server
+            self._running.remove(run)
+            self._fail(run.rows, err)
+            return
+        for r in run.rows:
+            r.fed += 1
+        ended = self._advance(run.rows, logits)
+        if ended:
+            self._keep(run, [i for i in range(len(run.rows)) if i not in ended])
+
+    def _advance(self, rows: list[_Row], logits) -> set[int]:
+        """Pick each row's next token (fed at the next step), stream its text; finish the rows that
+        end and return their indices."""
+        tokens = pick_tokens(logits, [(r.req.temperature, r.req.top_p, r.generator) for r in rows])
+        self.metrics.add("kvevict_generated_tokens_total", len(rows))
+        ended = set()
+        for i, (r, tok) in enumerate(zip(rows, tokens)):
             r.generated += 1
+            r.pending = tok
             reason = None
             if tok in self.eos_ids and not r.req.ignore_eos:
                 reason = "stop"  # the EOS token counts as generated but is not text
@@ -203,31 +264,63 @@ class Engine:
                 elif r.generated >= r.req.max_tokens:
                     reason = "length"
             if reason:
-                ending.append((r, reason))
-            else:
-                alive.append(i)
-                tokens.append(tok)
-        return alive, tokens, ending
+                self._finish(r, reason)
+                ended.add(i)
+        return ended
 
-    def _drop(self, r: _Row, reason: str, held: int, size: int, budget_tokens, token_bytes: int, entries: int):
-        """A sequence leaves the batch: tell its client how it ended and what its cache held."""
-        evicted = 0 if budget_tokens is None else max(0, r.fed - budget_tokens)
-        self.metrics.add("kvevict_evicted_tokens_total", evicted * entries)
-        self.metrics.add("kvevict_prompt_tokens_total", len(r.req.prompt_ids))
-        self.log.append({"event": "drop", "id": r.req.id, "reason": reason, "batch_size": size,
-                         "generated": r.generated})
+    def _keep(self, run: _Running, keep: list[int]) -> None:
+        before, size = run.batch.kv_bytes(), len(run.rows)
+        run.rows = [run.rows[i] for i in keep]
+        if not run.rows:
+            self._running.remove(run)  # the batch and its cache are dropped whole
+            after = 0
+        else:
+            run.batch.keep(keep)
+            after = run.batch.kv_bytes()
+        self.log.append({"event": "shrink", "ids": [r.req.id for r in run.rows], "size_before": size,
+                         "size": len(run.rows), "kv_bytes_before": before, "kv_bytes": after})
+        with self._cond:  # memory was freed: the next admission sees it
+            self._cond.notify_all()
+
+    def _finish(self, r: _Row, reason: str) -> None:
+        """A sequence ends: tell its client how, and what its cache held."""
+        req, prompt = r.req, len(r.req.prompt_ids)
+        self.log.append({"event": "finish", "id": req.id, "reason": reason, "generated": r.generated,
+                         "t": time.monotonic()})
+        self.metrics.add("kvevict_prompt_tokens_total", prompt)
+        budget = req.budget_tokens
+        evicted = 0 if budget is None else max(0, r.fed - budget)
+        self.metrics.add("kvevict_evicted_tokens_total", evicted * self.budgeter.entries_per_token)
         if reason == "cancelled":
             self.metrics.add("kvevict_requests_total", outcome="cancelled")
             return
         tail = r.text.flush()
         if tail:
             r.handle.push(("delta", tail))
-        prompt = len(r.req.prompt_ids)
+        held = self.budgeter.row_bytes(req.policy, budget, req.recent, r.fed)
         usage = {"prompt_tokens": prompt, "completion_tokens": r.generated, "total_tokens": prompt + r.generated,
-                 "kv_policy": r.req.policy, "kv_budget": r.req.budget, "kv_budget_tokens": budget_tokens,
-                 "kv_bytes": held // size, "kv_bytes_full": r.fed * token_bytes, "kv_evicted_tokens": evicted}
+                 "kv_policy": req.policy, "kv_budget": req.budget, "kv_budget_tokens": budget,
+                 "kv_bytes": held, "kv_bytes_full": r.fed * self.budgeter.token_bytes, "kv_evicted_tokens": evicted}
         self.metrics.add("kvevict_requests_total", outcome="completed")
         r.handle.push(("finish", reason, usage))
+
+    def _fail(self, rows: list[_Row], err: Exception) -> None:
+        msg = f"generation failed: {type(err).__name__}: {err}"
+        for r in rows:
+            r.handle.push(("error", msg))
+        self.metrics.add("kvevict_requests_total", len(rows), outcome="failed")
+        self.log.append({"event": "failed", "ids": [r.req.id for r in rows], "error": msg})
+
+    def _gauges(self) -> None:
+        held = sum(run.batch.kv_bytes() for run in self._running)
+        m = self.metrics
+        m.set("kvevict_running_sequences", sum(len(run.rows) for run in self._running))
+        m.set("kvevict_running_batches", len(self._running))
+        m.set("kvevict_kv_bytes_held", held)
+        m.set("kvevict_kv_bytes_reserved", self._bound())
+        m.set("kvevict_kv_bytes_full", sum(r.fed for run in self._running for r in run.rows)
+              * self.budgeter.token_bytes)
+        m.peak("kvevict_kv_bytes_peak", held)
 
 
 def _eos_ids(model, tokenizer) -> set[int]:

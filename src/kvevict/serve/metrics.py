@@ -16,15 +16,19 @@ SPECS = {
     "kvevict_prompt_tokens_total": ("counter", "Prompt tokens of completed or cancelled requests."),
     "kvevict_generated_tokens_total": ("counter", "Tokens generated."),
     "kvevict_tokens_per_second": ("gauge", "Tokens generated per second over the last 10 seconds."),
-    "kvevict_kv_bytes_held": ("gauge", "Bytes of K/V storage held by the running batch now."),
-    "kvevict_kv_bytes_full": ("gauge", "Bytes a full cache would hold for the running batch now."),
-    "kvevict_kv_bytes_peak": ("gauge", "Largest K/V storage any batch has held since start."),
+    "kvevict_kv_memory_bytes": ("gauge", "K/V bytes the server may hold (--kv-memory); admission keeps to it."),
+    "kvevict_kv_bytes_held": ("gauge", "Bytes of K/V storage held by the running batches now."),
+    "kvevict_kv_bytes_reserved": ("gauge", "The most the running batches can grow to hold (what admission counts)."),
+    "kvevict_kv_bytes_full": ("gauge", "Bytes a full cache would hold for the running sequences now."),
+    "kvevict_kv_bytes_peak": ("gauge", "Most K/V storage held at once since start."),
     "kvevict_evicted_tokens_total": ("counter", "KV entries evicted (tokens x layers x KV heads), real tokens only."),
-    "kvevict_running_sequences": ("gauge", "Sequences in the running batch."),
-    "kvevict_queued_requests": ("gauge", "Requests waiting for a batch."),
-    "kvevict_batches_total": ("counter", "Decode batches run."),
-    "kvevict_batched_sequences_total": ("counter", "Sequences run in those batches (mean batch = this / batches)."),
+    "kvevict_running_sequences": ("gauge", "Sequences being decoded."),
+    "kvevict_running_batches": ("gauge", "Decode batches (one cache each: one per policy and budget)."),
+    "kvevict_queued_requests": ("gauge", "Requests waiting for memory or a batch slot."),
+    "kvevict_time_to_first_token_seconds": ("summary", "From arrival to the first token, recent requests."),
 }
+QUANTILES = (0.5, 0.95)
+RECENT = 1000  # observations a summary keeps for its quantiles
 
 WINDOW_S = 10.0
 
@@ -34,6 +38,7 @@ class Metrics:
         self._lock = threading.Lock()
         self._values: dict[tuple[str, tuple], float] = {}
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) for tokens/s
+        self._observed: dict[str, deque] = {}  # summary name -> recent values
 
     def add(self, name: str, value: float = 1, **labels) -> None:
         key = (name, tuple(sorted(labels.items())))
@@ -51,6 +56,14 @@ class Metrics:
         with self._lock:
             key = (name, ())
             self._values[key] = max(self._values.get(key, 0), value)
+
+    def observe(self, name: str, value: float) -> None:
+        """One observation of a summary: _sum and _count grow, quantiles cover the recent ones."""
+        with self._lock:
+            self._observed.setdefault(name, deque(maxlen=RECENT)).append(value)
+            for suffix, v in (("_sum", value), ("_count", 1)):
+                key = (name + suffix, ())
+                self._values[key] = self._values.get(key, 0) + v
 
     def get(self, name: str, **labels) -> float:
         with self._lock:
@@ -71,6 +84,11 @@ class Metrics:
             lines = []
             for name, (kind, help_) in SPECS.items():
                 lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
+                if kind == "summary":
+                    values = sorted(self._observed.get(name, ()))
+                    lines += [f'{name}{{quantile="{q}"}} {_num(_quantile(values, q))}' for q in QUANTILES]
+                    lines += [f"{name}{sfx} {_num(self._values.get((name + sfx, ()), 0))}" for sfx in ("_sum", "_count")]
+                    continue
                 samples = [(labels, v) for (n, labels), v in sorted(self._values.items()) if n == name]
                 for labels, v in samples or [((), 0)]:
                     lab = ",".join(f'{k}="{val}"' for k, val in labels)
@@ -80,3 +98,10 @@ class Metrics:
 
 def _num(v: float) -> str:
     return str(int(v)) if float(v).is_integer() else f"{v:.6g}"
+
+
+def _quantile(values: list[float], q: float) -> float:
+    """Nearest-rank quantile of sorted values (0 when there are none)."""
+    if not values:
+        return 0.0
+    return values[min(len(values) - 1, max(0, -(-int(q * 1000) * len(values) // 1000) - 1))]

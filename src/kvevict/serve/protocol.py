@@ -4,8 +4,9 @@ whose message names the field and what to change.
 Extra body fields (``extra_body`` in the openai client): ``kv_policy`` (a name of
 ``kvevict.POLICIES`` or ``"full"``), ``kv_budget`` (int: tokens kept per layer and KV head; float in
 (0, 1]: that fraction of this request's prompt), ``kv_recent`` (recent window), ``ignore_eos``.
-A float budget is resolved against the request's own prompt (rounded up to a multiple of the
-server's ``budget_round``), so batching never changes it.
+A float budget is resolved against the request's own prompt, never below the server's
+``min_budget`` (so a short chat is not cut to a handful of tokens), rounded up to a multiple of
+``budget_round``; batching never changes it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from ..cache import check_budget, resolve_budget
+from ..cache import check_budget, layer_budgets, resolve_budget
 from ..generate import FULL
 from ..policies import POLICIES, make_policy
 from .errors import BadRequest
@@ -48,7 +49,7 @@ class GenRequest:
         return (self.policy, self.budget_tokens, self.recent)
 
 
-def parse_chat(body, tokenizer, settings: Settings, context: int) -> GenRequest:
+def parse_chat(body, tokenizer, settings: Settings, context: int, layers: int = 1) -> GenRequest:
     body = _object(body)
     messages = _messages(body.get("messages"))
     try:
@@ -57,10 +58,10 @@ def parse_chat(body, tokenizer, settings: Settings, context: int) -> GenRequest:
     except Exception as err:  # a template that rejects the roles or their order
         raise BadRequest(f"the chat template refused these messages: {err}", "messages") from None
     limit_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    return _request("chat", body, list(ids), settings, context, limit_name)
+    return _request("chat", body, list(ids), settings, context, limit_name, layers)
 
 
-def parse_completion(body, tokenizer, settings: Settings, context: int) -> GenRequest:
+def parse_completion(body, tokenizer, settings: Settings, context: int, layers: int = 1) -> GenRequest:
     body = _object(body)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -77,7 +78,7 @@ def parse_completion(body, tokenizer, settings: Settings, context: int) -> GenRe
     else:
         raise BadRequest("'prompt' must be one string or one list of token ids; send one request per prompt.",
                          "prompt")
-    return _request("completion", body, list(ids), settings, context, "max_tokens")
+    return _request("completion", body, list(ids), settings, context, "max_tokens", layers)
 
 
 def _object(body) -> dict:
@@ -108,7 +109,7 @@ def _messages(messages) -> list[dict]:
     return out
 
 
-def _request(kind, body, ids, settings: Settings, context: int, limit_name: str) -> GenRequest:
+def _request(kind, body, ids, settings: Settings, context: int, limit_name: str, layers: int) -> GenRequest:
     if not ids:
         raise BadRequest("the prompt is empty.", "prompt" if kind == "completion" else "messages")
     n = body.get("n", 1)
@@ -123,7 +124,7 @@ def _request(kind, body, ids, settings: Settings, context: int, limit_name: str)
     if len(ids) + max_tokens > context:
         raise BadRequest(f"the prompt has {len(ids)} tokens and {limit_name}={max_tokens}: together more than the "
                          f"model's {context} positions; shorten the prompt or lower {limit_name}.", limit_name)
-    policy, budget, recent, budget_tokens = _kv_fields(body, settings, len(ids))
+    policy, budget, recent, budget_tokens = _kv_fields(body, settings, len(ids), layers)
     return GenRequest(
         kind=kind, prompt_ids=ids, max_tokens=max_tokens, policy=policy, budget=budget,
         budget_tokens=budget_tokens, recent=recent,
@@ -135,7 +136,7 @@ def _request(kind, body, ids, settings: Settings, context: int, limit_name: str)
     )
 
 
-def _kv_fields(body, settings: Settings, prompt_len: int):
+def _kv_fields(body, settings: Settings, prompt_len: int, layers: int):
     policy = body.get("kv_policy", settings.policy)
     if not isinstance(policy, str):
         raise BadRequest(f"'kv_policy' must be a string, got {policy!r}.", "kv_policy")
@@ -154,13 +155,18 @@ def _kv_fields(body, settings: Settings, prompt_len: int):
     if recent is not None and (isinstance(recent, bool) or not isinstance(recent, int) or recent < 0):
         raise BadRequest(f"'kv_recent' must be a non-negative integer number of tokens, got {recent!r}.", "kv_recent")
     tokens = resolve_budget(budget, prompt_len)
-    if isinstance(budget, float) and settings.budget_round > 1:
+    if isinstance(budget, float):
+        tokens = max(tokens, settings.min_budget)
         tokens = -(-tokens // settings.budget_round) * settings.budget_round
+    pol = make_policy(policy, **({} if recent is None else {"recent": recent}))
+    per_layer = sorted(set(layer_budgets(pol, tokens, layers)))  # PyramidKV: every layer's own budget
     try:
-        make_policy(policy, **({} if recent is None else {"recent": recent})).check(tokens)
+        for b in per_layer:
+            pol.check(b)
     except ValueError as err:
-        raise BadRequest(f"kv_budget={budget!r} ({tokens} tokens for this {prompt_len}-token prompt) does not fit "
-                         f"kv_policy {policy!r}: {err}", "kv_budget") from None
+        spread = f"; its layers get {per_layer[0]} to {per_layer[-1]} tokens" if len(per_layer) > 1 else ""
+        raise BadRequest(f"kv_budget={budget!r} ({tokens} tokens for this {prompt_len}-token prompt{spread}) does "
+                         f"not fit kv_policy {policy!r}: {err}", "kv_budget") from None
     return policy, budget, recent, tokens
 
 

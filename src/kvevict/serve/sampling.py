@@ -24,3 +24,10 @@ def next_token(logits: torch.Tensor, temperature: float, top_p: float, generator
         keep = sorted_p.cumsum(-1) - sorted_p < top_p  # the token that crosses p stays in
         probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def pick_tokens(logits: torch.Tensor, how: list[tuple]) -> list[int]:
+    """Next token of every row of ``logits`` (rows, vocab); ``how``: (temperature, top_p, generator)
+    per row. Greedy rows cost one host transfer for the whole batch, not one per row."""
+    greedy = logits.argmax(-1).tolist()
+    return [g if t <= 0.0 else next_token(row, t, p, gen) for g, row, (t, p, gen) in zip(greedy, logits, how)]

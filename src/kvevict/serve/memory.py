@@ -1,0 +1,69 @@
+"""How many bytes a request's cache may hold, for admission: a request is admitted when the bytes
+of every running batch, with it added, stay within ``Settings.kv_memory``; otherwise it waits.
+
+Bytes are measured, not derived from a formula: at start-up one token runs through the model into
+a ``DynamicCache`` (a full-cache token's K + V bytes) and into two budgeted caches per policy (their
+``kv_bytes`` at two budgets give each layer's bytes per slot, keys and values plus the policy's
+per-slot state, and its bytes per sequence besides), for this model, dtype and storage.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from ..cache import layer_budgets, make_cache
+from ..policies import POLICIES, make_policy
+
+PROBES = (64, 128)  # budgets of the two probe caches
+
+
+class Budgeter:
+    """Bytes per request and per batch, from bytes measured through the model."""
+
+    def __init__(self, model):
+        self.model = model
+        full = self._probe(DynamicCache(config=model.config))
+        self.per_layer = [layer.keys.nbytes + layer.values.nbytes for layer in full.layers if layer.is_initialized]
+        self.token_bytes = sum(self.per_layer)  # one token of one sequence in a full cache, every layer
+        self.entries_per_token = sum(layer.keys.shape[1] for layer in full.layers if layer.is_initialized)
+        self.slots = {}  # policy -> per layer (bytes per slot, bytes per sequence besides)
+        for name in POLICIES:
+            try:
+                small, big = (self._probe(make_cache(model, name, b)) for b in PROBES)
+            except (ValueError, TypeError):  # a policy that cannot serve (the oracle needs a recording)
+                continue
+            self.slots[name] = [_line(a, b) for a, b in zip(small.layers, big.layers)]
+
+    def _probe(self, cache):
+        with torch.inference_mode():
+            self.model(torch.zeros(1, 1, dtype=torch.long), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return cache
+
+    def row_bytes(self, policy: str, budget_tokens: int | None, recent: int | None, length: int) -> int:
+        """The most bytes one sequence's cache holds: a full cache grows to ``length`` (prompt +
+        max_tokens); a budgeted one is preallocated at its per-layer budgets (PyramidKV: a schedule)."""
+        if policy == "full":
+            return length * self.token_bytes
+        pol = make_policy(policy, **({} if recent is None else {"recent": recent}))
+        budgets = layer_budgets(pol, budget_tokens, len(self.per_layer))
+        return sum(per_slot * b + rest for b, (per_slot, rest) in zip(budgets, self.slots[policy]))
+
+    def per_token(self, policy: str) -> tuple[int, int]:
+        """(bytes per token one sequence keeps, its bytes besides), every layer, under ``policy``."""
+        if policy == "full":
+            return self.token_bytes, 0
+        a, b = (self.row_bytes(policy, n, None, n) for n in PROBES)
+        per = (b - a) // (PROBES[1] - PROBES[0])
+        return per, a - per * PROBES[0]
+
+    def batch_bytes(self, rows: list[int]) -> int:
+        """The most a batch of rows sharing one cache can hold: every row at the widest row's
+        storage (a full cache's rows are left-padded to the longest; budgeted rows share a budget)."""
+        return len(rows) * max(rows, default=0)
+
+
+def _line(small, big) -> tuple[int, int]:
+    """One layer's (bytes per slot, bytes per sequence besides) from its probes at two budgets."""
+    per_slot = (big.kv_bytes() - small.kv_bytes()) // (big.budget - small.budget)
+    return per_slot, small.kv_bytes() - per_slot * small.budget

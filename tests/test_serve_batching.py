@@ -1,0 +1,187 @@
+"""Issue 11: serving that holds up. Continuous batching (join at the next step, leave at once),
+memory-bounded admission, defaults that keep short chats whole, and the review's faults, each
+driven over loopback with the official openai client (tiny model; the real one for the defaults)."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from kvevict.generate import generate  # noqa: E402
+from kvevict.serve.detokenize import TextStream  # noqa: E402
+from kvevict.serve.sampling import next_token, pick_tokens  # noqa: E402
+from kvevict.serve.server import ServerThread, build  # noqa: E402
+from test_serve import DEFAULTS, MODEL, _wait, chat, folder, metric, reference, token_bytes  # noqa: E402,F401
+from tiny_chat_model import char_tokenizer  # noqa: E402
+
+LONG = dict(max_tokens=300, extra_body={"ignore_eos": True})
+
+
+def _client(srv, timeout=60):
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="t", max_retries=0, timeout=timeout)
+
+
+def _events(engine, kind):
+    return {e["id"]: e for e in engine.log if e["event"] == kind}
+
+
+def _in_background(fn, *args, **kwargs):
+    box = {}
+    t = threading.Thread(target=lambda: box.update(r=fn(*args, **kwargs)))
+    t.start()
+    return t, box
+
+
+@pytest.mark.parametrize("policy", ["full", "h2o"])
+def test_a_request_arriving_mid_decode_joins_before_the_running_one_ends(folder, reference, policy):
+    model, tok = reference
+    app, engine = build(folder, {**DEFAULTS, "policy": policy})
+    with ServerThread(app) as srv:
+        client = _client(srv)
+        t, long = _in_background(client.chat.completions.create, model=MODEL, messages=chat("Go on and on."), **LONG)
+        assert _wait(lambda: metric(srv.url, "kvevict_running_sequences") == 1)
+        short = client.chat.completions.create(model=MODEL, messages=chat("Quick one?"), max_tokens=8)
+        t.join(60)
+    a, b = long["r"].id.removeprefix("chatcmpl-"), short.id.removeprefix("chatcmpl-")
+    admitted, finished = _events(engine, "admit"), _events(engine, "finish")
+    # the timeline: b was admitted while a decoded, ran beside it, and left first
+    assert admitted[a]["t"] < admitted[b]["t"] < finished[b]["t"] < finished[a]["t"]
+    assert admitted[b]["running"] == 1
+    assert short.choices[0].message.content.strip() == generate(
+        model, tok, chat("Quick one?"), policy, DEFAULTS["budget"], max_new_tokens=8).text
+    assert _events(engine, "join")[b]["size"] == 2  # one cache: it joined the running batch
+
+
+def test_admission_queues_when_memory_is_full_and_never_exceeds_it(folder, reference):
+    model, tok = reference
+    # room for two sequences at a budget of 8 tokens
+    app, engine = build(folder, {**DEFAULTS, "max_batch": 8, "kv_memory": int(2.5 * 8 * token_bytes(model))})
+    texts = [f"Request number {i}, tell me something." for i in range(6)]
+    with ServerThread(app) as srv:
+        async def main():
+            async with openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="t", max_retries=0, timeout=120) as ac:
+                return await asyncio.gather(*(ac.chat.completions.create(
+                    model=MODEL, messages=chat(t), max_tokens=20, extra_body={"ignore_eos": True}) for t in texts))
+        got = asyncio.run(main())
+        text = _metrics(srv.url)
+    assert all(r.usage.completion_tokens == 20 for r in got)  # none failed, none lost
+    for t, r in zip(texts, got):
+        assert r.choices[0].message.content == generate(model, tok, chat(t), "h2o", 8, max_new_tokens=20).text
+    admits = [e for e in engine.log if e["event"] == "admit"]
+    assert max(e["running"] for e in admits) == 1  # at most two at once
+    assert sum(e["waited"] > 0.01 for e in admits) >= 3  # the others queued
+    assert engine.metrics.get("kvevict_kv_bytes_peak") <= engine.settings.kv_memory
+    for name in ("kvevict_kv_bytes_held", "kvevict_queued_requests", "kvevict_tokens_per_second",
+                 'kvevict_time_to_first_token_seconds{quantile="0.95"}', "kvevict_kv_memory_bytes"):
+        assert name in text
+    assert f"kvevict_kv_memory_bytes {engine.settings.kv_memory}" in text
+    assert "kvevict_time_to_first_token_seconds_count 6" in text
+
+
+def _metrics(url):
+    from test_serve import _get
+
+    return _get(url, "/metrics")[1]
+
+
+def test_a_request_bigger_than_the_whole_memory_is_a_400(folder):
+    app, engine = build(folder, {**DEFAULTS, "kv_memory": 1 << 16})
+    with ServerThread(app) as srv:
+        client = _client(srv)
+        with pytest.raises(openai.BadRequestError, match="more than the server's kv_memory"):
+            client.chat.completions.create(model=MODEL, messages=chat("hi"), max_tokens=400,
+                                           extra_body={"kv_policy": "full"})
+        r = client.chat.completions.create(model=MODEL, messages=chat("hi"), max_tokens=4)  # budget 8 fits
+        assert r.usage.completion_tokens >= 1
+
+
+def test_pyramidkv_budget_checked_per_layer_and_fails_only_its_request(folder):
+    app, engine = build(folder, DEFAULTS)
+    with ServerThread(app) as srv:
+        client = _client(srv)
+        # budget 12 fits recent=4, but PyramidKV gives the deepest of the 3 layers 1 token
+        with pytest.raises(openai.BadRequestError, match="its layers get 1 to 23 tokens"):
+            client.chat.completions.create(model=MODEL, messages=chat("hi"), max_tokens=4,
+                                           extra_body={"kv_policy": "pyramidkv", "kv_budget": 12, "kv_recent": 4})
+        ok = client.chat.completions.create(model=MODEL, messages=chat("hi"), max_tokens=4,
+                                            extra_body={"kv_policy": "pyramidkv", "kv_budget": 64})
+        assert ok.usage.kv_budget_tokens == 64
+
+
+class _Syncs(TorchFunctionMode):
+    """Counts device-to-host reads (tolist, item, int) under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.n += getattr(func, "__name__", "") in ("tolist", "item", "__int__", "__index__")
+        return func(*args, **(kwargs or {}))
+
+
+def test_greedy_rows_cost_one_host_read_per_step_and_sampling_matches_one_by_one():
+    logits = torch.randn(16, 50, generator=torch.Generator().manual_seed(0))
+    with _Syncs() as s:
+        got = pick_tokens(logits, [(0.0, 1.0, None)] * 16)
+    assert s.n == 1 and got == logits.argmax(-1).tolist()
+    how = [(0.0, 1.0, None), (0.8, 0.9, torch.Generator().manual_seed(3)), (0.0, 1.0, None)]
+    ref = [(0.0, 1.0, None), (0.8, 0.9, torch.Generator().manual_seed(3)), (0.0, 1.0, None)]
+    assert pick_tokens(logits[:3], how) == [next_token(logits[i], t, p, g) for i, (t, p, g) in enumerate(ref)]
+
+
+class _CountingTokenizer:
+    def __init__(self, tok):
+        self.tok, self.decoded = tok, 0
+
+    def decode(self, ids, **kw):
+        self.decoded += len(ids)
+        return self.tok.decode(ids, **kw)
+
+
+def test_detokenizer_is_linear_and_equals_decoding_the_whole():
+    tok = char_tokenizer()
+    text = "DÉJÀ vu: ÀÈÇÉ, stop here. " * 40
+    ids = tok(text)["input_ids"]
+    counting = _CountingTokenizer(tok)
+    stream = TextStream(counting)
+    out = "".join(stream.add(i) for i in ids) + stream.flush()
+    assert out == tok.decode(ids, skip_special_tokens=True)
+    assert counting.decoded < 6 * len(ids)  # whole-completion decoding would be ~len(ids)**2 / 2
+    stream = TextStream(tok, stop=["here."])
+    out = "".join(stream.add(i) for i in ids) + stream.flush()
+    assert out == text[: text.index("here.")] and stream.stopped
+
+
+def test_real_model_defaults_answer_a_short_chat_whole(real_model, tmp_path):
+    """The issue's first report: with no kv_* fields the server must not cut a 40-token chat."""
+    app, engine = build("smollm2-135m", {"model_id": "smollm2-135m"})
+    q = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+    with ServerThread(app) as srv:
+        r = _client(srv, 120).chat.completions.create(model="smollm2-135m", messages=q, max_tokens=16)
+    assert "Paris" in r.choices[0].message.content
+    assert r.usage.kv_budget_tokens == engine.settings.budget >= 1024 > r.usage.prompt_tokens
+    assert r.usage.kv_evicted_tokens == 0
+
+
+def test_default_budget_is_each_sequences_share_of_the_memory(folder, reference):
+    model, _ = reference
+    _, engine = build(folder, {"model_id": MODEL, "max_batch": 4})
+    engine.stop()
+    per_token, rest = engine.budgeter.per_token("h2o")  # K, V and H2O's state of one kept token
+    assert per_token > token_bytes(model)
+    for memory, want in ((4 * (rest + 200 * per_token), 192),  # 200 tokens each, down to a multiple of 64
+                         (4 * (rest + 10 * per_token), 64),  # never below the floor (min_budget)
+                         (1 << 40, model.config.max_position_embeddings)):  # never past the context
+        _, engine = build(folder, {"model_id": MODEL, "kv_memory": memory, "max_batch": 4})
+        engine.stop()
+        assert engine.settings.budget == want
+        # max_batch sequences at the default budget fit the memory
+        assert 4 * engine.budgeter.row_bytes("h2o", want, None, 0) <= memory or want == 64
