@@ -11,6 +11,10 @@ that layer the per-key attention statistics its policy asks for:
     obs[i]   = sum_{t in last w queries} a_t(i)   (SnapKV's observation window)
     hits[i]  = sum_t 1[a_t(i) >= G / n_t]         (AQAS: attention above uniform, quantised)
     hits_ema[i] = sum_t gamma^(T-t) 1[a_t(i) >= G / n_t]   (Scissorhands' history window, decayed)
+    max[i]   = max over the last w queries and the group's heads of a_t,g(i)   (KVzip's score)
+    knorm[i] = ||k_i||_2                     (key norm, taken once when the key is written)
+    expected[i] = m * sum_g softmax_i(mu_g . k_i + 1/2 k_i^T diag(var_g) k_i)   (expected attention:
+                 the last w queries of a forward of m queries as a Gaussian per query head g)
 
 where a_t(i) is the softmax probability query t gives key i, summed over the query heads that
 share key i's KV head (GQA). Queries are processed in chunks, so at most ``chunk x n`` scores
@@ -166,6 +170,8 @@ def attend(query, seg: _Segments, scale, window, softcap, wanted=(), observe=0, 
     kn_t = seg.k_new.transpose(-1, -2)
     stats = {name: torch.zeros(b, hkv, n_all, dtype=torch.float32, device=dev)
              for name in wanted if name not in ("last", "blocks")}
+    if "knorm" in stats:  # written once: zero for stored keys, so the cache's running sum keeps it
+        stats["knorm"][..., n_past:] = seg.k_new.float().norm(dim=-1)
     if "blocks" in wanted:
         n_blocks = int(seg.pos_new.max()) // block + 1
         stats["blocks"] = torch.zeros(b, hkv, n_blocks, n_all, dtype=torch.float32, device=dev)
@@ -204,6 +210,9 @@ def attend(query, seg: _Segments, scale, window, softcap, wanted=(), observe=0, 
             o += torch.matmul(pc[..., off: off + p.n], p.values())
             off += p.n
         out[:, :, :, s:e] = o.view(b, hkv, g, c, d)
+        if "max" in stats and e > q - observe:
+            m = probs[:, :, :, max(s, q - observe) - s:].amax(dim=(2, 3))
+            torch.maximum(stats["max"][..., : m.shape[-1]], m, out=stats["max"][..., : m.shape[-1]])
         if wanted == ("sum",):  # H2O: one pass over the chunk, summed over heads and queries at once
             stats["sum"][..., : n_past + e] += probs.sum(dim=(2, 3))
         elif stats or "last" in wanted:
@@ -217,7 +226,40 @@ def attend(query, seg: _Segments, scale, window, softcap, wanted=(), observe=0, 
                 last_row = pg[:, :, -1]
     if "last" in wanted:
         stats["last"] = torch.nn.functional.pad(last_row, (0, n_all - last_row.shape[-1]))
+    if "expected" in stats:
+        stats["expected"] += _expected_attention(qs, seg, observe or q)
     return out.view(b, hq, q, d).transpose(1, 2).contiguous(), stats
+
+
+def _expected_attention(qs, seg: _Segments, w: int):
+    """(b, hkv, n_past + q): the attention a Gaussian query N(mu, diag(var)) fitted to the last
+    ``w`` (scaled) queries of each head is expected to give every key, E[exp(q.k)] =
+    exp(mu.k + k^T diag(var) k / 2), normalised over the keys, summed over the group's heads and
+    weighted by the number of real queries of this forward (decode: one query, var = 0: its
+    attention exactly)."""
+    b, hkv, g, q, d = qs.shape
+    last = qs[:, :, :, q - min(w, q):].float()
+    if seg.valid_new is not None:
+        last = last[:, :, :, -1:]  # padded batches: the last query is real in every row
+    mu, var = last.mean(3), last.var(3, unbiased=False)  # (b, hkv, g, d)
+    z = torch.cat([_expected_logits(mu, var, p.keys()) for p in seg.pieces]
+                  + [_expected_logits(mu, var, seg.k_new)], dim=-1)  # (b, hkv, g, n): piece by piece
+    if seg.valid_past is not None or seg.valid_new is not None:
+        n_past = z.shape[-1] - q
+        vp = (seg.valid_past if seg.valid_past is not None
+              else torch.ones(1, 1, n_past, dtype=torch.bool, device=qs.device))
+        vn = (seg.valid_new[:, None] if seg.valid_new is not None
+              else torch.ones(1, 1, q, dtype=torch.bool, device=qs.device))
+        valid = torch.cat([vp.expand(b, hkv, -1), vn.expand(b, hkv, -1)], -1)
+        z = z.masked_fill(~valid[:, :, None], float("-inf"))
+    m = q if seg.valid_new is None else seg.valid_new.sum(1).view(b, 1, 1).float()
+    return torch.softmax(z, dim=-1).sum(2) * m
+
+
+def _expected_logits(mu, var, keys):
+    """mu . k + k^T diag(var) k / 2 for every key of one piece: (b, hkv, g, n)."""
+    k = keys.float()
+    return mu @ k.transpose(-1, -2) + 0.5 * (var @ k.square().transpose(-1, -2))
 
 
 def _hidden(seg: _Segments, s, e, window, idx):
@@ -295,21 +337,21 @@ _recorded: dict = {}
 
 def _record_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                       sliding_window=None, softcap=None, **kwargs):
-    """Full-cache attention that keeps, per layer, the attention each key gets per query block."""
+    """Full-cache attention that keeps, per layer, the statistics asked of ``record_attention_stats``."""
     seg = _generic_segments(key, value, query.shape[2], attention_mask)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out, stats = attend(query, seg, scale, sliding_window, softcap, ("blocks",), block=_recorded["block"])
-    _recorded[module.layer_idx] = stats["blocks"]
+    out, stats = attend(query, seg, scale, sliding_window, softcap, _recorded["wanted"], **_recorded["params"])
+    _recorded[module.layer_idx] = stats
     return out, None
 
 
-def record_attention_blocks(model, input_ids, block: int, attention_mask=None) -> list:
-    """One full-cache forward over ``input_ids``; per layer (b, hkv, n_blocks, n) attention sums,
-    blocks taken over real positions (padding excluded), keys in input order."""
+def record_attention_stats(model, input_ids, wanted: tuple, attention_mask=None, **params) -> list:
+    """One full-cache forward over ``input_ids``; per layer, the dict of the ``wanted`` statistics
+    (see ``attend``) over every key, in input order."""
     AttentionInterface.register(_RECORD, _record_attention)
     AttentionMaskInterface.register(_RECORD, kvevict_mask)
     _recorded.clear()
-    _recorded["block"] = block
+    _recorded.update(wanted=tuple(wanted), params=params)
     model.set_attn_implementation(_RECORD)
     try:
         model(input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
@@ -317,6 +359,12 @@ def record_attention_blocks(model, input_ids, block: int, attention_mask=None) -
         model.set_attn_implementation(ATTN_NAME)
     n_layers = len([k for k in _recorded if isinstance(k, int)])
     return [_recorded.pop(i) for i in range(n_layers)]
+
+
+def record_attention_blocks(model, input_ids, block: int, attention_mask=None) -> list:
+    """Per layer (b, hkv, n_blocks, n) attention sums, blocks taken over real positions (padding
+    excluded), keys in input order (the oracle's record of the future)."""
+    return [st["blocks"] for st in record_attention_stats(model, input_ids, ("blocks",), attention_mask, block=block)]
 
 
 def register() -> None:

@@ -14,7 +14,7 @@ def add_arguments(p):
     add_model_args(p, policy=False)
     p.add_argument("--policies", default="all", help="comma-separated policy names, or 'all' (every registered policy); full is always run")
     p.add_argument("--budgets", default="0.1,0.2,0.4,0.6", help="comma-separated fractions of the prompt (or ints: tokens)")
-    p.add_argument("--tasks", default="ppl,passkey", help="comma-separated: ppl, passkey, xsum, reconstruct, narrativeqa, piqa, or 'all'")
+    p.add_argument("--tasks", default="ppl,passkey", help="comma-separated: ppl, passkey, needle (stated once), vartrack, xsum, reconstruct, narrativeqa, piqa, or 'all'")
     p.add_argument("--samples", type=int, default=4, help="samples per task")
     p.add_argument("--out", default="results/eval", help="output folder (records.jsonl, summary.md, PNGs)")
     p.add_argument("--ppl-tokens", type=int, default=1024, help="window length of the ppl task")
@@ -22,6 +22,10 @@ def add_arguments(p):
     p.add_argument("--lengths", default="1024,2048", help="prompt lengths of the passkey task (tokens)")
     p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths of the passkey task")
     p.add_argument("--recon-tokens", type=int, default=160, help="passage length of the reconstruct task (tokens)")
+    p.add_argument("--peer", choices=["kvpress"], help="also run kvpress's presses on the same samples (its own venv)")
+    p.add_argument("--peer-presses", default="snapkv,tova,knorm,expected_attention",
+                   help="kvpress presses for --peer: snapkv, tova, knorm, expected_attention, observed_attention, "
+                        "adakv_snapkv, kvzip")
     p.add_argument("--summary-only", action="store_true", help="only rewrite summary.md and plots from the records")
 
 
@@ -66,6 +70,8 @@ def build_tasks(names, args, lengths, depths):
             out.append(PerplexityTask(tokens=args.ppl_tokens, chunk=args.chunk))
         elif name == "passkey":
             out.append(RetrievalTask(lengths=lengths, depths=depths))
+        elif name in ("needle", "vartrack"):
+            out.append(TASKS[name](lengths=lengths, **({"depths": depths} if name == "needle" else {})))
         elif name == "reconstruct":
             out.append(ReconstructionTask(tokens=args.recon_tokens))
         else:
@@ -78,13 +84,19 @@ def run(args):
     from ..eval.runner import run_grid
 
     policies, budgets, task_list, lengths, depths = parse_args(args)
+    if args.peer == "kvpress":
+        from ..eval.peer_kvpress import press_names, run_peer
+        presses = press_names(args.peer_presses)  # checked before the model loads
     if not args.summary_only:
         from ..models import load_model
 
         setup_threads(args)
         model, tok = load_model(args.model)
-        run_grid(model, tok, build_tasks(task_list, args, lengths, depths), policies, budgets, args.samples,
-                 args.out, args.model)
+        tasks = build_tasks(task_list, args, lengths, depths)
+        run_grid(model, tok, tasks, policies, budgets, args.samples, args.out, args.model)
+        if args.peer == "kvpress":
+            run_peer(args.model, tok, tasks, presses, budgets, args.samples, args.out,
+                     threads=getattr(args, "threads", None) or 1)
     md = summarize(args.out, args.model)
     print(md)
     return 0

@@ -1,7 +1,8 @@
 """Eviction policies: each a small dataclass defining its score (and, if it differs from the
 recent window + sinks, its eviction scope). See base.py for the decomposition."""
 
-from . import aqas, h2o, mas, oracle, pyramidkv, random, recency, roco, scissorhands, snapkv, tova  # noqa: F401  (register)
+from . import (  # noqa: F401  (register)
+    aqas, expected, h2o, knorm, kvzip, mas, oracle, pyramidkv, random, recency, roco, scissorhands, snapkv, tova)
 from .base import Candidates, Policy
 from .registry import POLICIES, make_policy, register
 

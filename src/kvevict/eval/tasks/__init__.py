@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .base import Sample, Task
+from .needles_once import NeedleOnceTask, VarTrackTask
 from .piqa import PIQATask
 from .ppl import PerplexityTask
 from .qa import NarrativeQATask
@@ -11,7 +12,8 @@ from .retrieval import RetrievalTask
 from .summarization import XSumTask
 
 TASKS: dict[str, type[Task]] = {t.name: t for t in (
-    PerplexityTask, RetrievalTask, XSumTask, ReconstructionTask, NarrativeQATask, PIQATask)}
+    PerplexityTask, RetrievalTask, XSumTask, ReconstructionTask, NarrativeQATask, PIQATask, NeedleOnceTask,
+    VarTrackTask)}
 
 
 def task_names(requested: str) -> list[str]:

@@ -1,0 +1,96 @@
+"""``kvevict eval --peer kvpress``: kvpress's presses on the very samples of kvevict's generation
+tasks, at compression_ratio = 1 - budget, written as records of policy ``kvpress-<press>`` in the
+same folder, so the summary pairs them with the full cache and kvevict's policies sample by sample.
+kvpress runs in its own environment (see kvevict.bench.subprocess_jobs), one process per press and
+budget, the prompts tokenized here with kvevict's tokenizer."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from . import records
+from .tasks.base import GenerationTask
+
+CHILD = Path(__file__).with_name("kvpress_child.py")
+PRESSES = ("snapkv", "tova", "knorm", "expected_attention", "observed_attention", "adakv_snapkv", "kvzip")
+
+
+def press_names(requested: str) -> list[str]:
+    items = [p.strip().lower() for p in requested.split(",") if p.strip()]
+    bad = [p for p in items if p not in PRESSES]
+    if bad or not items:
+        raise ValueError(f"unknown kvpress press {', '.join(map(repr, bad)) or '(none given)'}; "
+                         f"known: {', '.join(PRESSES)}.")
+    return items
+
+
+def run_peer(model_name, tokenizer, tasks, presses, budgets, n_samples, out_dir, threads=1, log=None) -> int:
+    """Run every missing (task, kvpress press, budget, sample) record; return how many were written."""
+    from ..bench.subprocess_jobs import VENV_COMMAND, kvpress_python
+    from ..fetch import cache_dir
+    from ..generate import encode_chat
+
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    py = kvpress_python()
+    if py is None:
+        raise ValueError(f"--peer kvpress needs the kvpress environment: create it with {VENV_COMMAND}")
+    model_dir = cache_dir() / model_name
+    if not (model_dir / "config.json").exists():
+        raise ValueError(f"--peer kvpress runs on the converted copy of a known model ({model_dir} is missing).")
+    done, writer, written = records.load(out_dir), records.Writer(out_dir), 0
+    try:
+        for task in tasks:
+            if not isinstance(task, GenerationTask):
+                log(f"kvpress peer: {task.name} is not a generation task; skipped")
+                continue
+            samples = task.samples(tokenizer, n_samples)
+            for press in presses:
+                for budget in budgets:
+                    if not isinstance(budget, float):
+                        raise ValueError("--peer kvpress takes fractional budgets (kvpress compresses by ratio).")
+                    policy = f"kvpress-{press}"
+                    todo = [s for s in samples
+                            if records.record_key(task.name, policy, budget, s.id, model_name) not in done]
+                    if not todo:
+                        continue
+                    by_id = {s.id: s for s in todo}
+                    job = {"model_dir": str(model_dir), "press": press, "compression_ratio": round(1.0 - budget, 6),
+                           "threads": threads, "pad_token_id": tokenizer.pad_token_id or 0,
+                           "samples": [{"id": s.id, "ids": encode_chat(tokenizer, s.data["messages"])[0].tolist(),
+                                        "max_new": task.max_new(s, tokenizer)} for s in todo]}
+                    log(f"[kvpress {press}@{budget:g}] {task.name}: {len(todo)} samples")
+                    for line in _stream(py, job, log):
+                        s = by_id[line["id"]]
+                        text = tokenizer.decode(line["new_ids"], skip_special_tokens=True).strip()
+                        rec = {"model": model_name, "task": task.name, "policy": policy, "budget": budget,
+                               "sample": s.id, "scores": task.score(s, text, None), "output": text,
+                               "kv_tokens": line["kv_tokens"], "seconds": line["seconds"]}
+                        writer.write(rec)
+                        done[records.record_key(rec)] = rec
+                        written += 1
+                        log(f"  {s.id} {policy}@{budget:g}: {rec['scores']}")
+    finally:
+        writer.close()
+    return written
+
+
+def _stream(py, job, log):
+    # stderr to a file: a pipe nobody reads while stdout streams would fill and block the child
+    with tempfile.TemporaryFile(mode="w+") as errf:
+        proc = subprocess.Popen([str(py), str(CHILD)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=errf, text=True, env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
+        proc.stdin.write(json.dumps(job))
+        proc.stdin.close()
+        for line in proc.stdout:
+            if line.startswith("{"):
+                yield json.loads(line)
+        rc = proc.wait()
+        errf.seek(0)
+        err = errf.read()
+    if rc != 0:
+        log(f"  kvpress {job['press']} failed: {(err.strip().splitlines() or ['no output'])[-1][:300]}")

@@ -1,0 +1,65 @@
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .base import Candidates, Policy
+from .registry import register
+
+# KVzip's reconstruction request, appended after the context (Kim et al. 2025, Sec. 3)
+REPEAT = "\n\nRepeat the previous context exactly.\n"
+
+
+@register("kvzip")
+@dataclass
+class KVzip(Policy):
+    """KVzip (Kim et al., 2025, "KVzip: Query-Agnostic KV Cache Compression with Context
+    Reconstruction"): a key matters as much as the model needs it to repeat its context. One
+    forward over ``[context, repeat request, context]`` (a full-cache pass, 2n + r tokens) records
+    the attention the reconstruction queries R (the repeated copy) give each context key:
+
+        score(i) = max_{t in R, g in G(i)} a_{t,g}(i)     (G(i): the query heads of i's KV group)
+
+    a key read sharply by one reconstruction query (a needle's digits, copied once) keeps its place,
+    where a sum would favour keys every query glances at (sinks, recent tokens). The score is fixed
+    at prefill (query-agnostic: it never looks at the question); tokens past the recorded context
+    (the generated ones) rank above every context token, so decoding evicts context, as kvpress's
+    growing cache keeps every generated token. Build it with ``KVzip.record(model, tokenizer,
+    input_ids)``; ``kvevict.generate.generate(..., policy="kvzip")`` records it first.
+    """
+
+    scores: list | None = field(default=None, repr=False)  # per layer: (b, hkv, n) reconstruction attention
+    recent: int | None = 8
+    name = "kvzip"
+    needs_prompt = True  # generate() records the prompt before making the cache
+
+    def __post_init__(self):
+        if self.scores is None:
+            raise ValueError("kvzip scores a prompt before generation: build it with "
+                             "kvevict.policies.kvzip.KVzip.record(model, tokenizer, input_ids), or use "
+                             "kvevict.generate.generate(..., policy='kvzip'); it cannot score a text "
+                             "that streams in (the ppl task).")
+
+    @classmethod
+    @torch.no_grad()
+    def record(cls, model, tokenizer, input_ids, attention_mask=None, **params) -> "KVzip":
+        from ..attention import record_attention_stats
+
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError("kvzip records unpadded prompts only: give it one prompt per batch.")
+
+        n = input_ids.shape[1]
+        rep = tokenizer(REPEAT, add_special_tokens=False, return_tensors="pt")["input_ids"].to(input_ids.device)
+        seq = torch.cat([input_ids, rep.expand(input_ids.shape[0], -1), input_ids], dim=1)
+        # the queries after the context: the repeat request and the reconstruction
+        stats = record_attention_stats(model, seq, ("max",), observe=seq.shape[1] - n)
+        return cls(scores=[st["max"][..., :n] for st in stats], **params)
+
+    def score(self, c: Candidates):
+        s = self.scores[c.layer_idx].to(c.pos.device)
+        if c.pos.shape[0] != s.shape[0]:
+            raise ValueError(f"kvzip was recorded for batch size {s.shape[0]}, the cache runs {c.pos.shape[0]}.")
+        n = s.shape[-1]
+        rows = s.gather(-1, c.pos.clamp(0, n - 1))
+        return torch.where(c.pos >= n, rows.amax(-1, keepdim=True) + 1.0, rows)
