@@ -87,3 +87,17 @@ def test_storage_pilot_configs_parse_or_say_what_is_wrong():
         "mix", {"kv_bits": 8, "evicted_bits": 4, "budget": 0.2})
     with pytest.raises(ValueError, match="NAME:KEY=VALUE"):
         parse_config("bad:bits=4")
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["generate", "--kv-bits", "3", "--prompt", "x"], "kv_bits must be one of 16, 8, 4, 2"),
+    (["generate", "--evicted-bits", "1", "--prompt", "x"], "evicted_bits must be one of"),
+    (["generate", "--memory", "lots", "--prompt", "x"], "cannot read the memory budget"),
+    (["demo", "--memory", "64MiB"], "give --memory as 0.2 or 20%"),
+])
+def test_bad_storage_and_memory_flags_are_one_line_errors_before_the_model_loads(argv, match, capsys):
+    from kvevict.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert match in err and "Traceback" not in err

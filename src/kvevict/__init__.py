@@ -1,7 +1,7 @@
 """kvevict: generate with any transformers decoder under a fixed KV-cache budget.
 
     model, tok = kvevict.load_model("smollm2-135m")
-    cache = kvevict.make_cache(model, policy="h2o", budget=0.2)
+    cache = kvevict.make_cache(model, memory=0.2)   # a fifth of the full cache's bytes
     model.generate(**inputs, past_key_values=cache)
 """
 

@@ -244,7 +244,8 @@ class EvictingLayer(CacheLayerMixin):
         self.evicted += max(0, self.tiers[0].filled + m - self.budget)
         gone = self.tiers[0].insert(self.policy, new, ctx, protected_newcomer=valid_new is None,
                                     want_evicted=len(self.tiers) > 1)
-        if gone is not None and bool(gone["valid"].any()):
+        # unpadded, every demoted entry is a real token: skip the host sync that checks it
+        if gone is not None and (not self._padded or bool(gone["valid"].any())):
             self.tiers[1].insert(self.policy, gone, ctx, protected_newcomer=False, want_evicted=False)
         self.seen += m
 

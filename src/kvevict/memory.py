@@ -62,11 +62,6 @@ class Plan:
     budget: float | int  # tokens kept at kv_bits: a fraction of the prompt, or tokens
     storage: Storage
 
-    def kwargs(self) -> dict:
-        s = self.storage
-        return {"budget": self.budget, "kv_bits": s.kv_bits, "group": s.group, "evicted_bits": s.evicted_bits,
-                "evicted_budget": s.evicted_budget}
-
 
 def plan(memory, head_dim_k: int, head_dim_v: int, dtype_bytes: int, n_stats: int, layers_heads: int = 1,
          group: int = DEFAULT_GROUP) -> Plan:
@@ -76,7 +71,7 @@ def plan(memory, head_dim_k: int, head_dim_v: int, dtype_bytes: int, n_stats: in
     full = (head_dim_k + head_dim_v) * dtype_bytes  # one token of the full cache, per KV head
 
     def slot(bits) -> float:
-        return Storage(kv_bits=bits, group=group).slot_bytes(head_dim_k, head_dim_v, dtype_bytes, n_stats, bits)
+        return Storage(kv_bits=bits, group=group).slot_bytes(head_dim_k, head_dim_v, dtype_bytes, n_stats)
 
     if isinstance(memory, int):  # bytes per sequence: as many int4 tokens as fit
         tokens = int(memory // (layers_heads * slot(4)))

@@ -63,9 +63,10 @@ class Storage:
         kept, _, evicted = label.partition("+")
         return cls(kv_bits=bits(kept), evicted_bits=bits(evicted) if evicted else None)
 
-    def slot_bytes(self, head_dim_k: int, head_dim_v: int, dtype_bytes: int, n_stats: int, bits=None) -> float:
-        """Bytes one slot of one (sequence, KV head) takes: key, value, position (4), validity (1), statistics (4 each)."""
-        return slot_bytes(head_dim_k, head_dim_v, bits, self.group, dtype_bytes) + 5 + 4 * n_stats
+    def slot_bytes(self, head_dim_k: int, head_dim_v: int, dtype_bytes: int, n_stats: int) -> float:
+        """Bytes one kept slot of one (sequence, KV head) takes at ``kv_bits``: key, value, position (4),
+        validity (1), statistics (4 each)."""
+        return slot_bytes(head_dim_k, head_dim_v, self.kv_bits, self.group, dtype_bytes) + 5 + 4 * n_stats
 
 
 def split_spec(spec: str) -> tuple[str, Storage]:

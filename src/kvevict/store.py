@@ -39,8 +39,7 @@ def check_bits(bits, name: str = "kv_bits") -> None:
 
 
 def check_group(group, head_dim: int, bits) -> None:
-    if isinstance(group, bool) or not isinstance(group, int) or group < 1:
-        raise ValueError(f"group must be a positive number of channels, got {group!r}.")
+    """``group`` (already a positive int, see Storage) against the head dimension."""
     if bits in (8, 4, 2) and head_dim % group:
         divisors = [g for g in (8, 16, 32, 64, 128) if head_dim % g == 0]
         raise ValueError(f"group={group} does not divide the head dimension {head_dim}; choose one of {divisors}.")
@@ -64,11 +63,21 @@ def make_store(b, h, n, dk, dv, dtype, device, bits=None, group: int = 32):
     return PackedStore(b, h, n, dk, dv, dtype, device, bits, group)
 
 
-def _scatter(store: torch.Tensor, idx: torch.Tensor, src: torch.Tensor, take) -> None:
+def trailing(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A (b, h, j) index or mask viewed with ``like``'s trailing dims (head_dim for keys/values) as 1."""
+    return t.view(*t.shape, *([1] * (like.dim() - 3)))
+
+
+def expand_index(idx: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A (b, h, j) slot index expanded over ``like``'s trailing dims, for gather / scatter on dim 2."""
+    return trailing(idx, like).expand(*idx.shape, *like.shape[3:])
+
+
+def scatter(store: torch.Tensor, idx: torch.Tensor, src: torch.Tensor, take=None) -> None:
     """store[b, h, idx[b, h, j]] = src[b, h, j] where take (b, h, j) is True (None: everywhere)."""
-    full = idx.view(*idx.shape, *([1] * (store.dim() - 3))).expand(*idx.shape, *store.shape[3:])
+    full = expand_index(idx, store)
     if take is not None:
-        src = torch.where(take.view(*take.shape, *([1] * (store.dim() - 3))), src, store.gather(2, full))
+        src = torch.where(trailing(take, store), src, store.gather(2, full))
     store.scatter_(2, full, src)
 
 
@@ -83,14 +92,12 @@ class DenseStore:
             self.bits = 16
 
     def write(self, idx, k, v, take=None) -> None:
-        _scatter(self.keys, idx, k.to(self.keys.dtype), take)
-        _scatter(self.values, idx, v.to(self.values.dtype), take)
+        scatter(self.keys, idx, k.to(self.keys.dtype), take)
+        scatter(self.values, idx, v.to(self.values.dtype), take)
 
     def read(self, idx):
         """Keys and values of slots ``idx`` (b, h, m), in the compute dtype."""
-        gk = idx.unsqueeze(-1).expand(-1, -1, -1, self.keys.shape[-1])
-        gv = idx.unsqueeze(-1).expand(-1, -1, -1, self.values.shape[-1])
-        return (self.keys.gather(2, gk).to(self.compute_dtype), self.values.gather(2, gv).to(self.compute_dtype))
+        return tuple(t.gather(2, expand_index(idx, t)).to(self.compute_dtype) for t in (self.keys, self.values))
 
     def pieces(self, n: int) -> list[Piece]:
         k, v = self.keys[:, :, :n], self.values[:, :, :n]
@@ -104,9 +111,6 @@ class DenseStore:
 
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
-
-    def data_ptr(self) -> int:
-        return self.keys.data_ptr()
 
 
 class _Packed:
@@ -174,7 +178,7 @@ class PackedStore:
     def write(self, idx, k, v, take=None) -> None:
         for part, x in ((self.k, k), (self.v, v)):
             for store, src in zip(part.tensors(), quantize(x, self.bits, self.group)):
-                _scatter(store, idx, src, take)
+                scatter(store, idx, src, take)
 
     def _deq(self, part: _Packed, sl) -> torch.Tensor:
         return dequantize(part.codes[sl], part.zero[sl], part.step[sl], self.bits, self.group, self.compute_dtype)
@@ -182,7 +186,7 @@ class PackedStore:
     def read(self, idx):
         out = []
         for part in (self.k, self.v):
-            got = [t.gather(2, idx.unsqueeze(-1).expand(-1, -1, -1, t.shape[-1])) for t in part.tensors()]
+            got = [t.gather(2, expand_index(idx, t)) for t in part.tensors()]
             out.append(dequantize(*got, self.bits, self.group, self.compute_dtype))
         return tuple(out)
 
@@ -199,9 +203,6 @@ class PackedStore:
 
     def nbytes(self) -> int:
         return sum(t.nbytes for part in (self.k, self.v) for t in part.tensors())
-
-    def data_ptr(self) -> int:
-        return self.k.codes.data_ptr()
 
     @property
     def keys(self):  # the packed codes: what "the key storage" is for this store

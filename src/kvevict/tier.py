@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .policies import Candidates, Policy
-from .store import make_store
+from .store import expand_index, make_store, scatter, trailing
 
 # per-candidate metadata besides the key/value pair: position, validity, one entry per statistic
 _META = ("pos", "valid")
@@ -68,11 +68,7 @@ class Tier:
     def _write(self, idx, new: dict, take) -> None:
         self.store.write(idx, new["k"], new["v"], take)
         for name in self.names():
-            store = self.meta(name)
-            src = new[name].to(store.dtype)
-            if take is not None:
-                src = torch.where(take, src, store.gather(2, idx))
-            store.scatter_(2, idx, src)
+            scatter(self.meta(name), idx, new[name].to(self.meta(name).dtype), take)
 
     def _read(self, idx) -> dict:
         k, v = self.store.read(idx)
@@ -91,7 +87,7 @@ class Tier:
             slot, take = victim.clamp(max=B - 1), victim < B
         gone = self._read(slot) if want_evicted else None
         if gone is not None and take is not None:  # where the newcomer lost, it is what leaves
-            gone = {n: torch.where(take.view(*take.shape, *([1] * (t.dim() - 3))), t, new[n]) for n, t in gone.items()}
+            gone = {n: torch.where(trailing(take, t), t, new[n]) for n, t in gone.items()}
         self._write(slot, new, take)
         return gone
 
@@ -110,7 +106,7 @@ class Tier:
         sources = torch.argsort(ev_slot[..., B:].to(torch.int8), dim=-1, stable=True)[..., :k]
         n_moves = ev_slot[..., :B].sum(-1, keepdim=True)  # = number of kept new tokens
         move = torch.arange(k, device=prio.device).view(1, 1, k) < n_moves  # (b, h, k)
-        moved = {n: t.gather(2, _expand(sources, t)) for n, t in new.items()}
+        moved = {n: t.gather(2, expand_index(sources, t)) for n, t in new.items()}
         self._write(targets, moved, move)
         self.filled = B
         return gone
@@ -121,12 +117,12 @@ class Tier:
         B = self.budget
         from_slot = out < B
         stored = self._read(out.clamp(max=B - 1))
-        fresh = {n: t.gather(2, _expand((out - B).clamp(min=0), t)) for n, t in new.items()}
-        got = {n: torch.where(_bcast(from_slot, stored[n]), stored[n], fresh[n]) for n in stored}
+        fresh = {n: t.gather(2, expand_index((out - B).clamp(min=0), t)) for n, t in new.items()}
+        got = {n: torch.where(trailing(from_slot, stored[n]), stored[n], fresh[n]) for n in stored}
         order = torch.argsort((~got["valid"]).to(torch.int8), dim=-1, stable=True)
         keep = int(got["valid"].sum(-1).max())
         order = order[..., :keep]
-        return {n: t.gather(2, _expand(order, t)) for n, t in got.items()}
+        return {n: t.gather(2, expand_index(order, t)) for n, t in got.items()}
 
     def map_batch(self, fn) -> None:
         self.store.map_batch(fn)
@@ -137,11 +133,3 @@ class Tier:
         """Every byte this tier holds: keys and values (codes, steps, zeros), positions, validity, statistics."""
         return self.store.nbytes() + sum(self.meta(n).nbytes for n in self.names())
 
-
-def _expand(idx: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """Index (b, h, j) expanded over ``like``'s trailing dims (head_dim for keys and values)."""
-    return idx.view(*idx.shape, *([1] * (like.dim() - 3))).expand(*idx.shape, *like.shape[3:])
-
-
-def _bcast(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return mask.view(*mask.shape, *([1] * (like.dim() - 3)))
