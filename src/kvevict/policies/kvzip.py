@@ -60,6 +60,5 @@ class KVzip(Policy):
         s = self.scores[c.layer_idx].to(c.pos.device)
         if c.pos.shape[0] != s.shape[0]:
             raise ValueError(f"kvzip was recorded for batch size {s.shape[0]}, the cache runs {c.pos.shape[0]}.")
-        n = s.shape[-1]
-        rows = s.gather(-1, c.pos.clamp(0, n - 1))
-        return torch.where(c.pos >= n, rows.amax(-1, keepdim=True) + 1.0, rows)
+        rows = c.lookup(s)
+        return torch.where(c.pos >= s.shape[-1], rows.amax(-1, keepdim=True) + 1.0, rows)
