@@ -97,12 +97,10 @@ ALL = sorted({cls.name for cls in kvevict.POLICIES.values()})
 def _policy(name, model, ids, mask=None):
     """The policy by name; the oracle first records the future of this very batch, KVzip its
     reconstruction of it (unpadded prompts only)."""
-    if name == "kvzip":
-        from kvevict.policies.kvzip import KVzip
-
+    if name.startswith("kvzip"):
         if mask is not None:
             pytest.skip("kvzip records unpadded prompts only (its own test checks the error)")
-        return KVzip.record(model, lambda *a, **k: {"input_ids": torch.tensor([[7, 8, 9]])}, ids)
+        return kvevict.POLICIES[name].record(model, lambda *a, **k: {"input_ids": torch.tensor([[7, 8, 9]])}, ids)
     if name != "oracle":
         return name
     from kvevict.policies.oracle import Oracle

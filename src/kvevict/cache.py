@@ -373,6 +373,9 @@ def layer_budgets(policy: Policy, budget, num_layers: int) -> list:
     schedule = getattr(policy, "layer_budgets", None)
     if schedule is None:
         return [budget] * num_layers
+    known = getattr(policy, "prompt_tokens", None)  # a policy recorded on the prompt (kvzip)
+    if isinstance(budget, float) and known:
+        budget = resolve_budget(budget, known)
     if isinstance(budget, float):
         nominal = 1 << 20
         return [budget * b / nominal for b in schedule(nominal, num_layers)]

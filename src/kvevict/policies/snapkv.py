@@ -26,7 +26,7 @@ class SnapKV(Policy):
     independent = False  # pooling mixes neighbours' scores
 
     def recent_for(self, budget: int) -> int:
-        return min(self.window, budget // 2) if self.recent is None else self.recent
+        return min(self.observe(self.window), budget // 2) if self.recent is None else self.recent
 
     def attention_params(self) -> dict:
         return {"observe": self.observe(self.window)}
