@@ -223,3 +223,39 @@ def test_eval_accepts_adaptive_and_question_specs():
 def test_bad_adaptive_and_question_parameters_are_clear(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+@pytest.mark.parametrize("policy", ["ada-h2o", "adakv"])
+def test_adaptive_rows_join_a_running_batch_and_decode_as_alone(policy):
+    from kvevict.attention import ATTN_NAME, register
+    from kvevict.serve.batch import DecodeBatch
+
+    model = tiny_model("llama-gqa")
+    register()
+    model.set_attn_implementation(ATTN_NAME)
+    torch.manual_seed(11)
+    prompts = [torch.randint(1, 128, (n,)).tolist() for n in (28, 10)]
+
+    def alone(p):
+        batch, logits = DecodeBatch.prefill(model, p, policy, 8, None)
+        out = [int(logits.argmax(-1))]
+        for _ in range(9):
+            out.append(int(batch.step([out[-1]]).argmax(-1)))
+        return out
+
+    with torch.no_grad():
+        want = [alone(p) for p in prompts]
+        batch, logits = DecodeBatch.prefill(model, prompts[0], policy, 8, None)
+        got = [[int(logits.argmax(-1))], []]
+        for step in range(9):
+            if step == 3:  # the second prompt joins at a different fill level
+                other, logits = DecodeBatch.prefill(model, prompts[1], policy, 8, None)
+                assert batch.can_join(other)
+                batch.join(other)
+                got[1].append(int(logits.argmax(-1)))
+            rows = [r for r in (0, 1) if got[r] and len(got[r]) < 10]
+            logits = batch.step([got[r][-1] for r in (0, 1) if got[r]])
+            for k, r in enumerate(r for r in (0, 1) if got[r]):
+                if r in rows:
+                    got[r].append(int(logits[k].argmax()))
+    assert got[0] == want[0] and got[1] == want[1][: len(got[1])]

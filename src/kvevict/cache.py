@@ -1,4 +1,5 @@
-"""A transformers ``Cache`` whose layers hold at most ``budget`` tokens per (sequence, KV head).
+"""A transformers ``Cache`` whose layers hold at most ``budget`` tokens per (sequence, KV head), or
+with adaptive policies (Ada-KV) ``kv_heads x budget`` per (sequence, layer), shared by the heads.
 
 Storage is preallocated at the budget and written by index: a token that arrives while the cache
 is full takes the slot of the token its policy evicts (no concatenation, no copy of the cache per
@@ -202,7 +203,7 @@ class EvictingLayer(CacheLayerMixin):
     # -- what attention needs, and what it hands back -----------------------------------------
     def kv_bytes(self) -> int:
         """Every byte this layer holds: keys and values (codes, steps and zeros when packed),
-        positions, validity and the policy's statistics of every tier."""
+        positions, validity, head ids (adaptive) and the policy's statistics of every tier."""
         if not self.is_initialized:
             return 0
         extra = self.prompt_end.nbytes if self.prompt_end is not None else 0

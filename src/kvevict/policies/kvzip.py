@@ -35,8 +35,8 @@ class KVzip(Policy):
 
         B_l = lo + (L (B - lo)) x |{(h, i) of l in TopK(S, L H (B - lo))}| / (L H (B - lo))
 
-    tokens per head (rounded, the total kept at L x B, a layer capped at the prompt's n; lo = recent + sinks + question + 1 so every
-    layer keeps its window). ``kvzip-pool`` is both: KVzip's own allocation (kvpress ranks every
+    tokens per head (rounded, the total kept at L x B, a layer capped at the prompt's n;
+    lo = recent + sinks + question + 1 so every layer keeps its window). ``kvzip-pool`` is both: KVzip's own allocation (kvpress ranks every
     layer's and head's scores together) with the memory freed.
     """
 
