@@ -17,6 +17,7 @@ class SnapKV(Policy):
 
     While decoding, every decode query joins the window (the prompt has no later queries).
     Defaults follow kvpress (window 64, kernel 5); the window itself is protected.
+    With ``question=N`` (make_cache) the window is exactly the question's N tokens, which stay.
     """
 
     window: int = 64
