@@ -259,3 +259,30 @@ def test_adaptive_rows_join_a_running_batch_and_decode_as_alone(policy):
                 if r in rows:
                     got[r].append(int(logits[k].argmax()))
     assert got[0] == want[0] and got[1] == want[1][: len(got[1])]
+
+
+@pytest.mark.parametrize("mode, stride", [("block", 8), ("token", None)])
+def test_question_survives_chunked_prefill(mode, stride):
+    model = tiny_model("qwen2")
+    torch.manual_seed(12)
+    n, q = 40, 4
+    ids = torch.randint(0, 128, (1, n))
+    cache = kvevict.make_cache(model, "ada-h2o", budget=8, question=q, recent=2)
+    kvevict.prefill(model, cache, ids, mode=mode, stride=stride)  # fixes the prompt length first
+    model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=8,
+                   min_new_tokens=8, do_sample=False, pad_token_id=0)
+    for layer in cache.layers:
+        t = layer.tiers[0]
+        for h in range(model.config.num_key_value_heads):
+            assert set(range(n - q, n)) <= set(t.pos[0, 0][t.head[0, 0] == h].tolist())
+
+
+def test_cli_policy_check_knows_adaptive_and_question_specs():
+    from types import SimpleNamespace
+
+    from kvevict.commands._common import check_policy_args
+
+    ok = SimpleNamespace(policy="ada-h2o+q", budget="0.2", prefill="full", stride=None)
+    check_policy_args(ok)
+    with pytest.raises(ValueError, match="unknown policy 'ada-nope'"):
+        check_policy_args(SimpleNamespace(policy="ada-nope", budget="0.2", prefill="full", stride=None))
