@@ -14,11 +14,11 @@ def add_arguments(p):
     add_model_args(p, policy=False)
     p.add_argument("--policies", default="all", help="comma-separated policy names, or 'all' (every registered policy); full is always run")
     p.add_argument("--budgets", default="0.1,0.2,0.4,0.6", help="comma-separated fractions of the prompt (or ints: tokens)")
-    p.add_argument("--tasks", default="ppl,passkey", help="comma-separated: ppl, passkey, needle (stated once), vartrack, xsum, reconstruct, narrativeqa, piqa, or 'all'")
+    p.add_argument("--tasks", default="ppl,passkey", help="comma-separated: ppl, passkey, needle (stated once), vartrack, continuation (perplexity of text after a compressed context), xsum, reconstruct, narrativeqa, piqa, or 'all'")
     p.add_argument("--samples", type=int, default=4, help="samples per task")
     p.add_argument("--out", default="results/eval", help="output folder (records.jsonl, summary.md, PNGs)")
     p.add_argument("--ppl-tokens", type=int, default=1024, help="window length of the ppl task")
-    p.add_argument("--chunk", type=int, default=32, help="tokens per streaming step of the ppl task")
+    p.add_argument("--chunk", type=int, default=32, help="tokens per streaming step of the ppl and continuation tasks")
     p.add_argument("--lengths", default="1024,2048", help="prompt lengths of the passkey task (tokens)")
     p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths of the passkey task")
     p.add_argument("--recon-tokens", type=int, default=160, help="passage length of the reconstruct task (tokens)")
@@ -68,6 +68,8 @@ def build_tasks(names, args, lengths, depths):
     for name in names:
         if name == "ppl":
             out.append(PerplexityTask(tokens=args.ppl_tokens, chunk=args.chunk))
+        elif name == "continuation":
+            out.append(TASKS[name](chunk=args.chunk))
         elif name == "passkey":
             out.append(RetrievalTask(lengths=lengths, depths=depths))
         elif name in ("needle", "vartrack"):

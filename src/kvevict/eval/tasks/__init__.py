@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .base import Sample, Task
+from .continuation import ContinuationTask
 from .needles_once import NeedleOnceTask, VarTrackTask
 from .piqa import PIQATask
 from .ppl import PerplexityTask
@@ -13,7 +14,7 @@ from .summarization import XSumTask
 
 TASKS: dict[str, type[Task]] = {t.name: t for t in (
     PerplexityTask, RetrievalTask, XSumTask, ReconstructionTask, NarrativeQATask, PIQATask, NeedleOnceTask,
-    VarTrackTask)}
+    VarTrackTask, ContinuationTask)}
 
 
 def task_names(requested: str) -> list[str]:
@@ -28,4 +29,4 @@ def task_names(requested: str) -> list[str]:
     return list(dict.fromkeys(items))
 
 
-__all__ = ["TASKS", "Sample", "Task", "task_names"]
+__all__ = ["TASKS", "ContinuationTask", "Sample", "Task", "task_names"]
