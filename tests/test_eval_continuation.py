@@ -37,9 +37,10 @@ def test_full_cell_equals_one_forward_pass_over_the_continuation(tok, model):
     assert ids.shape[1] == 68
     with torch.no_grad():
         logits = model(ids).logits[0]
-    want = torch.nn.functional.cross_entropy(logits[47:67], ids[0, 48:68]).item()
+    want = torch.nn.functional.cross_entropy(logits[47:67], ids[0, 48:68], reduction="none")
     full = task.evaluate(model, tok, sample, [("full", None)], None)[("full", None)]
-    assert full["scores"]["nll"] == pytest.approx(want, abs=1e-4)
+    assert full["scores"]["nll"] == pytest.approx(want.mean().item(), abs=1e-4)
+    assert full["scores"]["nll_late"] == pytest.approx(want[10:].mean().item(), abs=1e-4)
     assert full["scores"]["top1"] == 1.0 and full["scores"]["kl"] == pytest.approx(0.0, abs=1e-6)
     assert full["kv_bytes"] == full["full_kv_bytes"] > 0
 

@@ -9,6 +9,8 @@ of the context. The continuation is then scored teacher-forced, ``chunk`` tokens
 cache evicting as it would while decoding. Over the C predicted tokens x_{P+1..P+C}:
 
     nll  = -1/C sum_t log p(x_t | kept cache, x_{P+1..t-1})     (reported as perplexity exp(mean nll))
+    nll_late: the same over the continuation's second half (as ``ppl``'s), where a policy that evicts
+    context for the tokens it decodes (kvzip ranks them above every context token) has done so
     top1 = mean_t [argmax p_cell = argmax p_full],   kl = mean_t KL(p_full || p_cell)
 
 The full cache, prefilled and fed the same way, is the reference, computed once per sample.
@@ -57,7 +59,7 @@ class ContinuationTask(PerplexityTask):
     ids say source, text and length); scores nll, top1 and kl over the continuation (see module)."""
 
     name = "continuation"
-    metrics = {"nll": "exp", "top1": "mean", "kl": "mean"}
+    metrics = {"nll": "exp", "nll_late": "exp", "top1": "mean", "kl": "mean"}
     primary = "nll"
     higher_is_better = False
 
@@ -87,7 +89,8 @@ class ContinuationTask(PerplexityTask):
                 ref, full_bytes = logits, dynamic_kv_bytes(cache)
             if cell not in cells:
                 continue
-            out[cell] = {"scores": {"nll": metrics.token_nll(logits, y).mean().item(),
+            nll = metrics.token_nll(logits, y)
+            out[cell] = {"scores": {"nll": nll.mean().item(), "nll_late": nll[len(y) // 2:].mean().item(),
                                     "top1": metrics.top1_agreement(logits, ref).mean().item(),
                                     "kl": metrics.kl_divergence(logits, ref).clamp_min(0).mean().item()},
                          "output": None, "tokens": ids.shape[1], "context_tokens": self.context,
