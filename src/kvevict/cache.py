@@ -16,6 +16,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .attention import ATTN_NAME, PaddingInfo, _Segments, hand_off, register
 from .policies import Policy, make_policy
 from .rope import compact_positions, rope_inv_freq, shift_keys
+from .rows import Rows, shareable
 from .storage import DEFAULT_GROUP, Storage
 from .store import DenseStore, Piece, check_group
 from .tier import Tier
@@ -86,6 +87,7 @@ class EvictingLayer(CacheLayerMixin):
                 low = max(1, (self.prompt_len or m) - self.budget)
             self.tiers.append(Tier(low, *args, bits=st.evicted_bits, group=st.group))
         self.n_real = torch.zeros(b, dtype=torch.long, device=self.device)
+        self.rows = Rows(self.policy, self.budget, b, self.device)  # every row: this policy and budget
         self._expose()
         self.is_initialized = True
 
@@ -137,6 +139,7 @@ class EvictingLayer(CacheLayerMixin):
         for tier in self.tiers:
             tier.map_batch(fn)
         self.n_real = fn(self.n_real)
+        self.rows.map_batch(fn)
         self._expose()
 
     def reorder_cache(self, beam_idx) -> None:
@@ -149,17 +152,28 @@ class EvictingLayer(CacheLayerMixin):
         self._map_batch(lambda t: t[indices])
 
     def can_append(self, other: "EvictingLayer") -> bool:
-        return (self.is_initialized and other.is_initialized and self.budget == other.budget
-                and self.policy == other.policy and self.storage == other.storage
-                and [t.budget for t in self.tiers] == [t.budget for t in other.tiers]
-                and self.inv_freq is None and other.inv_freq is None)
+        return (self.is_initialized and other.is_initialized and self.storage == other.storage
+                and self.dims == other.dims and self.dtype == other.dtype and len(self.tiers) == len(other.tiers)
+                and self.inv_freq is None and other.inv_freq is None
+                and shareable(self.rows.policies + other.rows.policies))
 
     def append_rows(self, other: "EvictingLayer") -> None:
-        """Append ``other``'s sequences (same budget, policy and storage) after this layer's, for
-        continuous batching. Rows may be at different fill levels: a row's slots past its own fill
-        are empty (invalid, priority -inf), so its next tokens take them before anything of it is
-        evicted, exactly as alone. ``seen`` becomes the longer history: the caller left-pads the
-        shorter rows' attention masks to it."""
+        """Append ``other``'s sequences (same storage; any policies and budgets ``can_append``
+        accepts) after this layer's, for continuous batching. Rows may be at different fill
+        levels: a row's slots past its own fill are empty (invalid, priority -inf), so its next
+        tokens take them before anything of it is evicted, exactly as alone. Rows may have
+        different budgets: each tier becomes as wide as the wider of the two, and a row's slots
+        past its own budget stay unavailable (``Tier.caps``); each row evicts by its own policy
+        (``rows.Rows``). ``seen`` becomes the longer history: the caller left-pads the shorter
+        rows' attention masks to it."""
+        for mine, their in zip(self.tiers, other.tiers):
+            names = tuple(dict.fromkeys((*mine.stats, *their.stats)))
+            width = max(mine.budget, their.budget)
+            mine.widen(width, names)
+            their.widen(width, names)
+            if mine.caps is not None or their.caps is not None:  # both carry caps, so they concatenate
+                mine.caps, their.caps = mine.row_caps(), their.row_caps()
+        self.rows.adopt(other.rows)
         theirs = []
         other._map_batch(lambda t: theirs.append(t) or t)  # every per-row tensor, in _map_batch's order
         rows = iter(theirs)
@@ -167,7 +181,8 @@ class EvictingLayer(CacheLayerMixin):
         for mine, their in zip(self.tiers, other.tiers):
             self._padded = self._padded or mine.filled != their.filled
             mine.filled = max(mine.filled, their.filled)
-        self._padded = self._padded or other._padded
+        self._padded = self._padded or other._padded or any(t.caps is not None for t in self.tiers)
+        self.budget = self.tiers[0].budget
         self.seen = max(self.seen, other.seen)
         self.evicted = max(self.evicted, other.evicted)
         self.peak_entries = max(self.peak_entries, other.peak_entries)
@@ -190,6 +205,11 @@ class EvictingLayer(CacheLayerMixin):
         return self.tiers[0].filled
 
     # -- what attention needs, and what it hands back -----------------------------------------
+    def attention_request(self) -> tuple[tuple, dict]:
+        """The statistics attention must collect for this layer (every one its tiers carry: the
+        union of its rows' policies') and the parameters they need."""
+        return tuple(self.tiers[0].stats), self.rows.attention_params()
+
     def kv_bytes(self) -> int:
         """Every byte this layer holds: keys and values (codes, steps and zeros when packed),
         positions, validity and the policy's statistics of every tier."""
@@ -229,7 +249,7 @@ class EvictingLayer(CacheLayerMixin):
         self._new = None
         b, h, m, _ = k_new.shape
         self.n_real += m if valid_new is None else valid_new.sum(1)
-        offset, decay = 0, self.policy.decay()
+        offset, decay = 0, self.rows.decay()
         for tier in self.tiers:
             tier.accumulate(stats, offset, decay, m)
             offset += tier.filled
@@ -239,14 +259,14 @@ class EvictingLayer(CacheLayerMixin):
             "valid": (torch.ones(1, 1, m, dtype=torch.bool, device=self.device) if valid_new is None
                       else valid_new.view(b, 1, m)).expand(b, h, m),
         }
-        new.update({n: stats[n][..., offset:] for n in self.policy.stats})
+        new.update({n: stats[n][..., offset:] for n in self.tiers[0].stats})
         ctx = {"newest": (self.n_real - 1).view(-1, 1, 1), "budget": self.budget, "layer_idx": self.layer_idx}
         self.evicted += max(0, self.tiers[0].filled + m - self.budget)
-        gone = self.tiers[0].insert(self.policy, new, ctx, protected_newcomer=valid_new is None,
+        gone = self.tiers[0].insert(self.rows, new, ctx, protected_newcomer=valid_new is None,
                                     want_evicted=len(self.tiers) > 1)
         # unpadded, every demoted entry is a real token: skip the host sync that checks it
         if gone is not None and (not self._padded or bool(gone["valid"].any())):
-            self.tiers[1].insert(self.policy, gone, ctx, protected_newcomer=False, want_evicted=False)
+            self.tiers[1].insert(self.rows, gone, ctx, protected_newcomer=False, want_evicted=False)
         self.seen += m
 
 

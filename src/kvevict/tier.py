@@ -22,6 +22,10 @@ _META = ("pos", "valid")
 class Tier:
     def __init__(self, budget: int, b, h, dk, dv, dtype, device, stats: tuple, bits=None, group: int = 32):
         self.budget, self.filled = budget, 0
+        # rows of a shared batch may have smaller budgets than the tier is wide: ``caps`` (b,) each
+        # row's own, slots past it unavailable (never written, never ranked); None: every row has budget
+        self.caps: torch.Tensor | None = None
+        self.min_cap = budget
         self.store = make_store(b, h, budget, dk, dv, dtype, device, bits, group)
         # int32: positions below 2^31 tokens; at 2 bits an int64 would be an eighth of a slot
         self.pos = torch.zeros(b, h, budget, dtype=torch.int32, device=device)
@@ -56,14 +60,27 @@ class Tier:
         """Store ``new`` entries (keys "k", "v" and the metadata, each (b, h, m, ...)); return the
         entries that left (evicted candidates, valid first) when ``want_evicted``, else None."""
         f, m, B = self.filled, new["pos"].shape[-1], self.budget
-        if f + m <= B:
+        if f + m <= self.min_cap:
             idx = torch.arange(f, f + m, device=self.pos.device).expand(*new["pos"].shape)
             self._write(idx, new, None)
             self.filled = f + m
             return None
         if m == 1:
-            return self._replace_one(policy, new, ctx, protected_newcomer, want_evicted)
+            gone = self._replace_one(policy, new, ctx, protected_newcomer, want_evicted)
+            # a capped row's free slots rank -inf, the first of them is taken: slot <= f
+            self.filled = min(B, f + 1)
+            return gone
         return self._replace_many(policy, new, ctx, want_evicted)
+
+    def _priority(self, policy, new: dict | None, ctx: dict) -> torch.Tensor:
+        """The policy's priority of every slot (and new entry), slots past a row's cap at +inf:
+        never a victim, so never written."""
+        prio = policy.priority(self.candidates(new, **ctx))
+        if self.caps is not None:
+            slot = torch.arange(prio.shape[-1], device=prio.device)
+            over = (slot < self.budget) & (slot >= self.caps.view(-1, 1, 1))
+            prio = prio.masked_fill(over, float("inf"))
+        return prio
 
     def _write(self, idx, new: dict, take) -> None:
         self.store.write(idx, new["k"], new["v"], take)
@@ -81,9 +98,9 @@ class Tier:
         B = self.budget
         if protected_newcomer and policy.keeps_newest(ctx["budget"]) and policy.independent:
             # the newcomer is protected and cannot change the others' ranks: rank the slots only
-            slot, take = policy.priority(self.candidates(None, **ctx)).argmin(-1, keepdim=True), None
+            slot, take = self._priority(policy, None, ctx).argmin(-1, keepdim=True), None
         else:
-            victim = policy.priority(self.candidates(new, **ctx)).argmin(-1, keepdim=True)  # (b, h, 1)
+            victim = self._priority(policy, new, ctx).argmin(-1, keepdim=True)  # (b, h, 1)
             slot, take = victim.clamp(max=B - 1), victim < B
         gone = self._read(slot) if want_evicted else None
         if gone is not None and take is not None:  # where the newcomer lost, it is what leaves
@@ -95,7 +112,7 @@ class Tier:
         """Prefill chunks: evict the m lowest-priority of the B slots + m new tokens; the kept new
         tokens move into the evicted slots, pairwise, so storage is overwritten in place."""
         B, m = self.budget, new["pos"].shape[-1]
-        prio = policy.priority(self.candidates(new, **ctx))
+        prio = self._priority(policy, new, ctx)
         out = prio.topk(m, dim=-1, largest=False).indices  # (b, h, m) evicted candidates
         gone = self._evicted(out, new) if want_evicted else None
         ev_slot = torch.zeros(prio.shape[0], prio.shape[1], B + m, dtype=torch.bool, device=prio.device)
@@ -128,6 +145,28 @@ class Tier:
         self.store.map_batch(fn)
         self.pos, self.valid = fn(self.pos), fn(self.valid)
         self.stats = {n: fn(t) for n, t in self.stats.items()}
+        if self.caps is not None:
+            self.caps = fn(self.caps)
+            self.min_cap = int(self.caps.min()) if self.caps.numel() else self.budget
+            if self.min_cap >= self.budget:  # every row has the full width again
+                self.caps, self.min_cap = None, self.budget
+
+    def row_caps(self) -> torch.Tensor:
+        """(b,) each row's own number of slots."""
+        if self.caps is not None:
+            return self.caps
+        return torch.full((self.pos.shape[0],), self.budget, dtype=torch.long, device=self.pos.device)
+
+    def widen(self, budget: int, stats: tuple) -> None:
+        """Grow to ``budget`` slots (the new ones empty) and carry every statistic in ``stats``, so
+        rows of another tier can be appended; each row keeps its own cap."""
+        if stats != tuple(self.stats):
+            b, h, n = self.pos.shape
+            self.stats = {s: self.stats.get(s, torch.zeros(b, h, n, device=self.pos.device)) for s in stats}
+        if budget > self.budget:
+            self.caps, extra, self.budget = self.row_caps(), budget - self.budget, budget
+            self.map_batch(lambda t: torch.cat([t, t.new_zeros(*t.shape[:2], extra, *t.shape[3:])], dim=2)
+                           if t.dim() >= 3 else t)
 
     def nbytes(self) -> int:
         """Every byte this tier holds: keys and values (codes, steps, zeros), positions, validity, statistics."""
