@@ -145,7 +145,7 @@ def test_mixed_policies_and_budgets_in_one_cache_each_equal_a_batch_of_one(stora
     model = tiny_model("llama-gqa")
     torch.manual_seed(8)
     prompts = [torch.randint(1, 128, (n,)).tolist() for n in (30, 9, 21, 17, 12)]
-    steps = [14, 12, 10, 9, 6]
+    steps = [14, 12, 10, 4, 6]  # the widest row (16) leaves first
     joins = {2: 1, 3: 2, 5: 3, 6: 4}  # step -> row that joins then
 
     def alone(i):
@@ -184,6 +184,9 @@ def test_mixed_policies_and_budgets_in_one_cache_each_equal_a_batch_of_one(stora
             if step == 7:  # five rows, five budgets, four policies: one forward
                 assert rows == [0, 1, 2, 3, 4] and len(batch.cache.layers[0].rows.kinds) == 5
                 assert batch.cache.layers[0].tiers[0].caps.tolist() == [8, 12, 4, 16, 10]
+            if step == 9:  # it left: the storage narrowed to the widest remaining budget
+                assert rows == [0, 1, 2, 4] and batch.cache.layers[0].tiers[0].caps.tolist() == [8, 12, 4, 10]
+                assert batch.cache.layers[0].budget == batch.cache.layers[0].tiers[0].pos.shape[-1] == 12
             logits = batch.step([got[r][-1] for r in rows])
             for k, r in enumerate(rows):
                 got[r].append(int(logits[k].argmax()))

@@ -138,8 +138,13 @@ class EvictingLayer(CacheLayerMixin):
             return
         for tier in self.tiers:
             tier.map_batch(fn)
+            tier.fit()  # rows with the widest budget may have left: storage narrows to the rest's
         self.n_real = fn(self.n_real)
         self.rows.map_batch(fn)
+        wanted = set(self.rows.stats)
+        for tier in self.tiers:  # statistics only the rows that left read: dropped with them
+            tier.stats = {n: t for n, t in tier.stats.items() if n in wanted}
+        self.budget = self.tiers[0].budget
         self._expose()
 
     def reorder_cache(self, beam_idx) -> None:
@@ -175,14 +180,14 @@ class EvictingLayer(CacheLayerMixin):
                 mine.caps, their.caps = mine.row_caps(), their.row_caps()
         self.rows.adopt(other.rows)
         theirs = []
-        other._map_batch(lambda t: theirs.append(t) or t)  # every per-row tensor, in _map_batch's order
-        rows = iter(theirs)
+        for tier in other.tiers:  # every per-row tensor, in _map_batch's order
+            tier.map_batch(lambda t: theirs.append(t) or t)
+        rows = iter([*theirs, other.n_real, other.rows.kind])
         self._map_batch(lambda t: torch.cat([t, next(rows)]))
         for mine, their in zip(self.tiers, other.tiers):
             self._padded = self._padded or mine.filled != their.filled
             mine.filled = max(mine.filled, their.filled)
         self._padded = self._padded or other._padded or any(t.caps is not None for t in self.tiers)
-        self.budget = self.tiers[0].budget
         self.seen = max(self.seen, other.seen)
         self.evicted = max(self.evicted, other.evicted)
         self.peak_entries = max(self.peak_entries, other.peak_entries)

@@ -147,9 +147,6 @@ class Tier:
         self.stats = {n: fn(t) for n, t in self.stats.items()}
         if self.caps is not None:
             self.caps = fn(self.caps)
-            self.min_cap = int(self.caps.min()) if self.caps.numel() else self.budget
-            if self.min_cap >= self.budget:  # every row has the full width again
-                self.caps, self.min_cap = None, self.budget
 
     def row_caps(self) -> torch.Tensor:
         """(b,) each row's own number of slots."""
@@ -164,9 +161,33 @@ class Tier:
             b, h, n = self.pos.shape
             self.stats = {s: self.stats.get(s, torch.zeros(b, h, n, device=self.pos.device)) for s in stats}
         if budget > self.budget:
-            self.caps, extra, self.budget = self.row_caps(), budget - self.budget, budget
-            self.map_batch(lambda t: torch.cat([t, t.new_zeros(*t.shape[:2], extra, *t.shape[3:])], dim=2)
-                           if t.dim() >= 3 else t)
+            self.caps = self.row_caps()
+            self._resize(budget)
+
+    def fit(self) -> None:
+        """After rows joined or left: as wide as the widest row's cap (a row writes only below its
+        cap, so nothing kept is cut), and no caps once every row has the full width."""
+        if self.caps is None:
+            return
+        widest = int(self.caps.max()) if self.caps.numel() else self.budget
+        if widest < self.budget:
+            self._resize(widest)
+        self.min_cap = int(self.caps.min()) if self.caps.numel() else self.budget
+        if self.min_cap >= self.budget:
+            self.caps, self.min_cap = None, self.budget
+
+    def _resize(self, n: int) -> None:
+        extra = n - self.budget
+
+        def fn(t):
+            if extra < 0:
+                return t[:, :, :n]
+            return torch.cat([t, t.new_zeros(*t.shape[:2], extra, *t.shape[3:])], dim=2)
+
+        self.store.map_batch(fn)
+        self.pos, self.valid = fn(self.pos), fn(self.valid)
+        self.stats = {name: fn(t) for name, t in self.stats.items()}
+        self.budget, self.filled = n, min(self.filled, n)
 
     def nbytes(self) -> int:
         """Every byte this tier holds: keys and values (codes, steps, zeros), positions, validity, statistics."""
