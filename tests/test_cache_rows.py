@@ -134,19 +134,19 @@ def test_rows_with_budgets_4_and_8_in_one_cache_keep_their_own_newest_4_and_8():
 
 
 MIXED = [("h2o", 8, {}), ("tova", 12, {}), ("recency", 4, {"recent": 1, "sinks": 1}), ("h2o", 16, {"recent": 3}),
-         ("roco", 10, {})]
+         ("roco", 10, {}), ("snapkv", 10, {"window": 4, "recent": 2})]
 
 
 @pytest.mark.parametrize("storage", [{}, {"kv_bits": 8, "group": 8}, {"evicted_bits": 4, "group": 8}])
 def test_mixed_policies_and_budgets_in_one_cache_each_equal_a_batch_of_one(storage):
-    """Five rows, four policies, five budgets, joining mid-decode and leaving when done: each
+    """Six rows, five policies (SnapKV's pooled scores included), five budgets, joining mid-decode and leaving when done: each
     row's tokens, logits and kept positions equal its own batch-1 cache's. Two-tier storage sizes
     each row's second tier by its own prompt, so the second tier is ragged too."""
     model = tiny_model("llama-gqa")
     torch.manual_seed(8)
-    prompts = [torch.randint(1, 128, (n,)).tolist() for n in (30, 9, 21, 17, 12)]
-    steps = [14, 12, 10, 4, 6]  # the widest row (16) leaves first
-    joins = {2: 1, 3: 2, 5: 3, 6: 4}  # step -> row that joins then
+    prompts = [torch.randint(1, 128, (n,)).tolist() for n in (30, 9, 21, 17, 12, 25)]
+    steps = [14, 12, 10, 4, 6, 9]  # the widest row (16) leaves first
+    joins = {2: 1, 3: 2, 5: 3, 6: 4, 7: 5}  # step -> row that joins then
 
     def alone(i):
         policy, budget, kw = MIXED[i]
@@ -181,11 +181,11 @@ def test_mixed_policies_and_budgets_in_one_cache_each_equal_a_batch_of_one(stora
                 rows = [r for r in rows if r not in done]
             if not rows:
                 break
-            if step == 7:  # five rows, five budgets, four policies: one forward
-                assert rows == [0, 1, 2, 3, 4] and len(batch.cache.layers[0].rows.kinds) == 5
-                assert batch.cache.layers[0].tiers[0].caps.tolist() == [8, 12, 4, 16, 10]
+            if step == 7:  # six rows, five budgets, five policies: one forward
+                assert rows == [0, 1, 2, 3, 4, 5] and len(batch.cache.layers[0].rows.kinds) == 6
+                assert batch.cache.layers[0].tiers[0].caps.tolist() == [8, 12, 4, 16, 10, 10]
             if step == 9:  # it left: the storage narrowed to the widest remaining budget
-                assert rows == [0, 1, 2, 4] and batch.cache.layers[0].tiers[0].caps.tolist() == [8, 12, 4, 10]
+                assert rows == [0, 1, 2, 4, 5] and batch.cache.layers[0].tiers[0].caps.tolist() == [8, 12, 4, 10, 10]
                 assert batch.cache.layers[0].budget == batch.cache.layers[0].tiers[0].pos.shape[-1] == 12
             logits = batch.step([got[r][-1] for r in rows])
             for k, r in enumerate(rows):

@@ -3,7 +3,8 @@
 Storage is preallocated at the budget and written by index: a token that arrives while the cache
 is full takes the slot of the token its policy evicts (no concatenation, no copy of the cache per
 step). Each (sequence, KV head) keeps its own set of tokens, in arbitrary slot order; each slot
-remembers the token's position, so the keys stay rotated at their original positions.
+remembers the token's position, so the keys stay rotated at their original positions. Rows of
+one batch may each have their own policy and budget (``kvevict.rows``, continuous batching).
 """
 
 from __future__ import annotations
@@ -328,7 +329,8 @@ class EvictingCache(Cache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def can_append(self, other: "EvictingCache") -> bool:
-        """Whether ``append_rows(other)`` can merge the two: same policy, budgets and storage, both filled."""
+        """Whether ``append_rows(other)`` can merge the two: both filled, same storage and model;
+        any budgets, and any policies that can share a forward (``rows.shareable``)."""
         return len(self.layers) == len(other.layers) and all(
             a.can_append(b) for a, b in zip(self.layers, other.layers))
 

@@ -58,6 +58,7 @@ class Rows:
     def __init__(self, policy: Policy, budget: int, batch: int, device):
         self.kinds: list[tuple[Policy, int]] = [(policy, budget)]
         self.kind = torch.zeros(batch, dtype=torch.long, device=device)
+        self._kinds_of = [0] * batch  # ``kind`` on the host
         self._groups: list = [(policy, budget, None)]  # None: every row
 
     @property
@@ -86,12 +87,19 @@ class Rows:
         table = torch.tensor([b for _, b in self.kinds], dtype=torch.long, device=self.kind.device)
         return table[self.kind]
 
-    def priority(self, c: Candidates) -> torch.Tensor:
-        if len(self._groups) == 1:
-            policy, budget, _ = self._groups[0]
+    def priority(self, c: Candidates, rows: list[int] | None = None) -> torch.Tensor:
+        """Each candidate's priority by its row's policy at its row's budget; ``rows``: the batch
+        rows ``c`` holds, in order (None: every row)."""
+        groups = self._groups
+        if rows is not None:
+            kinds = [self._kinds_of[r] for r in rows]
+            groups = [(p, b, torch.tensor([j for j, k in enumerate(kinds) if k == i], device=c.pos.device))
+                      for i, (p, b) in enumerate(self.kinds) if i in kinds]
+        if len(groups) == 1:
+            policy, budget, _ = groups[0]
             return policy.priority(replace(c, budget=budget))
         out = torch.empty(c.pos.shape, dtype=torch.float32, device=c.pos.device)
-        for policy, budget, idx in self._groups:
+        for policy, budget, idx in groups:
             sub = Candidates(stats={n: t[idx] for n, t in c.stats.items()}, pos=c.pos[idx], valid=c.valid[idx],
                              newest=c.newest[idx], budget=budget, layer_idx=c.layer_idx)
             out[idx] = policy.priority(sub).float()
@@ -118,12 +126,14 @@ class Rows:
     def _regroup(self) -> None:
         """Drop kinds no row uses, and index the rows of each kind (one host read per batch
         change, none per step)."""
-        used = sorted(set(self.kind.tolist()))
+        self._kinds_of = self.kind.tolist()
+        used = sorted(set(self._kinds_of))
         if used != list(range(len(self.kinds))):
             table = torch.zeros(max(len(self.kinds), 1), dtype=torch.long, device=self.kind.device)
             table[used] = torch.arange(len(used), device=self.kind.device)
             self.kinds = [self.kinds[i] for i in used]
             self.kind = table[self.kind]
+            self._kinds_of = self.kind.tolist()
         if len(self.kinds) <= 1:
             self._groups = [(p, b, None) for p, b in self.kinds]
         else:

@@ -10,6 +10,8 @@ dropped, and that tier evicts by the same policy once its own budget is full.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from .policies import Candidates, Policy
@@ -73,14 +75,23 @@ class Tier:
         return self._replace_many(policy, new, ctx, want_evicted)
 
     def _priority(self, policy, new: dict | None, ctx: dict) -> torch.Tensor:
-        """The policy's priority of every slot (and new entry), slots past a row's cap at +inf:
-        never a victim, so never written."""
-        prio = policy.priority(self.candidates(new, **ctx))
-        if self.caps is not None:
-            slot = torch.arange(prio.shape[-1], device=prio.device)
-            over = (slot < self.budget) & (slot >= self.caps.view(-1, 1, 1))
-            prio = prio.masked_fill(over, float("inf"))
-        return prio
+        """The policy's priority of every slot (and new entry). Slots past a row's cap are +inf:
+        never a victim, so never written; the policy never sees them (rows are ranked in groups
+        sharing a cap, on their own slots only), so a score that mixes neighbours (SnapKV's
+        pooling) is the same as in a tier of the row's own width."""
+        c = self.candidates(new, **ctx)
+        if self.caps is None:
+            return policy.priority(c)
+        out = torch.full(c.pos.shape, float("inf"), device=c.pos.device)
+        n = c.pos.shape[-1]
+        for cap, idx, rows in self._cap_groups:
+            cols = torch.cat([torch.arange(cap), torch.arange(self.budget, n)]).to(c.pos.device)
+            sub = replace(c, stats={k: _take(t, idx, cols) for k, t in c.stats.items()}, pos=_take(c.pos, idx, cols),
+                          valid=_take(c.valid, idx, cols), newest=c.newest.index_select(0, idx))
+            part = torch.full((len(rows), *c.pos.shape[1:]), float("inf"), device=c.pos.device)
+            part[:, :, cols] = policy.priority(sub, rows)
+            out.index_copy_(0, idx, part)
+        return out
 
     def _write(self, idx, new: dict, take) -> None:
         self.store.write(idx, new["k"], new["v"], take)
@@ -175,6 +186,10 @@ class Tier:
         self.min_cap = int(self.caps.min()) if self.caps.numel() else self.budget
         if self.min_cap >= self.budget:
             self.caps, self.min_cap = None, self.budget
+            return
+        caps = self.caps.tolist()  # one host read per batch change, none per step
+        self._cap_groups = [(cap, torch.tensor(rows, device=self.caps.device), rows) for cap in sorted(set(caps))
+                            for rows in [[i for i, c in enumerate(caps) if c == cap]]]
 
     def _resize(self, n: int) -> None:
         extra = n - self.budget
@@ -193,3 +208,7 @@ class Tier:
         """Every byte this tier holds: keys and values (codes, steps, zeros), positions, validity, statistics."""
         return self.store.nbytes() + sum(self.meta(n).nbytes for n in self.names())
 
+
+def _take(t: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """t[rows][:, :, cols] for a (b, h, n) tensor."""
+    return t.index_select(0, rows).index_select(2, cols)
