@@ -174,3 +174,14 @@ def test_real_model_streaming_perplexity_is_sane(real_model):
     assert 1.0 < torch.tensor(full["nll"]).exp() < 60  # repeated text: low perplexity
     assert res[("h2o", 1.0)]["scores"]["nll"] == pytest.approx(full["nll"], abs=1e-3)
     assert res[("h2o", 0.25)]["scores"]["top1"] < 1.0
+
+
+def test_plot_draws_storage_cells_without_a_budget_as_levels(tmp_path):
+    """"full/int4" keeps every token (budget None): drawn as a level beside the budgeted policies."""
+    from kvevict.eval.report import plot_task
+
+    cells = {("full", None): {"a": 1.0, "b": 0.0}, ("full/int4", None): {"a": 1.0, "b": 1.0},
+             ("h2o", 0.2): {"a": 0.0, "b": 0.0}, ("h2o", 0.1): {"a": 0.0, "b": 1.0}}
+    path = tmp_path / "passkey.png"
+    plot_task("passkey", {"em": cells}, {"em": "accuracy"}, path)
+    assert path.read_bytes()[:4] == b"\x89PNG"

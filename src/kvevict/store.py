@@ -166,7 +166,9 @@ def dequantize(codes, zero, step, bits: int, group: int, dtype) -> torch.Tensor:
     c = unpack(codes, bits).to(dtype)
     shape = c.shape
     c = c.view(*shape[:-1], shape[-1] // group, group)
-    return torch.addcmul(zero.to(dtype).unsqueeze(-1), c, step.to(dtype).unsqueeze(-1)).view(shape)
+    # in place on the fresh float codes: a broadcasting torch.addcmul into a new tensor is ~10x
+    # slower on CPU (measured on (8, 3, 1639, 64): 47 ms against 4.3 ms, 1 thread)
+    return c.mul_(step.to(dtype).unsqueeze(-1)).add_(zero.to(dtype).unsqueeze(-1)).view(shape)
 
 
 class PackedStore:

@@ -168,10 +168,15 @@ def plot_task(task_name, by_metric, kinds, path):
         policies = sorted({p for p, _ in cells if p != FULL})
         colors = plt.get_cmap("tab20" if len(policies) > 10 else "tab10").colors
         for k, p in enumerate(policies):
-            bs = sorted((b for q, b in cells if q == p), key=_budget_sort)
+            color = colors[k % len(colors)]
+            if (p, None) in cells:  # no eviction (e.g. "full/int4"): a level, not a point on the budget axis
+                ci = aggregate(cells[(p, None)].values(), kind)
+                ax.axhline(ci.mean, color=color, ls=":", lw=1.2, label=f"{p} (n={ci.n})")
+            bs = sorted((b for q, b in cells if q == p and b is not None), key=_budget_sort)
+            if not bs:
+                continue
             cis = [aggregate(cells[(p, b)].values(), kind) for b in bs]
             xs = [float(b) for b in bs]
-            color = colors[k % len(colors)]
             # 12 lines: colour alone is not enough, so the marker cycles too
             ax.plot(xs, [c.mean for c in cis], marker="os^vD<>ph*Xd"[k % 12], ms=4, lw=1.2, color=color, label=p)
             if all(c.n > 1 for c in cis) and len(policies) <= 4:  # bands of a dozen policies hide the lines
