@@ -82,11 +82,6 @@ class Rows:
     def keeps_newest(self, _budget=None) -> bool:
         return all(p.keeps_newest(b) for p, b, _ in self._groups)
 
-    def budgets(self) -> torch.Tensor:
-        """(batch,) each row's budget in tokens."""
-        table = torch.tensor([b for _, b in self.kinds], dtype=torch.long, device=self.kind.device)
-        return table[self.kind]
-
     def priority(self, c: Candidates, rows: list[int] | None = None) -> torch.Tensor:
         """Each candidate's priority by its row's policy at its row's budget; ``rows``: the batch
         rows ``c`` holds, in order (None: every row)."""

