@@ -204,3 +204,46 @@ def test_rows_whose_policies_need_different_attention_parameters_do_not_share_a_
     h2o, _ = _start(model, list(range(1, 20)), "h2o", 16)
     assert not snap.can_join(expected)  # both read the last queries' window: 4 against 8
     assert snap.can_join(h2o) and expected.can_join(h2o)
+
+
+def test_adaptive_rows_with_different_budgets_and_policies_share_a_cache_as_alone():
+    """Ada-KV rows (one slot pool per layer shared by the heads) of budgets 6, 10 and 14 and two
+    policies in one cache: the pool is as wide as the largest row's, each row's tokens and kept
+    (head, position) pairs equal its own cache's; an adaptive row never joins a per-head one."""
+    model = tiny_model("llama-gqa")
+    torch.manual_seed(12)
+    kinds = [("ada-h2o", 6), ("ada-tova", 14), ("ada-h2o", 10)]
+    prompts = [torch.randint(1, 128, (n,)).tolist() for n in (24, 11, 17)]
+
+    def pairs(layer, row):
+        t = layer.tiers[0]
+        return sorted((int(h), int(p)) for h, p, v in zip(t.head[row, 0], t.pos[row, 0], t.valid[row, 0]) if v)
+
+    def alone(i):
+        batch, logits = _start(model, prompts[i], *kinds[i])
+        out = [int(logits.argmax(-1))]
+        with torch.no_grad():
+            for _ in range(7):
+                out.append(int(batch.step([out[-1]]).argmax(-1)))
+        return out, [pairs(layer, 0) for layer in batch.cache.layers]
+
+    want = [alone(i) for i in range(3)]
+    batch, logits = _start(model, prompts[0], *kinds[0])
+    got = [[int(logits.argmax(-1))]]
+    plain, _ = _start(model, prompts[1], "h2o", 6)
+    assert not batch.can_join(plain)
+    with torch.no_grad():
+        for i in (1, 2):
+            other, logits = _start(model, prompts[i], *kinds[i])
+            assert batch.can_join(other)
+            batch.join(other)
+            got.append([int(logits.argmax(-1))])
+        heads = model.config.num_key_value_heads
+        assert batch.cache.layers[0].tiers[0].caps.tolist() == [6 * heads, 14 * heads, 10 * heads]
+        for _ in range(7):
+            logits = batch.step([g[-1] for g in got])
+            for g, row in zip(got, logits):
+                g.append(int(row.argmax()))
+    for i, (tokens, kept) in enumerate(want):
+        assert got[i] == tokens, i
+        assert [pairs(layer, i) for layer in batch.cache.layers] == kept, i

@@ -97,12 +97,10 @@ ALL = sorted({cls.name for cls in kvevict.POLICIES.values()})
 def _policy(name, model, ids, mask=None):
     """The policy by name; the oracle first records the future of this very batch, KVzip its
     reconstruction of it (unpadded prompts only)."""
-    if name == "kvzip":
-        from kvevict.policies.kvzip import KVzip
-
+    if name.startswith("kvzip"):
         if mask is not None:
             pytest.skip("kvzip records unpadded prompts only (its own test checks the error)")
-        return KVzip.record(model, lambda *a, **k: {"input_ids": torch.tensor([[7, 8, 9]])}, ids)
+        return kvevict.POLICIES[name].record(model, lambda *a, **k: {"input_ids": torch.tensor([[7, 8, 9]])}, ids)
     if name != "oracle":
         return name
     from kvevict.policies.oracle import Oracle
@@ -137,8 +135,8 @@ def test_every_policy_and_prefill_mode_on_a_padded_gqa_batch(name, mode, stride)
     assert sum(per_layer) == budget * cfg.num_hidden_layers
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     # per slot: key + value (fp32), position (int32), validity (bool), 4 bytes per policy statistic;
-    # per layer and sequence: its count of real tokens (int64)
-    slot = head_dim * 2 * 4 + 4 + 1 + 4 * len(cache.policy.stats)
+    # per layer and sequence: its count of real tokens (int64); adaptive: the slot's head (uint8)
+    slot = head_dim * 2 * 4 + 4 + 1 + 4 * len(cache.policy.stats) + cache.policy.adaptive
     assert cache.kv_bytes() == sum(per_layer) * 3 * cfg.num_key_value_heads * slot + 8 * 3 * cfg.num_hidden_layers
     for layer in cache.layers:
         assert layer.valid.all()  # 12 real tokens always exist, so padding never holds a slot

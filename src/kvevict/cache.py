@@ -1,4 +1,5 @@
-"""A transformers ``Cache`` whose layers hold at most ``budget`` tokens per (sequence, KV head).
+"""A transformers ``Cache`` whose layers hold at most ``budget`` tokens per (sequence, KV head), or
+with adaptive policies (Ada-KV) ``kv_heads x budget`` per (sequence, layer), shared by the heads.
 
 Storage is preallocated at the budget and written by index: a token that arrives while the cache
 is full takes the slot of the token its policy evicts (no concatenation, no copy of the cache per
@@ -9,6 +10,7 @@ one batch may each have their own policy and budget (``kvevict.rows``, continuou
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -64,6 +66,7 @@ class EvictingLayer(CacheLayerMixin):
         self.evicted = 0  # tokens that left the first tier, per (sequence, head)
         self.peak_entries = 0  # most key/value entries held at once (storage + incoming chunk)
         self.returned_keys = None
+        self.prompt_end = None
         self._new = None
         self._padded = False  # whether any slot may hold padding (then attention needs the mask)
 
@@ -77,8 +80,13 @@ class EvictingLayer(CacheLayerMixin):
         st = self.storage
         check_group(st.group, dk, st.kv_bits)
         check_group(st.group, value_states.shape[-1], st.kv_bits)
-        args = (b, h, dk, value_states.shape[-1], self.dtype, self.device, self.policy.stats)
-        self.tiers = [Tier(self.budget, *args, bits=st.kv_bits, group=st.group)]
+        # adaptive (Ada-KV): one row of h x budget slots per sequence, shared by the h heads
+        self.shared = h if self.policy.adaptive and h > 1 else 1
+        if self.shared > 256:
+            raise ValueError(f"adaptive budgets record a slot's head in one byte: at most 256 KV heads, got {h}.")
+        self.prompt_end = None  # (b, 1, 1) real prompt tokens per row, where the question ends
+        args = (b, h // self.shared, dk, value_states.shape[-1], self.dtype, self.device, self.policy.stats)
+        self.tiers = [Tier(self.budget * self.shared, *args, bits=st.kv_bits, group=st.group, heads=self.shared)]
         if st.evicted_bits is not None:
             check_group(st.group, dk, st.evicted_bits)
             check_group(st.group, value_states.shape[-1], st.evicted_bits)
@@ -86,7 +94,7 @@ class EvictingLayer(CacheLayerMixin):
                 low = resolve_budget(st.evicted_budget, self.prompt_len or m)
             else:  # room for the rest of the prompt; later tokens evict by the policy
                 low = max(1, (self.prompt_len or m) - self.budget)
-            self.tiers.append(Tier(low, *args, bits=st.evicted_bits, group=st.group))
+            self.tiers.append(Tier(low * self.shared, *args, bits=st.evicted_bits, group=st.group, heads=self.shared))
         self.n_real = torch.zeros(b, dtype=torch.long, device=self.device)
         self.rows = Rows(self.policy, self.budget, b, self.device)  # every row: this policy and budget
         self._expose()
@@ -106,14 +114,15 @@ class EvictingLayer(CacheLayerMixin):
                 "make a new cache for a new batch."
             )
         self._new = (key_states, value_states)
-        held = sum(t.filled for t in self.tiers)
+        held = sum(t.filled for t in self.tiers) // self.shared  # per (sequence, KV head), on average
         # entries this layer holds during this step: stored slots + the incoming tokens
         self.peak_entries = max(self.peak_entries, held + key_states.shape[2])
         t0 = self.tiers[0]
-        if len(self.tiers) == 1 and isinstance(t0.store, DenseStore) and t0.store.keys.dtype == self.dtype:
+        if (len(self.tiers) == 1 and self.shared == 1 and isinstance(t0.store, DenseStore)
+                and t0.store.keys.dtype == self.dtype):
             self.returned_keys = t0.store.keys[:, :, : t0.filled]
             values = t0.store.values[:, :, : t0.filled]
-        else:  # packed or two tiers: attention reads the tiers itself; hand back shape-only stand-ins
+        else:  # packed, two tiers or shared: attention reads the tiers itself; hand back shape-only stand-ins
             h, dk, dv = self.dims
             self.returned_keys = key_states.new_zeros(()).expand(b, h, held, dk)
             values = value_states.new_zeros(()).expand(b, h, held, dv)
@@ -141,11 +150,13 @@ class EvictingLayer(CacheLayerMixin):
             tier.map_batch(fn)
             tier.fit()  # rows with the widest budget may have left: storage narrows to the rest's
         self.n_real = fn(self.n_real)
+        if self.prompt_end is not None:
+            self.prompt_end = fn(self.prompt_end)
         self.rows.map_batch(fn)
         wanted = set(self.rows.stats)
         for tier in self.tiers:  # statistics only the rows that left read: dropped with them
             tier.stats = {n: t for n, t in tier.stats.items() if n in wanted}
-        self.budget = self.tiers[0].budget
+        self.budget = self.tiers[0].budget // self.shared
         self._expose()
 
     def reorder_cache(self, beam_idx) -> None:
@@ -160,7 +171,7 @@ class EvictingLayer(CacheLayerMixin):
     def can_append(self, other: "EvictingLayer") -> bool:
         return (self.is_initialized and other.is_initialized and self.storage == other.storage
                 and self.dims == other.dims and self.dtype == other.dtype and len(self.tiers) == len(other.tiers)
-                and self.inv_freq is None and other.inv_freq is None
+                and self.shared == other.shared and self.inv_freq is None and other.inv_freq is None
                 and shareable(self.rows.policies + other.rows.policies))
 
     def append_rows(self, other: "EvictingLayer") -> None:
@@ -179,11 +190,16 @@ class EvictingLayer(CacheLayerMixin):
             their.widen(width, names)
             if mine.caps is not None or their.caps is not None:  # both carry caps, so they concatenate
                 mine.caps, their.caps = mine.row_caps(), their.row_caps()
+        if (self.prompt_end is None) != (other.prompt_end is None):  # a question's end: 0 for rows without one
+            for layer in (self, other):
+                if layer.prompt_end is None:
+                    layer.prompt_end = torch.zeros(layer.n_real.shape[0], 1, 1, dtype=torch.long, device=self.device)
         self.rows.adopt(other.rows)
         theirs = []
         for tier in other.tiers:  # every per-row tensor, in _map_batch's order
             tier.map_batch(lambda t: theirs.append(t) or t)
-        rows = iter([*theirs, other.n_real, other.rows.kind])
+        ends = [] if other.prompt_end is None else [other.prompt_end]
+        rows = iter([*theirs, other.n_real, *ends, other.rows.kind])
         self._map_batch(lambda t: torch.cat([t, next(rows)]))
         for mine, their in zip(self.tiers, other.tiers):
             self._padded = self._padded or mine.filled != their.filled
@@ -218,10 +234,11 @@ class EvictingLayer(CacheLayerMixin):
 
     def kv_bytes(self) -> int:
         """Every byte this layer holds: keys and values (codes, steps and zeros when packed),
-        positions, validity and the policy's statistics of every tier."""
+        positions, validity, head ids (adaptive) and the policy's statistics of every tier."""
         if not self.is_initialized:
             return 0
-        return sum(t.nbytes() for t in self.tiers) + self.n_real.nbytes
+        extra = self.prompt_end.nbytes if self.prompt_end is not None else 0
+        return sum(t.nbytes() for t in self.tiers) + self.n_real.nbytes + extra
 
     def segments(self, value_view, info: PaddingInfo | None, q_len: int) -> _Segments:
         k_new, v_new = self._new
@@ -236,6 +253,10 @@ class EvictingLayer(CacheLayerMixin):
         pieces = [p for t in self.tiers for p in t.store.pieces(t.filled)]
         pos_past = _cat([t.pos[:, :, : t.filled] for t in self.tiers]).long()
         valid_past = _cat([t.valid[:, :, : t.filled] for t in self.tiers])
+        if self.shared > 1:  # one pool for every head: each head sees its own slots only
+            heads = torch.arange(self.shared, device=self.device).view(1, -1, 1)
+            mine = _cat([t.head[:, :, : t.filled] for t in self.tiers]) == heads
+            valid_past = mine & valid_past if self._padded else mine
         f = pos_past.shape[-1]
         if self.inv_freq is not None and f:
             # compact: kept keys move to their rank, new tokens follow at f, f + 1, ...; the shift
@@ -245,7 +266,7 @@ class EvictingLayer(CacheLayerMixin):
             pieces = _shifted(pieces, compact - pos_past, self.inv_freq)
             pos_past = compact
         return _Segments(
-            pieces=pieces, pos_past=pos_past, valid_past=valid_past if self._padded else None,
+            pieces=pieces, pos_past=pos_past, valid_past=valid_past if self._padded or self.shared > 1 else None,
             k_new=k_new, v_new=v_new, pos_new=pos_new, valid_new=valid_new,
         )
 
@@ -255,25 +276,41 @@ class EvictingLayer(CacheLayerMixin):
         self._new = None
         b, h, m, _ = k_new.shape
         self.n_real += m if valid_new is None else valid_new.sum(1)
-        offset, decay = 0, self.rows.decay()
-        for tier in self.tiers:
-            tier.accumulate(stats, offset, decay, m)
-            offset += tier.filled
+        if self.prompt_end is None and self.policy.question:  # the first forward: the prompt, or its first chunk
+            self.prompt_end = (self.n_real + ((self.prompt_len or m) - m)).view(-1, 1, 1)
+        n_past = sum(t.filled for t in self.tiers)
         new = {
             "k": k_new, "v": v_new,
             "pos": pos_new.view(-1, 1, m).expand(b, h, m),
             "valid": (torch.ones(1, 1, m, dtype=torch.bool, device=self.device) if valid_new is None
                       else valid_new.view(b, 1, m)).expand(b, h, m),
         }
-        new.update({n: stats[n][..., offset:] for n in self.tiers[0].stats})
-        ctx = {"newest": (self.n_real - 1).view(-1, 1, 1), "budget": self.budget, "layer_idx": self.layer_idx}
-        self.evicted += max(0, self.tiers[0].filled + m - self.budget)
+        new.update({n: stats[n][..., n_past:] for n in self.tiers[0].stats})
+        if self.shared > 1:
+            stats, new = self._pooled(stats, new, n_past)
+        offset, decay = 0, self.rows.decay()
+        for tier in self.tiers:
+            tier.accumulate(stats, offset, decay, m)
+            offset += tier.filled
+        ctx = {"newest": (self.n_real - 1).view(-1, 1, 1), "budget": self.budget, "layer_idx": self.layer_idx,
+               "prompt_len": self.prompt_end}
+        self.evicted += max(0, self.tiers[0].filled + m * self.shared - self.budget * self.shared) // self.shared
         gone = self.tiers[0].insert(self.rows, new, ctx, protected_newcomer=valid_new is None,
                                     want_evicted=len(self.tiers) > 1)
         # unpadded, every demoted entry is a real token: skip the host sync that checks it
         if gone is not None and (not self._padded or bool(gone["valid"].any())):
             self.tiers[1].insert(self.rows, gone, ctx, protected_newcomer=False, want_evicted=False)
         self.seen += m
+
+    def _pooled(self, stats: dict, new: dict, n_past: int):
+        """Shared tiers: each stored slot's statistics from its own head's row, and the new tokens
+        laid out head after head in one row ((b, h, m) -> (b, 1, h x m)), with their head ids."""
+        b, h, m = new["pos"].shape
+        whose = _cat([t.head[:, :, : t.filled] for t in self.tiers]).long()  # (b, 1, n_past)
+        stats = {n: stats[n][..., :n_past].gather(1, whose) for n in self.tiers[0].stats}
+        new = {n: t.reshape(b, 1, h * m, *t.shape[3:]) for n, t in new.items()}
+        new["head"] = torch.arange(h, device=self.device).repeat_interleave(m).view(1, 1, -1).expand(b, 1, h * m)
+        return stats, new
 
 
 def _cat(parts: list) -> torch.Tensor:
@@ -369,6 +406,9 @@ def layer_budgets(policy: Policy, budget, num_layers: int) -> list:
     schedule = getattr(policy, "layer_budgets", None)
     if schedule is None:
         return [budget] * num_layers
+    known = getattr(policy, "prompt_tokens", None)  # a policy recorded on the prompt (kvzip)
+    if isinstance(budget, float) and known:
+        budget = resolve_budget(budget, known)
     if isinstance(budget, float):
         nominal = 1 << 20
         return [budget * b / nominal for b in schedule(nominal, num_layers)]
@@ -408,7 +448,7 @@ def _head_dim(model) -> int | None:
 
 
 def make_cache(model, policy="h2o", budget=0.2, recent=None, compact=False, kv_bits=None, group=None,
-               evicted_bits=None, evicted_budget=None, memory=None, **policy_params) -> EvictingCache:
+               evicted_bits=None, evicted_budget=None, memory=None, question=None, **policy_params) -> EvictingCache:
     """A cache for ``model.generate(..., past_key_values=cache)`` that keeps at most ``budget``
     tokens per layer and KV head, evicting with ``policy``.
 
@@ -424,6 +464,11 @@ def make_cache(model, policy="h2o", budget=0.2, recent=None, compact=False, kv_b
     bytes per sequence ('64MiB'). It replaces ``budget`` and the storage options with the split of
     tokens kept x bits per token measured best (``kvevict.memory.plan``): the recommended way to
     bound a cache; 0.2 keeps every token at 4 bits (+~1% perplexity on SmolLM2).
+    question: the prompt's last N tokens are its question: never evicted, and the observation
+    window of the policies that have one (SnapKV, expected attention). Honest only when the whole
+    question is in the prompt at prefill (kvevict.generate.question_tokens counts it).
+    adaptive=True (a policy parameter; or the name ``ada-<policy>``, ``adakv`` = Ada-SnapKV): Ada-KV
+    head-adaptive budgets, the layer's kv_heads x budget slots shared by its heads (see policies/adakv.py).
     Switches the model's attention to the ``kvevict`` implementation (exact with any other cache).
     """
     if recent is not None:
@@ -431,6 +476,13 @@ def make_cache(model, policy="h2o", budget=0.2, recent=None, compact=False, kv_b
             raise ValueError(f"recent must be an int number of tokens, got {recent!r}.")
         policy_params["recent"] = recent
     pol = make_policy(policy, **policy_params)
+    if question is not None:
+        if isinstance(question, bool) or not isinstance(question, int) or question < 0:
+            raise ValueError(f"question must be an int number of prompt tokens >= 0, got {question!r}.")
+        pol = dataclasses.replace(pol, question=question)
+    if compact and pol.adaptive:
+        raise ValueError("adaptive budgets cannot be combined with compact positions (each head's kept "
+                         "tokens would need their own ranks); use one or the other.")
     head_dim = _head_dim(model)
     if group is None:  # 32 channels per zero/step, or what divides a smaller head
         group = math.gcd(DEFAULT_GROUP, head_dim) if head_dim else DEFAULT_GROUP

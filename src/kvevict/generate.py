@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from .cache import make_cache
-from .policies import POLICIES
+from .policies import policy_class
 from .prefill import check_mode, prefill
 from .storage import Storage, split_spec
 
@@ -43,6 +43,33 @@ def encode_chat(tokenizer, messages: list[dict] | str) -> torch.Tensor:
     return out["input_ids"]
 
 
+QUESTION = "+q"  # a policy spec suffix: "snapkv+q" protects and observes the prompt's question
+
+
+def question_tokens(tokenizer, prompt) -> int:
+    """Tokens of the prompt's question: the last paragraph (after the last blank line) of the last
+    message, plus the chat template's tail, i.e. every token from where the question starts."""
+    msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+    text = msgs[-1]["content"]
+    cut = text.rstrip().rfind("\n\n")
+    if cut < 0:
+        raise ValueError("cannot tell the question from the prompt (no blank line before its last paragraph); "
+                         "pass question=N, the number of its last tokens to protect.")
+    full = encode_chat(tokenizer, prompt)[0]
+    msgs[-1]["content"] = text[:cut]
+    head = encode_chat(tokenizer, msgs if not isinstance(prompt, str) else text[:cut])[0]
+    n = min(len(full), len(head))
+    same = int((full[:n] == head[:n]).long().cumprod(0).sum())  # tokens shared from the start
+    return len(full) - same
+
+
+def split_question(policy):
+    """'h2o+q' -> ('h2o', True); other specs (and policy objects) -> (policy, False)."""
+    if isinstance(policy, str) and policy.lower().endswith(QUESTION):
+        return policy[: -len(QUESTION)], True
+    return policy, False
+
+
 def dynamic_kv_bytes(cache: DynamicCache) -> int:
     return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.is_initialized)
 
@@ -55,15 +82,22 @@ def _greedy(model, tokenizer, ids, cache, max_new_tokens) -> torch.Tensor:
 
 @torch.no_grad()
 def generate(model, tokenizer, prompt, policy="h2o", budget=0.2, max_new_tokens=64, prefill_mode="full",
-             stride=None, memory=None, **policy_params) -> Result:
+             stride=None, memory=None, question=None, **policy_params) -> Result:
     """Greedy generation of one prompt (chat messages or raw text) under ``policy`` and ``budget``;
     ``policy="full"`` runs the stock transformers DynamicCache with SDPA as the reference.
     ``prefill_mode``: full, token or block (with ``stride``), see kvevict.prefill.
     ``memory``: a budget in bytes instead of ``budget`` (see ``make_cache``).
+    ``question``: protect the prompt's last N tokens and observe them (``make_cache(question=N)``);
+    True (or a policy spec ending in ``+q``) counts the question with ``question_tokens``.
     Switches the model's attention implementation: not for concurrent use on a shared model
     (the server runs every model call on one worker thread)."""
     check_mode(prefill_mode, stride)
     label = policy if isinstance(policy, str) else getattr(policy, "name", policy)
+    policy, asked = split_question(policy)
+    if asked or question is True:
+        if isinstance(prompt, torch.Tensor):
+            raise ValueError("question=True needs the prompt as text or messages; with token ids pass question=N.")
+        question = question_tokens(tokenizer, prompt)
     ids = encode_chat(tokenizer, prompt) if not isinstance(prompt, torch.Tensor) else prompt
     if policy == "oracle":  # Belady needs the future: the full cache's own continuation, recorded
         from .policies.oracle import Oracle
@@ -80,11 +114,12 @@ def generate(model, tokenizer, prompt, policy="h2o", budget=0.2, max_new_tokens=
             name, budget = "h2o", ids.shape[1] + max_new_tokens
         policy = name
     record_seconds = 0.0
-    if isinstance(policy, str) and getattr(POLICIES.get(policy.lower()), "needs_prompt", False):
+    found = policy_class(policy)
+    if found is not None and getattr(found[0], "needs_prompt", False):
         # a policy that scores the prompt in a pass of its own (kvzip): its cost is timed with the rest
         t0 = time.perf_counter()
         cache_params = {k: policy_params.pop(k) for k in _CACHE_PARAMS if k in policy_params}
-        policy = POLICIES[policy.lower()].record(model, tokenizer, ids, **policy_params)
+        policy = found[0].record(model, tokenizer, ids, **{**found[1], **policy_params})
         policy_params = cache_params
         record_seconds = time.perf_counter() - t0
     if policy in FULL:
@@ -93,6 +128,8 @@ def generate(model, tokenizer, prompt, policy="h2o", budget=0.2, max_new_tokens=
     else:
         if memory is not None:
             policy_params["memory"] = memory
+        if question:
+            policy_params["question"] = question
         cache = make_cache(model, policy, budget, **policy_params)
         if memory is not None:  # what the memory budget was planned into
             budget = cache.layers[0].budget_spec

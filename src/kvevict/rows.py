@@ -45,6 +45,19 @@ def shareable(policies: list[Policy]) -> bool:
     return merged_params(policies) is not None
 
 
+def rows_of(c: Candidates, rows: torch.Tensor, cols: torch.Tensor | None = None) -> Candidates:
+    """The candidates of batch ``rows`` only (and of candidate columns ``cols``, if given)."""
+    def take(t):
+        if t is None:
+            return None
+        t = t.index_select(0, rows)
+        return t if cols is None else t.index_select(2, cols)
+
+    return replace(c, stats={n: take(t) for n, t in c.stats.items()}, pos=take(c.pos), valid=take(c.valid),
+                   head=take(c.head), newest=c.newest.index_select(0, rows),
+                   prompt_len=None if c.prompt_len is None else c.prompt_len.index_select(0, rows))
+
+
 def stat_names(policies: list[Policy]) -> tuple[str, ...]:
     """Every statistic any of the policies reads, in first-seen order."""
     return tuple(dict.fromkeys(n for p in policies for n in p.stats))
@@ -95,9 +108,7 @@ class Rows:
             return policy.priority(replace(c, budget=budget))
         out = torch.empty(c.pos.shape, dtype=torch.float32, device=c.pos.device)
         for policy, budget, idx in groups:
-            sub = Candidates(stats={n: t[idx] for n, t in c.stats.items()}, pos=c.pos[idx], valid=c.valid[idx],
-                             newest=c.newest[idx], budget=budget, layer_idx=c.layer_idx)
-            out[idx] = policy.priority(sub).float()
+            out[idx] = policy.priority(replace(rows_of(c, idx), budget=budget)).float()
         return out
 
     # -- the batch changes ------------------------------------------------------------------------

@@ -6,15 +6,18 @@ tier is full they take the slots of the lowest-priority candidates, overwriting 
 A layer has one tier, or two for mixed precision (MiKV, Yang et al. 2024, "No Token Left Behind"):
 the tokens the first tier evicts are demoted into a second, low-bit tier instead of being
 dropped, and that tier evicts by the same policy once its own budget is full.
+
+A shared tier (Ada-KV's head-adaptive budgets, ``heads`` > 1) has one row of ``budget`` slots per
+sequence for all its KV heads: each slot also records whose it is ("head", uint8), candidates of
+every head compete in one ranking, and a head holds as many slots as it wins.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from .policies import Candidates, Policy
+from .rows import rows_of
 from .store import expand_index, make_store, scatter, trailing
 
 # per-candidate metadata besides the key/value pair: position, validity, one entry per statistic
@@ -22,13 +25,16 @@ _META = ("pos", "valid")
 
 
 class Tier:
-    def __init__(self, budget: int, b, h, dk, dv, dtype, device, stats: tuple, bits=None, group: int = 32):
-        self.budget, self.filled = budget, 0
+    def __init__(self, budget: int, b, h, dk, dv, dtype, device, stats: tuple, bits=None, group: int = 32,
+                 heads: int = 1):
+        self.budget, self.filled, self.heads = budget, 0, heads
         # rows of a shared batch may have smaller budgets than the tier is wide: ``caps`` (b,) each
         # row's own, slots past it unavailable (never written, never ranked); None: every row has budget
         self.caps: torch.Tensor | None = None
         self.min_cap = budget
         self.store = make_store(b, h, budget, dk, dv, dtype, device, bits, group)
+        if heads > 1:  # shared by the heads: whose each slot is
+            self.head = torch.zeros(b, h, budget, dtype=torch.uint8, device=device)
         # int32: positions below 2^31 tokens; at 2 bits an int64 would be an eighth of a slot
         self.pos = torch.zeros(b, h, budget, dtype=torch.int32, device=device)
         self.valid = torch.zeros(b, h, budget, dtype=torch.bool, device=device)
@@ -38,7 +44,7 @@ class Tier:
         return self.stats[name] if name in self.stats else getattr(self, name)
 
     def names(self):
-        return (*_META, *self.stats)
+        return (*_META, *(("head",) if self.heads > 1 else ()), *self.stats)
 
     def accumulate(self, stats: dict, offset: int, decay: float, m: int) -> None:
         """Add this step's statistics of this tier's slots (columns [offset, offset + filled))."""
@@ -52,11 +58,12 @@ class Tier:
             else:
                 st[..., :f] += got
 
-    def candidates(self, new: dict | None, newest, budget: int, layer_idx: int) -> Candidates:
+    def candidates(self, new: dict | None, newest, budget: int, layer_idx: int, prompt_len=None) -> Candidates:
         """All slots (empty ones invalid) followed by the new entries; the slots alone if ``new`` is None."""
         cat = {n: self.meta(n) if new is None else torch.cat([self.meta(n), new[n]], dim=-1) for n in self.names()}
         return Candidates(stats={n: cat[n] for n in self.stats}, pos=cat["pos"].long(), valid=cat["valid"],
-                          newest=newest, budget=budget, layer_idx=layer_idx)
+                          newest=newest, budget=budget, layer_idx=layer_idx, head=cat.get("head"),
+                          heads=self.heads, prompt_len=prompt_len)
 
     def insert(self, policy: Policy, new: dict, ctx: dict, protected_newcomer: bool, want_evicted: bool):
         """Store ``new`` entries (keys "k", "v" and the metadata, each (b, h, m, ...)); return the
@@ -86,10 +93,8 @@ class Tier:
         n = c.pos.shape[-1]
         for cap, idx, rows in self._cap_groups:
             cols = torch.cat([torch.arange(cap), torch.arange(self.budget, n)]).to(c.pos.device)
-            sub = replace(c, stats={k: _take(t, idx, cols) for k, t in c.stats.items()}, pos=_take(c.pos, idx, cols),
-                          valid=_take(c.valid, idx, cols), newest=c.newest.index_select(0, idx))
             part = torch.full((len(rows), *c.pos.shape[1:]), float("inf"), device=c.pos.device)
-            part[:, :, cols] = policy.priority(sub, rows)
+            part[:, :, cols] = policy.priority(rows_of(c, idx, cols), rows)
             out.index_copy_(0, idx, part)
         return out
 
@@ -154,7 +159,9 @@ class Tier:
 
     def map_batch(self, fn) -> None:
         self.store.map_batch(fn)
-        self.pos, self.valid = fn(self.pos), fn(self.valid)
+        for name in self.names():
+            if name not in self.stats:
+                setattr(self, name, fn(getattr(self, name)))
         self.stats = {n: fn(t) for n, t in self.stats.items()}
         if self.caps is not None:
             self.caps = fn(self.caps)
@@ -199,16 +206,10 @@ class Tier:
                 return t[:, :, :n]
             return torch.cat([t, t.new_zeros(*t.shape[:2], extra, *t.shape[3:])], dim=2)
 
-        self.store.map_batch(fn)
-        self.pos, self.valid = fn(self.pos), fn(self.valid)
-        self.stats = {name: fn(t) for name, t in self.stats.items()}
-        self.budget, self.filled = n, min(self.filled, n)
+        caps, self.caps = self.caps, None  # per row, not per slot: map_batch leaves it alone
+        self.map_batch(fn)
+        self.caps, self.budget, self.filled = caps, n, min(self.filled, n)
 
     def nbytes(self) -> int:
         """Every byte this tier holds: keys and values (codes, steps, zeros), positions, validity, statistics."""
         return self.store.nbytes() + sum(self.meta(n).nbytes for n in self.names())
-
-
-def _take(t: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """t[rows][:, :, cols] for a (b, h, n) tensor."""
-    return t.index_select(0, rows).index_select(2, cols)

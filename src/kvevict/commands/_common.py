@@ -78,11 +78,14 @@ def policy_params(args) -> dict:
 def check_policy_args(args) -> None:
     """Fail on a bad policy, budget or prefill before the model takes seconds to load."""
     from ..cache import check_budget
-    from ..policies import POLICIES
+    from ..generate import split_question
+    from ..policies import POLICIES, policy_class
     from ..prefill import check_mode
 
-    if args.policy not in ("full", "oracle") and args.policy not in POLICIES:
-        raise ValueError(f"unknown policy {args.policy!r}; known policies: full, {', '.join(sorted(POLICIES))}.")
+    name = split_question(args.policy)[0]  # "snapkv+q": the question protected and observed
+    if name not in ("full", "oracle") and policy_class(name) is None:
+        raise ValueError(f"unknown policy {args.policy!r}; known policies: full, {', '.join(sorted(POLICIES))} "
+                         "(ada-NAME: head-adaptive budgets; NAME+q: the prompt's question protected).")
     if args.policy != "full":
         check_budget(parse_budget(args.budget))
     check_mode(args.prefill, args.stride)

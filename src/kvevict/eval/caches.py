@@ -17,6 +17,11 @@ def new_cache(model, policy: str, budget, sequence=None, covering: int | None = 
     is that storage with nothing evicted (a budget of ``covering`` tokens, or the sequence's length).
     ``sequence`` (1, n): every token the cache will see, known in advance in teacher-forced scoring;
     the oracle is recorded on it (it cannot run without it)."""
+    from ..generate import split_question
+
+    if split_question(policy)[1]:
+        raise ValueError(f"{policy!r} protects a prompt's question; this task streams text that has none "
+                         "(use it with passkey, needle, vartrack, narrativeqa).")
     name, storage = split_spec(policy)
     kw = {"kv_bits": storage.kv_bits, "evicted_bits": storage.evicted_bits}
     if name == FULL:
@@ -36,7 +41,8 @@ def new_cache(model, policy: str, budget, sequence=None, covering: int | None = 
 def policy_names(requested: str | list[str], known: dict) -> list[str]:
     """Policy names from ``"h2o,roco"`` or ``"all"`` (every registered policy, aliases once).
     Unknown names are a ValueError listing the known ones; 'full' is always run, never listed.
-    A name may carry a storage (``h2o/int4``, ``full/int2``: quantized, nothing evicted)."""
+    A name may carry a storage (``h2o/int4``, ``full/int2``: quantized, nothing evicted), the
+    ``ada-`` prefix (head-adaptive budgets) and the ``+q`` suffix (question protected and observed)."""
     items = requested.split(",") if isinstance(requested, str) else list(requested)
     items = [p.strip().lower() for p in items if p.strip()]
     if items == ["all"]:
@@ -48,10 +54,17 @@ def policy_names(requested: str | list[str], known: dict) -> list[str]:
             seen.add(cls)
             out.append(getattr(cls, "name", name) if getattr(cls, "name", name) in known else name)
         return out
-    for p in items:
-        if "/" in p:
-            split_spec(p)  # a bad storage is a clear error now, not in the middle of the grid
-    bad = [p for p in items if p.partition("/")[0] not in known and p.partition("/")[0] != FULL]
+    from ..generate import split_question
+    from ..policies.registry import ADAPTIVE
+
+    def base(p):  # "ada-h2o/int4+q" -> "ada-h2o"; a bad storage is a clear error now, not mid-grid
+        spec = split_question(p)[0]
+        return split_spec(spec)[0] if "/" in spec else spec
+
+    def known_name(b):
+        return b == FULL or b in known or (b.startswith(ADAPTIVE) and b[len(ADAPTIVE):] in known)
+
+    bad = [p for p in items if not known_name(base(p))]
     if bad:
         raise ValueError(f"unknown policy {', '.join(map(repr, bad))}; known policies: {', '.join(sorted(known))} "
                          "(or 'all'; the full cache is always included).")

@@ -2,8 +2,8 @@
 recent window + sinks, its eviction scope). See base.py for the decomposition."""
 
 from . import (  # noqa: F401  (register)
-    aqas, expected, h2o, knorm, kvzip, mas, oracle, pyramidkv, random, recency, roco, scissorhands, snapkv, tova)
+    adakv, aqas, expected, h2o, knorm, kvzip, mas, oracle, pyramidkv, random, recency, roco, scissorhands, snapkv, tova)
 from .base import Candidates, Policy
-from .registry import POLICIES, make_policy, register
+from .registry import POLICIES, make_policy, policy_class, register
 
-__all__ = ["Candidates", "Policy", "POLICIES", "make_policy", "register"]
+__all__ = ["Candidates", "Policy", "POLICIES", "make_policy", "policy_class", "register"]

@@ -9,6 +9,15 @@ The cache keeps the ``budget`` candidates of highest priority, where
     priority = -inf         for padding and empty slots (never kept over a real token)
              = +inf         outside the eviction scope (recent window, sinks, ...)
              = score        otherwise.
+
+Two scope options every policy takes (per call, through ``make_cache``):
+
+- ``question=N``: the prompt's last N tokens (its question) are never evicted, and policies with
+  an observation window (SnapKV, expected attention) observe exactly them. It needs the question
+  at prefill time: a cache compressed before the question is known cannot use it.
+- ``adaptive=True`` (Ada-KV, see ``adakv.py``): a layer's ``kv_heads x budget`` slots are shared by
+  its KV heads, filled by the top-(H x B) priorities of all heads jointly, each head keeping at
+  least its ``floor`` share; ``Candidates.head`` then says whose each candidate is.
 """
 
 from __future__ import annotations
@@ -29,8 +38,20 @@ class Candidates:
     pos: torch.Tensor  # position of the token in its sequence (0 = first real token)
     valid: torch.Tensor  # False for padding and empty slots
     newest: torch.Tensor  # (batch, 1, 1): position of the newest token of each sequence
-    budget: int
+    budget: int  # per KV head (the layer holds heads x budget slots when adaptive)
     layer_idx: int
+    head: torch.Tensor | None = None  # (batch, 1, n) KV head of each candidate, adaptive layers only
+    heads: int = 1  # KV heads sharing the candidates (adaptive) or 1
+    prompt_len: torch.Tensor | None = None  # (batch, 1, 1) real tokens of each prompt (for ``question``)
+
+    def lookup(self, table: torch.Tensor) -> torch.Tensor:
+        """``table`` (batch, kv_heads, n) read at each candidate's (head, position), positions
+        clamped to [0, n): per-head scores recorded in advance (KVzip, the oracle)."""
+        n = table.shape[-1]
+        idx = self.pos.clamp(0, n - 1)
+        if self.head is None:
+            return table.gather(-1, idx)
+        return table.flatten(1).unsqueeze(1).gather(-1, self.head.long() * n + idx)
 
 
 @dataclass
@@ -42,6 +63,9 @@ class Policy:
 
     recent: int | None = None
     sinks: int = 0
+    question: int = 0  # the prompt's last tokens, protected and observed (set per call by make_cache)
+    adaptive: bool = False  # Ada-KV head-adaptive budgets (see adakv.py)
+    floor: float = 0.2  # adaptive: share of a head's rankable budget it always keeps
 
     name: ClassVar[str] = "base"
     # each candidate's priority depends on its own state only (not on its neighbours'), so a
@@ -49,6 +73,8 @@ class Policy:
     independent: ClassVar[bool] = True
     # statistics the attention must collect for this policy (see kvevict.attention)
     stats: ClassVar[tuple[str, ...]] = ()
+    # whether its candidates may mix KV heads (adaptive budgets): False when the scope ranks a row
+    adaptable: ClassVar[bool] = True
 
     def score(self, c: Candidates) -> torch.Tensor:
         raise NotImplementedError
@@ -62,11 +88,20 @@ class Policy:
         return 1.0
 
     def protected(self, c: Candidates) -> torch.Tensor:
-        """Candidates outside the eviction scope: the recent window and the sinks."""
-        keep = c.pos > c.newest - self.recent_for(c.budget)
+        """Candidates outside the eviction scope: the recent window, the sinks and the question."""
+        return self.pinned(c, c.pos > c.newest - self.recent_for(c.budget))
+
+    def pinned(self, c: Candidates, keep: torch.Tensor) -> torch.Tensor:
+        """``keep`` plus the sinks and the question (the prompt's last ``question`` tokens)."""
         if self.sinks:
             keep = keep | (c.pos < self.sinks)
+        if self.question and c.prompt_len is not None:
+            keep = keep | ((c.pos >= c.prompt_len - self.question) & (c.pos < c.prompt_len))
         return keep
+
+    def observe(self, window: int) -> int:
+        """Observation window: the question when one is given, else ``window`` last queries."""
+        return self.question or window
 
     def recent_for(self, budget: int) -> int:
         return budget // 2 if self.recent is None else self.recent
@@ -77,7 +112,25 @@ class Policy:
 
     def priority(self, c: Candidates) -> torch.Tensor:
         prio = torch.where(self.protected(c), INF, self.score(c).float())
-        return prio.masked_fill(~c.valid, -INF)
+        prio = prio.masked_fill(~c.valid, -INF)
+        if c.head is not None and self.floor_for(c.budget):
+            prio = self._floored(prio, c)
+        return prio
+
+    def floor_for(self, budget: int) -> int:
+        """Adaptive: ranked tokens each head keeps whatever the others score (Ada-KV's safeguard)."""
+        return int(self.floor * (budget - self.recent_for(budget) - self.sinks - self.question))
+
+    def _floored(self, prio: torch.Tensor, c: Candidates) -> torch.Tensor:
+        """Each head's ``floor_for`` best in-scope candidates lifted out of the scope (+inf)."""
+        k = min(self.floor_for(c.budget), prio.shape[-1])
+        ranked = torch.isfinite(prio)
+        lift = torch.zeros_like(ranked)
+        for h in range(c.heads):  # a handful of KV heads: one top-k each
+            mine = torch.where(ranked & (c.head == h), prio, -INF)
+            top = mine.topk(k, dim=-1)
+            lift.scatter_(-1, top.indices, torch.isfinite(top.values))
+        return prio.masked_fill(lift, INF)
 
     def check(self, budget: int) -> None:
         """Raise a clear error when the parameters cannot work with this budget."""
@@ -91,3 +144,15 @@ class Policy:
             )
         if self.sinks < 0 or self.sinks + recent > budget:
             raise ValueError(f"sinks={self.sinks} + recent={recent} must fit in the budget ({budget}).")
+        if isinstance(self.question, bool) or not isinstance(self.question, int) or self.question < 0:
+            raise ValueError(f"question must be an int number of prompt tokens >= 0, got {self.question!r}.")
+        if self.sinks + recent + self.question > budget:
+            raise ValueError(f"question={self.question} + recent={recent} + sinks={self.sinks} tokens are "
+                             f"protected, more than the budget ({budget}); raise the budget or protect fewer.")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"adaptive must be True or False, got {self.adaptive!r}.")
+        if isinstance(self.floor, bool) or not isinstance(self.floor, (int, float)) or not 0 <= self.floor <= 1:
+            raise ValueError(f"floor must be a share of a head's budget in [0, 1], got {self.floor!r}.")
+        if self.adaptive and not self.adaptable:
+            raise ValueError(f"{self.name} cannot take adaptive budgets: its eviction scope ranks each head's "
+                             "tokens among themselves. Use h2o, snapkv, tova, knorm, expected, kvzip, ... instead.")

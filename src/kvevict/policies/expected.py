@@ -24,7 +24,7 @@ class ExpectedAttention(Policy):
     stats = ("expected",)
 
     def attention_params(self) -> dict:
-        return {"observe": self.window}
+        return {"observe": self.observe(self.window)}
 
     def score(self, c: Candidates):
         return c.stats["expected"]

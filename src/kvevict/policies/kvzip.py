@@ -27,10 +27,22 @@ class KVzip(Policy):
     (the generated ones) rank above every context token, so decoding evicts context, as kvpress's
     growing cache keeps every generated token. Build it with ``KVzip.record(model, tokenizer,
     input_ids)``; ``kvevict.generate.generate(..., policy="kvzip")`` records it first.
+
+    ``adaptive=True`` (``ada-kvzip``) pools each layer's budget over its KV heads (Ada-KV);
+    ``layers=True`` also gives each layer its share of the model's total, since the scores are known
+    before the cache exists: with S the scores of every (layer, head, token) of the prompt, layer l
+    of H heads gets
+
+        B_l = lo + (L (B - lo)) x |{(h, i) of l in TopK(S, L H (B - lo))}| / (L H (B - lo))
+
+    tokens per head (rounded, the total kept at L x B, a layer capped at the prompt's n;
+    lo = recent + sinks + question + 1 so every layer keeps its window). ``kvzip-pool`` is both: KVzip's own allocation (kvpress ranks every
+    layer's and head's scores together) with the memory freed.
     """
 
     scores: list | None = field(default=None, repr=False)  # per layer: (b, hkv, n) reconstruction attention
     recent: int | None = 8
+    layers: bool = False  # pool the budget over layers too (see above)
     name = "kvzip"
     needs_prompt = True  # generate() records the prompt before making the cache
 
@@ -60,6 +72,38 @@ class KVzip(Policy):
         s = self.scores[c.layer_idx].to(c.pos.device)
         if c.pos.shape[0] != s.shape[0]:
             raise ValueError(f"kvzip was recorded for batch size {s.shape[0]}, the cache runs {c.pos.shape[0]}.")
-        n = s.shape[-1]
-        rows = s.gather(-1, c.pos.clamp(0, n - 1))
-        return torch.where(c.pos >= n, rows.amax(-1, keepdim=True) + 1.0, rows)
+        rows = c.lookup(s)
+        return torch.where(c.pos >= s.shape[-1], rows.amax(-1, keepdim=True) + 1.0, rows)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The recorded prompt's length: fractional budgets resolve against it for ``layer_budgets``."""
+        return self.scores[0].shape[-1]
+
+    def layer_budgets(self, budget: int, num_layers: int) -> list[int]:
+        if not self.layers or num_layers == 1:
+            return [budget] * num_layers
+        if len(self.scores) != num_layers:
+            raise ValueError(f"kvzip was recorded on {len(self.scores)} layers, the cache has {num_layers}.")
+        b, h, n = self.scores[0].shape
+        if budget >= n:  # every layer can keep the whole prompt
+            return [budget] * num_layers
+        lo = min(budget, self.recent_for(budget) + self.sinks + self.question + 1)
+        spare = num_layers * (budget - lo)  # tokens per head to share out, over all layers
+        flat = torch.cat([s.float().flatten(1) for s in self.scores], dim=1)  # (b, L h n)
+        k = min(spare * h, flat.shape[1])
+        won = torch.zeros_like(flat, dtype=torch.bool).scatter_(1, flat.topk(k, dim=1).indices, True)
+        share = won.view(b, num_layers, h * n).sum(-1).float().mean(0) / max(1, k)  # (L,)
+        out = [lo + round(spare * float(x)) for x in share]
+        out[int(share.argmax())] += num_layers * budget - sum(out)  # rounding: keep the total exact
+        return [min(n, x) for x in out]  # no layer holds more than the prompt (the total may shrink)
+
+
+@register("kvzip-pool")
+@dataclass
+class KVzipPooled(KVzip):
+    """KVzip with its budget pooled over the KV heads of a layer and over the layers (see KVzip)."""
+
+    adaptive: bool = True
+    layers: bool = True
+    name = "kvzip-pool"

@@ -57,4 +57,4 @@ class Oracle(Policy):
         nxt = ((c.newest + 1) // self.block).clamp(max=nb - 1)  # first block of queries after T
         rows = fut.gather(2, nxt.view(b, 1, 1, 1).expand(b, h, 1, n)).squeeze(2)  # (b, h, n)
         beyond = c.pos >= n  # tokens past the recorded sequence have no known future
-        return rows.gather(-1, c.pos.clamp(0, n - 1)).masked_fill(beyond, 0.0)
+        return c.lookup(rows).masked_fill(beyond, 0.0)

@@ -13,18 +13,37 @@ def register(*names: str):
     return deco
 
 
+ADAPTIVE = "ada-"  # "ada-h2o": a policy with Ada-KV head-adaptive budgets (adaptive=True)
+
+
+def policy_class(name):
+    """The class of a policy name (``"h2o"``, or ``"ada-h2o"`` for its adaptive form) and the
+    parameters the name implies; None when unknown."""
+    if not isinstance(name, str):
+        return None
+    name = name.lower()
+    if name in POLICIES:
+        return POLICIES[name], {}
+    if name.startswith(ADAPTIVE) and name[len(ADAPTIVE):] in POLICIES:
+        return POLICIES[name[len(ADAPTIVE):]], {"adaptive": True}
+    return None
+
+
 def make_policy(policy, **params):
-    """A policy instance from a name (``"h2o"``) or an instance (returned as is)."""
+    """A policy instance from a name (``"h2o"``, ``"ada-h2o"``) or an instance (returned as is)."""
     from .base import Policy
 
     if isinstance(policy, Policy):
         if params:
             raise ValueError("pass policy parameters to the policy object, not to make_cache.")
         return policy
-    if not isinstance(policy, str) or policy.lower() not in POLICIES:
+    found = policy_class(policy)
+    if found is None:
         known = ", ".join(sorted(POLICIES))
-        raise ValueError(f"unknown policy {policy!r}; known policies: {known}.")
-    cls = POLICIES[policy.lower()]
+        raise ValueError(f"unknown policy {policy!r}; known policies: {known} (any of them as ada-NAME "
+                         "for head-adaptive budgets).")
+    cls, implied = found
+    params = {**implied, **params}
     try:
         return cls(**params)
     except TypeError as err:

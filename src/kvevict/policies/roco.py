@@ -23,6 +23,7 @@ class RoCo(Policy):
     young: int = 10
     name = "roco"
     stats = ("sum", "sq", "count")
+    adaptable = False  # the std scope takes the top ``recent`` of each head's row
 
     def recent_for(self, budget: int) -> int:
         return max(1, int(0.3 * budget)) if self.recent is None else self.recent
@@ -40,7 +41,4 @@ class RoCo(Policy):
         keep = torch.zeros_like(young)
         if k:
             keep.scatter_(-1, std.topk(k, dim=-1).indices, True)
-        keep = keep | young
-        if self.sinks:
-            keep = keep | (c.pos < self.sinks)
-        return keep
+        return self.pinned(c, keep | young)

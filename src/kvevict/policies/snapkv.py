@@ -17,6 +17,7 @@ class SnapKV(Policy):
 
     While decoding, every decode query joins the window (the prompt has no later queries).
     Defaults follow kvpress (window 64, kernel 5); the window itself is protected.
+    With ``question=N`` (make_cache) the window is exactly the question's N tokens, which stay.
     """
 
     window: int = 64
@@ -26,20 +27,36 @@ class SnapKV(Policy):
     independent = False  # pooling mixes neighbours' scores
 
     def recent_for(self, budget: int) -> int:
-        return min(self.window, budget // 2) if self.recent is None else self.recent
+        return min(self.observe(self.window), budget // 2) if self.recent is None else self.recent
 
     def attention_params(self) -> dict:
-        return {"observe": self.window}
+        return {"observe": self.observe(self.window)}
 
     def score(self, c: Candidates):
-        order = c.pos.masked_fill(~c.valid, -1).argsort(-1)  # pool neighbours in position order
-        obs = c.stats["obs"].gather(-1, order)
-        b, h, n = obs.shape
-        pooled = torch.nn.functional.avg_pool1d(obs.view(b * h, 1, n), self.kernel, stride=1,
-                                                padding=self.kernel // 2, count_include_pad=False).view(b, h, n)
-        return torch.empty_like(pooled).scatter_(-1, order, pooled)
+        return pool(c.stats["obs"], c, self.kernel)
 
     def check(self, budget: int) -> None:
         super().check(budget)
         if self.kernel < 1 or self.kernel % 2 == 0:
             raise ValueError(f"kernel must be an odd positive pool size, got {self.kernel}.")
+
+
+def pool(score: torch.Tensor, c: Candidates, kernel: int) -> torch.Tensor:
+    """``score`` averaged over each candidate's ``kernel`` nearest neighbours in position order,
+    within its own KV head (adaptive layers mix heads in one row); invalid candidates sort first
+    and pool as zeros, as kvpress's padded pooling does."""
+    pos = c.pos.masked_fill(~c.valid, -1)
+    key = pos if c.head is None else c.head.long() * (int(c.pos.max()) + 2) + pos
+    order = key.argsort(-1)
+    obs = score.gather(-1, order)
+    grp = None if c.head is None else c.head.long().gather(-1, order)
+    total, count = torch.zeros_like(obs), torch.zeros_like(obs)
+    n = obs.shape[-1]
+    for d in range(-(kernel // 2), kernel // 2 + 1):
+        lo, hi = max(0, -d), min(n, n - d)  # output i reads neighbour i + d
+        if lo >= hi:
+            continue
+        same = 1.0 if grp is None else (grp[..., lo + d: hi + d] == grp[..., lo:hi]).float()
+        total[..., lo:hi] += obs[..., lo + d: hi + d] * same
+        count[..., lo:hi] += same
+    return torch.empty_like(obs).scatter_(-1, order, total / count)
