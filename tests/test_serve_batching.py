@@ -250,3 +250,9 @@ def test_admission_counts_a_mixed_batch_at_its_widest_budget_and_union_of_statis
         assert batch.kv_bytes() > sum(budgeter.row_bytes(p, b, r, 0) for p, b, r in rows)
         batch.keep([0, 2])  # the widest rows left: the storage narrows, their statistics go with them
         assert batch.kv_bytes() == budgeter.batch_bytes([specs[0], specs[2]])
+        # Ada-KV rows (one slot pool per layer, a head id per slot) share a batch of their own
+        ada, _ = DecodeBatch.prefill(model, list(range(1, 20)), "adakv", 8, None)
+        assert not batch.can_join(ada)
+        other, _ = DecodeBatch.prefill(model, list(range(1, 9)), "ada-snapkv", 12, None)
+        ada.join(other)
+        assert ada.kv_bytes() == budgeter.batch_bytes([("adakv", 8, None, 0), ("ada-snapkv", 12, None, 0)])

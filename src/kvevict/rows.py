@@ -39,8 +39,11 @@ def merged_params(policies: list[Policy]) -> dict | None:
 
 def shareable(policies: list[Policy]) -> bool:
     """Whether rows with these policies can share one cache: no per-sequence recorded state
-    (KVzip, the oracle: scores recorded for one batch of prompts) and compatible attention parameters."""
+    (KVzip, the oracle: scores recorded for one batch of prompts), all adaptive (Ada-KV) or none,
+    and compatible attention parameters."""
     if any(callable(getattr(type(p), "record", None)) for p in policies):  # built by recording a prompt
+        return False
+    if len({getattr(p, "adaptive", False) for p in policies}) > 1:  # one slot pool per layer, or per head
         return False
     return merged_params(policies) is not None
 

@@ -80,8 +80,12 @@ class Budgeter:
         widths = [max(col) for col in zip(*(layer_budgets(pol, r[1], len(self.per_layer))
                                               for pol, r in zip(pols, rows)))]
         n_stats = len(stat_names(pols))
-        return len(rows) * sum(w * (bare + n_stats * stat) + rest
-                               for w, (bare, stat, rest) in zip(widths, self.slot_parts))
+        total = 0
+        for i, (w, (bare, stat, rest)) in enumerate(zip(widths, self.slot_parts)):
+            # what a policy's slot holds besides K/V, position, validity and statistics (Ada-KV: its head id)
+            extra = max(self.slots[r[0]][i][0] - bare - len(pol.stats) * stat for pol, r in zip(pols, rows))
+            total += w * (bare + n_stats * stat + extra) + rest
+        return len(rows) * total
 
 
 def _line(small, big) -> tuple[int, int]:
