@@ -185,3 +185,74 @@ def test_default_budget_is_each_sequences_share_of_the_memory(folder, reference)
         assert engine.settings.budget == want
         # max_batch sequences at the default budget fit the memory
         assert 4 * engine.budgeter.row_bytes("h2o", want, None, 0) <= memory or want == 64
+
+
+MIXED = [("tova", 12), ("recency", 16), ("h2o", 24), ("roco", 10), ("h2o", 0.5)]
+
+
+def test_mixed_policies_and_budgets_share_one_batch_each_equal_its_answer_alone(folder, reference):
+    model, tok = reference
+    app, engine = build(folder, DEFAULTS)
+    texts = [f"Mixed request {i}: name a colour." + " now" * i for i in range(len(MIXED))]
+    with ServerThread(app) as srv:
+        client = _client(srv)
+        t, long = _in_background(client.chat.completions.create, model=MODEL, messages=chat("Go on and on."), **LONG)
+        assert _wait(lambda: metric(srv.url, "kvevict_running_sequences") == 1)
+
+        async def main():
+            async with openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="t", max_retries=0, timeout=120) as ac:
+                return await asyncio.gather(*(ac.chat.completions.create(
+                    model=MODEL, messages=chat(text), max_tokens=12,
+                    extra_body={"kv_policy": p, "kv_budget": b})
+                    for text, (p, b) in zip(texts, MIXED)))
+        got = asyncio.run(main())
+        t.join(60)
+    for text, (policy, _b), r in zip(texts, MIXED, got):
+        want = generate(model, tok, chat(text), policy, r.usage.kv_budget_tokens, max_new_tokens=12)
+        assert r.choices[0].message.content.strip() == want.text, (policy, r.usage.kv_budget_tokens)
+        assert r.usage.completion_tokens == want.new_tokens > 1
+    assert len({r.usage.kv_budget_tokens for r in got} | {8}) == 6  # six budgets, four policies
+    ids = [r.id.removeprefix("chatcmpl-") for r in got]
+    a = long["r"].id.removeprefix("chatcmpl-")
+    joins, finished = _events(engine, "join"), _events(engine, "finish")
+    # the timeline: every mixed request joined the long one's batch (one cache, one forward per
+    # step) while it decoded, and left before it ended
+    assert {joins[i]["batch"] for i in ids} == {joins[a]["batch"]}
+    assert max(joins[i]["size"] for i in ids) >= 3
+    assert all(joins[a]["t"] < joins[i]["t"] < finished[i]["t"] < finished[a]["t"] for i in ids)
+    assert len(_events(engine, "join")) == 1 + len(ids)
+    assert engine.metrics.get("kvevict_kv_bytes_peak") <= engine.settings.kv_memory
+
+
+def test_admission_counts_a_mixed_batch_at_its_widest_budget_and_union_of_statistics(reference):
+    """A row sharing a batch holds the batch's widest budget in every layer, with every row's
+    policy statistics per slot: the bound admission uses is exactly what the cache then holds."""
+    from kvevict.serve.batch import DecodeBatch
+    from kvevict.serve.memory import Budgeter
+
+    model, _ = reference
+    budgeter = Budgeter(model)
+    rows = [("recency", 8, None), ("tova", 24, None), ("roco", 16, 4), ("pyramidkv", 32, None)]
+    batch = None
+    with torch.no_grad():
+        for i, (policy, budget, recent) in enumerate(rows):
+            other, _ = DecodeBatch.prefill(model, list(range(1, 12 + 3 * i)), policy, budget, recent)
+            assert other.kv_bytes() == budgeter.batch_bytes([(policy, budget, recent, 0)])
+            if batch is None:
+                batch = other
+            else:
+                batch.join(other)
+            specs = [(p, b, r, 0) for p, b, r in rows[: i + 1]]
+            assert batch.kv_bytes() == budgeter.batch_bytes(specs)
+        batch.step([1, 2, 3, 4])
+        assert batch.kv_bytes() == budgeter.batch_bytes(specs)
+        # more than each row alone: the small rows pay for the widest one
+        assert batch.kv_bytes() > sum(budgeter.row_bytes(p, b, r, 0) for p, b, r in rows)
+        batch.keep([0, 2])  # the widest rows left: the storage narrows, their statistics go with them
+        assert batch.kv_bytes() == budgeter.batch_bytes([specs[0], specs[2]])
+        # Ada-KV rows (one slot pool per layer, a head id per slot) share a batch of their own
+        ada, _ = DecodeBatch.prefill(model, list(range(1, 20)), "adakv", 8, None)
+        assert not batch.can_join(ada)
+        other, _ = DecodeBatch.prefill(model, list(range(1, 9)), "ada-snapkv", 12, None)
+        ada.join(other)
+        assert ada.kv_bytes() == budgeter.batch_bytes([("adakv", 8, None, 0), ("ada-snapkv", 12, None, 0)])

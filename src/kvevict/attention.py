@@ -142,7 +142,7 @@ def kvevict_attention(module, query, key, value, attention_mask, scaling=None, d
     q_len = query.shape[2]
     if layer is not None:
         seg = layer.segments(value, attention_mask, q_len)
-        wanted, params = layer.policy.stats, layer.policy.attention_params()
+        wanted, params = layer.attention_request()
     else:
         seg = _generic_segments(key, value, q_len, attention_mask)
         wanted, params = (), {}

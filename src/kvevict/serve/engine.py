@@ -4,8 +4,8 @@ model call and streams tokens back to each request's asyncio queue.
 Each loop of the worker (1) admits waiting requests, oldest first, while their K/V bytes fit
 ``Settings.kv_memory`` and fewer than ``max_batch`` sequences run (``memory.Budgeter`` bounds the
 bytes); each admitted prompt is prefilled on its own, gives its first token at once, and joins the
-running batch of its group (a cache holds one policy and budget); (2) steps every running batch by
-one token. A sequence that ends (EOS, max_tokens, stop string) or whose client went away leaves its
+running batch: one ``EvictingCache`` holds rows of any policies and budgets (each evicts by its
+own), and full-cache rows share a batch of their own; (2) steps every running batch by one token. A sequence that ends (EOS, max_tokens, stop string) or whose client went away leaves its
 batch at once and its storage is freed, so a waiting request can take its place at the next step.
 """
 
@@ -19,6 +19,8 @@ from collections import deque
 import torch
 
 from ..attention import ATTN_NAME, register
+from ..policies import make_policy
+from ..rows import shareable
 from .batch import DecodeBatch
 from .detokenize import TextStream
 from .errors import BadRequest
@@ -39,6 +41,8 @@ class Handle:
 
     def __init__(self, req: GenRequest, loop, reserve: int):
         self.req, self.loop, self.reserve = req, loop, reserve
+        # what admission counts of this row in a shared batch (see Budgeter.batch_bytes)
+        self.spec = (req.policy, req.budget_tokens, req.recent, len(req.prompt_ids) + req.max_tokens)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
         self.submitted = time.monotonic()
@@ -68,8 +72,8 @@ class _Row:
 class _Running:
     """A decode batch and its rows, in cache row order."""
 
-    def __init__(self, group: tuple, batch: DecodeBatch, rows: list[_Row]):
-        self.group, self.batch, self.rows = group, batch, rows
+    def __init__(self, batch: DecodeBatch, rows: list[_Row]):
+        self.batch, self.rows = batch, rows
 
 
 class Engine:
@@ -159,16 +163,17 @@ class Engine:
         self._gauges()
 
     def _bound(self, extra: list[Handle] = ()) -> int:
-        """The most bytes the running batches can hold, with each of ``extra`` joining its group's batch."""
-        batches = [(run.group, [r.handle.reserve for r in run.rows]) for run in self._running]
+        """The most bytes the running batches can hold, with each of ``extra`` joining the batch
+        ``_start`` will put it in."""
+        batches = [[r.handle.spec for r in run.rows] for run in self._running]
         for h in extra:
-            for group, rows in batches:
-                if group == h.req.group:
-                    rows.append(h.reserve)
+            for specs in batches:
+                if _joins(specs, h.spec):
+                    specs.append(h.spec)
                     break
             else:
-                batches.append((h.req.group, [h.reserve]))
-        return sum(self.budgeter.batch_bytes(rows) for _, rows in batches)
+                batches.append([h.spec])
+        return sum(self.budgeter.batch_bytes(specs) for specs in batches)
 
     def _admit(self) -> list[Handle] | None:
         """Waiting requests that fit now, oldest first (the oldest that does not fit blocks the rest,
@@ -201,7 +206,8 @@ class Engine:
             return taken
 
     def _start(self, h: Handle) -> None:
-        """Prefill one admitted request alone, stream its first token, and join its group's batch."""
+        """Prefill one admitted request alone, stream its first token, and join the first running
+        batch that can take it (any policy and budget; full-cache rows among themselves)."""
         req, now = h.req, time.monotonic()
         self.log.append({"event": "admit", "id": req.id, "t": now, "waited": now - h.submitted,
                          "running": sum(len(run.rows) for run in self._running)})
@@ -215,13 +221,17 @@ class Engine:
         if self._advance([row], logits):
             return  # it ended at its first token
         for run in self._running:
-            if run.group == req.group and run.batch.can_join(batch):
+            if _joins([r.handle.spec for r in run.rows], h.spec) and run.batch.can_join(batch):
                 run.batch.join(batch)
                 run.rows.append(row)
-                self.log.append({"event": "join", "id": req.id, "size": len(run.rows), "t": time.monotonic()})
+                self._log_join(req, run)
                 return
-        self._running.append(_Running(req.group, batch, [row]))
-        self.log.append({"event": "join", "id": req.id, "size": 1, "t": time.monotonic()})
+        self._running.append(_Running(batch, [row]))
+        self._log_join(req, self._running[-1])
+
+    def _log_join(self, req: GenRequest, run: _Running) -> None:
+        self.log.append({"event": "join", "id": req.id, "size": len(run.rows), "batch": id(run),
+                         "ids": [r.req.id for r in run.rows], "t": time.monotonic()})
 
     def _step(self, run: _Running) -> None:
         gone = [i for i, r in enumerate(run.rows) if r.handle.cancelled.is_set()]
@@ -321,6 +331,18 @@ class Engine:
         m.set("kvevict_kv_bytes_full", sum(r.fed for run in self._running for r in run.rows)
               * self.budgeter.token_bytes)
         m.peak("kvevict_kv_bytes_peak", held)
+
+
+def _joins(specs: list[tuple], spec: tuple) -> bool:
+    """Whether a row of ``spec`` (policy, budget_tokens, recent, length) can join a batch of rows
+    ``specs``: full-cache rows share a DynamicCache, budgeted rows of policies that can share one
+    forward (``rows.shareable``) an EvictingCache."""
+    if not specs or (specs[0][0] == "full") != (spec[0] == "full"):
+        return False
+    if spec[0] == "full":
+        return True
+    pols = [make_policy(p, **({} if recent is None else {"recent": recent})) for p, _, recent, _ in (*specs, spec)]
+    return shareable(pols)
 
 
 def _eos_ids(model, tokenizer) -> set[int]:

@@ -1,6 +1,10 @@
 """How many bytes a request's cache may hold, for admission: a request is admitted when the bytes
 of every running batch, with it added, stay within ``Settings.kv_memory``; otherwise it waits.
 
+Budgeted rows of any policies and budgets share one ``EvictingCache``: each layer's storage is as
+wide as the largest budget among its rows, and each slot carries the statistics of every policy in
+the batch, so a row costs that width, not its own budget, while it shares the batch.
+
 Bytes are measured, not derived from a formula: at start-up one token runs through the model into
 a ``DynamicCache`` (a full-cache token's K + V bytes) and into two budgeted caches per policy (their
 ``kv_bytes`` at two budgets give each layer's bytes per slot, keys and values plus the policy's
@@ -14,6 +18,7 @@ from transformers import DynamicCache
 
 from ..cache import layer_budgets, make_cache
 from ..policies import POLICIES, make_policy
+from ..rows import stat_names
 
 PROBES = (64, 128)  # budgets of the two probe caches
 
@@ -34,6 +39,10 @@ class Budgeter:
             except (ValueError, TypeError):  # a policy that cannot serve (the oracle needs a recording)
                 continue
             self.slots[name] = [_line(a, b) for a, b in zip(small.layers, big.layers)]
+        # per layer: bytes of a slot with no statistic (recency keeps none), of one statistic (H2O
+        # keeps one, "sum"), and per row besides; a shared batch's slot carries the union's
+        self.slot_parts = [(bare, one - bare, rest) for (bare, rest), (one, _) in
+                           zip(self.slots["recency"], self.slots["h2o"])]
 
     def _probe(self, cache):
         with torch.inference_mode():
@@ -57,10 +66,26 @@ class Budgeter:
         per = (b - a) // (PROBES[1] - PROBES[0])
         return per, a - per * PROBES[0]
 
-    def batch_bytes(self, rows: list[int]) -> int:
-        """The most a batch of rows sharing one cache can hold: every row at the widest row's
-        storage (a full cache's rows are left-padded to the longest; budgeted rows share a budget)."""
-        return len(rows) * max(rows, default=0)
+    def batch_bytes(self, rows: list[tuple]) -> int:
+        """The most a batch of rows sharing one cache can hold; ``rows``: (policy, budget_tokens,
+        recent, prompt + max_tokens) each. Full-cache rows are left-padded to the longest: rows x
+        the longest. Budgeted rows share one EvictingCache: rows x (per layer, the largest budget
+        any row has there x the bytes of a slot carrying every row's policy statistics, + the
+        bytes per row besides)."""
+        if not rows:
+            return 0
+        if rows[0][0] == "full":
+            return len(rows) * max(r[3] for r in rows) * self.token_bytes
+        pols = [make_policy(p, **({} if recent is None else {"recent": recent})) for p, _, recent, _ in rows]
+        widths = [max(col) for col in zip(*(layer_budgets(pol, r[1], len(self.per_layer))
+                                              for pol, r in zip(pols, rows)))]
+        n_stats = len(stat_names(pols))
+        total = 0
+        for i, (w, (bare, stat, rest)) in enumerate(zip(widths, self.slot_parts)):
+            # what a policy's slot holds besides K/V, position, validity and statistics (Ada-KV: its head id)
+            extra = max(self.slots[r[0]][i][0] - bare - len(pol.stats) * stat for pol, r in zip(pols, rows))
+            total += w * (bare + n_stats * stat + extra) + rest
+        return len(rows) * total
 
 
 def _line(small, big) -> tuple[int, int]:

@@ -43,11 +43,6 @@ class GenRequest:
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
-    @property
-    def group(self) -> tuple:
-        """Requests that may share a batch: one cache, so one policy and one budget."""
-        return (self.policy, self.budget_tokens, self.recent)
-
 
 def parse_chat(body, tokenizer, settings: Settings, context: int, layers: int = 1) -> GenRequest:
     body = _object(body)

@@ -21,6 +21,7 @@ class Settings:
     max_batch: int = 16  # sequences decoded together
     kv_memory: int = 2 * GiB  # K/V bytes the server may hold at once; requests that do not fit wait
     min_budget: int = 64  # a fractional budget keeps at least this many tokens (never a handful)
-    # A float budget resolves to a token count per prompt, and only equal counts share a cache;
-    # rounding the count up to a multiple of budget_round lets prompts of similar length batch.
+    # A float budget resolves to a token count per prompt; rounding it up to a multiple of
+    # budget_round gives prompts of similar length one budget (rows of any budgets share a batch,
+    # but each layer is as wide as the batch's largest: equal budgets waste no slots).
     budget_round: int = 1
