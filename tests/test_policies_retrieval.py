@@ -73,6 +73,17 @@ def test_kvzip_keeps_the_keys_reconstruction_reads_and_every_generated_token():
     assert kept(pol, candidates({}, 5, 3)) == {0, 2, 3}
 
 
+def test_kvzip_keeps_a_window_of_a_long_answer_and_the_best_of_the_context():
+    pol = KVzip(scores=[torch.tensor([[[0.9, 0.1, 0.4, 0.8, 0.2]]])], recent=0)
+    # 4 generated tokens (5-8), budget 4: the newest half of the budget (7, 8) above the context,
+    # the older ones (5, 6) below it, so the context's best two (0, 3) stay
+    assert kept(pol, candidates({}, 9, 4)) == {0, 3, 7, 8}
+    every = KVzip(scores=pol.scores, recent=0, generated=1.0)  # kvpress's rule: the answer first
+    assert kept(every, candidates({}, 9, 4)) == {5, 6, 7, 8}
+    with pytest.raises(ValueError, match="generated is the share"):
+        KVzip(scores=pol.scores, generated=1.5)
+
+
 class _Tok:
     """A tokenizer stand-in: the repeat request is three fixed ids."""
 

@@ -23,9 +23,12 @@ class KVzip(Policy):
 
     a key read sharply by one reconstruction query (a needle's digits, copied once) keeps its place,
     where a sum would favour keys every query glances at (sinks, recent tokens). The score is fixed
-    at prefill (query-agnostic: it never looks at the question); tokens past the recorded context
-    (the generated ones) rank above every context token, so decoding evicts context, as kvpress's
-    growing cache keeps every generated token. Build it with ``KVzip.record(model, tokenizer,
+    at prefill (query-agnostic: it never looks at the question). Tokens past the recorded context
+    (the generated ones) have no such score: the newest ``generated x budget`` of them rank above
+    every context token, older ones below, so a short answer evicts context as kvpress's growing
+    cache would (it keeps every generated token), while a long one keeps a window of itself beside
+    the best-scored half of the context instead of losing the context (measured on the
+    ``continuation`` task, docs/retrieval.md). Build it with ``KVzip.record(model, tokenizer,
     input_ids)``; ``kvevict.generate.generate(..., policy="kvzip")`` records it first.
 
     ``adaptive=True`` (``ada-kvzip``) pools each layer's budget over its KV heads (Ada-KV);
@@ -43,6 +46,7 @@ class KVzip(Policy):
     scores: list | None = field(default=None, repr=False)  # per layer: (b, hkv, n) reconstruction attention
     recent: int | None = 8
     layers: bool = False  # pool the budget over layers too (see above)
+    generated: float = 0.5  # share of the budget the newest generated tokens hold above the context
     name = "kvzip"
     needs_prompt = True  # generate() records the prompt before making the cache
 
@@ -52,6 +56,9 @@ class KVzip(Policy):
                              "kvevict.policies.kvzip.KVzip.record(model, tokenizer, input_ids), or use "
                              "kvevict.generate.generate(..., policy='kvzip'); it cannot score a text "
                              "that streams in (the ppl task).")
+        if not 0.0 <= self.generated <= 1.0:
+            raise ValueError(f"generated is the share of the budget the newest generated tokens hold, "
+                             f"in [0, 1]; got {self.generated}.")
 
     @classmethod
     @torch.no_grad()
@@ -73,7 +80,12 @@ class KVzip(Policy):
         if c.pos.shape[0] != s.shape[0]:
             raise ValueError(f"kvzip was recorded for batch size {s.shape[0]}, the cache runs {c.pos.shape[0]}.")
         rows = c.lookup(s)
-        return torch.where(c.pos >= s.shape[-1], rows.amax(-1, keepdim=True) + 1.0, rows)
+        # generated tokens: the newest ``generated x budget`` rank above every context token, older
+        # ones below (scores are attention probabilities, >= 0), so a long answer keeps a window of
+        # itself and the best of the context instead of pushing the whole context out
+        window = c.pos > c.newest - max(1, int(self.generated * c.budget))
+        gen = torch.where(window, rows.amax(-1, keepdim=True) + 1.0, torch.full_like(rows, -1.0))
+        return torch.where(c.pos >= s.shape[-1], gen, rows)
 
     @property
     def prompt_tokens(self) -> int:
