@@ -10,13 +10,15 @@ from ..storage import Storage, split_spec
 FULL = "full"
 
 
-def new_cache(model, policy: str, budget, sequence=None, covering: int | None = None):
+def new_cache(model, policy: str, budget, sequence=None, covering: int | None = None, prompt=None, tokenizer=None):
     """``policy == "full"``: a DynamicCache (attention stays whatever it is: the kvevict attention
     is exact with it); otherwise ``make_cache(model, policy, budget)``. A policy may name its
     storage after a slash (``h2o/int4``, ``h2o/int4+int2``; see ``Storage.parse``); ``full/int4``
     is that storage with nothing evicted (a budget of ``covering`` tokens, or the sequence's length).
     ``sequence`` (1, n): every token the cache will see, known in advance in teacher-forced scoring;
-    the oracle is recorded on it (it cannot run without it)."""
+    the oracle is recorded on it (it cannot run without it). ``prompt`` (1, p) with ``tokenizer``:
+    the prompt a policy that scores it in a pass of its own (``needs_prompt``: kvzip) is recorded
+    on, as ``kvevict.generate`` does."""
     from ..generate import split_question
 
     if split_question(policy)[1]:
@@ -35,6 +37,12 @@ def new_cache(model, policy: str, budget, sequence=None, covering: int | None = 
         from ..policies.oracle import Oracle
 
         return make_cache(model, Oracle.record(model, sequence), budget, **kw)
+    if prompt is not None:
+        from ..policies import policy_class
+
+        found = policy_class(name)
+        if found is not None and getattr(found[0], "needs_prompt", False):
+            return make_cache(model, found[0].record(model, tokenizer, prompt, **found[1]), budget, **kw)
     return make_cache(model, name, budget, **kw)
 
 

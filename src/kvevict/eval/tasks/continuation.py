@@ -20,25 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from ...cache import make_cache
 from ...generate import dynamic_kv_bytes
-from ...policies import policy_class
-from ...storage import split_spec
 from .. import metrics
 from ..caches import FULL, new_cache
 from .base import Sample
 from .ppl import SOURCES, PerplexityTask
-
-
-def prompt_cache(model, tokenizer, policy: str, budget, context: torch.Tensor, sequence: torch.Tensor):
-    """The cache ``generate`` would build for ``context`` under ``policy``: a policy that scores the
-    prompt in a pass of its own (``needs_prompt``: kvzip) is recorded on the context first."""
-    name, storage = split_spec(policy)
-    found = policy_class(name)
-    if found is None or not getattr(found[0], "needs_prompt", False):
-        return new_cache(model, policy, budget, sequence=sequence)
-    recorded = found[0].record(model, tokenizer, context, **found[1])
-    return make_cache(model, recorded, budget, kv_bits=storage.kv_bits, evicted_bits=storage.evicted_bits)
 
 
 @torch.no_grad()
@@ -83,7 +69,7 @@ class ContinuationTask(PerplexityTask):
         order = [(FULL, None)] + [c for c in cells if c[0] != FULL]  # the reference first, always
         out, ref = {}, None
         for cell in order:
-            cache = prompt_cache(model, tokenizer, *cell, ctx, ids)
+            cache = new_cache(model, *cell, sequence=ids, prompt=ctx, tokenizer=tokenizer)
             logits = continuation_logits(model, cache, ctx, cont, self.chunk)
             if ref is None:
                 ref, full_bytes = logits, dynamic_kv_bytes(cache)
