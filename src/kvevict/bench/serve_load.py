@@ -266,6 +266,11 @@ def main(argv=None) -> int:
     if argv is None:
         argv = sys.argv[1:]
     if argv[:1] == ["rounds"]:  # rounds OUT RUN_DIR...: medians of repeated runs
+        missing = [p for p in argv[2:] if not Path(p, "results.json").is_file()]
+        if len(argv) < 3 or missing:
+            raise SystemExit("usage: python -m kvevict.bench.serve_load rounds OUT RUN_DIR [RUN_DIR ...]; each RUN_DIR "
+                             "is the --out of one load test and holds its results.json"
+                             + (f" (none in: {', '.join(missing)})" if missing else ""))
         rounds(argv[2:], Path(argv[1]))
         return 0
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

