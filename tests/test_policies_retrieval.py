@@ -107,6 +107,28 @@ def test_kvzip_record_is_the_attention_of_the_reconstruction_pass():
         assert torch.allclose(s, want, atol=1e-5)
 
 
+def test_kvzip_chunked_record_is_the_max_over_each_piece_reconstructed_from_the_whole_context():
+    model = tiny_model("llama-gqa")
+    torch.manual_seed(5)
+    ids = torch.randint(10, 128, (1, 12))
+    pol = KVzip.record(model, _Tok(), ids, chunk=5)  # pieces 0-4, 5-9, 10-11
+    assert KVzip.record(model, _Tok(), ids, chunk=12).scores[0].shape == pol.scores[0].shape
+    model.set_attn_implementation("eager")
+    g = model.config.num_attention_heads // model.config.num_key_value_heads
+    want = None
+    for s in (0, 5, 10):
+        seq = torch.cat([ids, torch.tensor([[7, 8, 9]]), ids[:, s: s + 5]], 1)
+        with torch.no_grad():
+            att = model(seq, output_attentions=True).attentions
+        got = []
+        for a in att:
+            b, hq, m, _ = a.shape
+            got.append(a.view(b, hq // g, g, m, m)[:, :, :, 12:, :12].amax(dim=(2, 3)))
+        want = got if want is None else [torch.maximum(x, y) for x, y in zip(want, got)]
+    for s, w in zip(pol.scores, want):
+        assert torch.allclose(s, w, atol=1e-5)
+
+
 def test_kvzip_through_generate_matches_full_with_a_covering_budget():
     model = tiny_model("llama-gqa")
     torch.manual_seed(4)
@@ -129,6 +151,8 @@ def test_kvzip_through_generate_matches_full_with_a_covering_budget():
     (lambda: kvevict.make_cache(tiny_model("llama-gqa"), "knorm", budget=8, recent=8), "recent=8 must be smaller"),
     (lambda: KVzip.record(tiny_model("llama-gqa"), _Tok(), torch.ones(2, 5, dtype=torch.long),
                           attention_mask=torch.tensor([[0, 1, 1, 1, 1], [1] * 5])), "unpadded prompts"),
+    (lambda: KVzip.record(tiny_model("llama-gqa"), _Tok(), torch.ones(1, 5, dtype=torch.long), chunk=0),
+     "chunk is the number of context tokens"),
 ])
 def test_bad_retrieval_policy_parameters_are_clear(make, message):
     with pytest.raises(ValueError, match=message):

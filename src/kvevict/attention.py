@@ -345,16 +345,20 @@ def _record_attention(module, query, key, value, attention_mask, scaling=None, d
     return out, None
 
 
-def record_attention_stats(model, input_ids, wanted: tuple, attention_mask=None, **params) -> list:
+def record_attention_stats(model, input_ids, wanted: tuple, attention_mask=None, past_key_values=None,
+                           **params) -> list:
     """One full-cache forward over ``input_ids``; per layer, the dict of the ``wanted`` statistics
-    (see ``attend``) over every key, in input order."""
+    (see ``attend``) over every key, in input order. With ``past_key_values`` (a ``DynamicCache``)
+    the forward continues that cache, which keeps the new tokens: the keys are the cache's, then
+    the new ones."""
     AttentionInterface.register(_RECORD, _record_attention)
     AttentionMaskInterface.register(_RECORD, kvevict_mask)
     _recorded.clear()
     _recorded.update(wanted=tuple(wanted), params=params)
     model.set_attn_implementation(_RECORD)
     try:
-        model(input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
+        model(input_ids, attention_mask=attention_mask, past_key_values=past_key_values,
+              use_cache=past_key_values is not None, logits_to_keep=1)
     finally:
         model.set_attn_implementation(ATTN_NAME)
     n_layers = len([k for k in _recorded if isinstance(k, int)])

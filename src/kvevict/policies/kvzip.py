@@ -62,18 +62,40 @@ class KVzip(Policy):
 
     @classmethod
     @torch.no_grad()
-    def record(cls, model, tokenizer, input_ids, attention_mask=None, **params) -> "KVzip":
+    def record(cls, model, tokenizer, input_ids, attention_mask=None, chunk: int = 4096, **params) -> "KVzip":
+        """Score ``input_ids`` by reconstruction. A prompt of at most ``chunk`` tokens is scored in
+        one pass over ``[context, repeat, context]``. A longer one is scored as KVzip's chunked
+        scoring does (Kim et al. 2025, Sec. 3.3): the context is cached once, then each piece of
+        ``chunk`` tokens is reconstructed on top of it, ``[repeat, piece]`` attending to the whole
+        context, and a key's score is its max over the pieces. That costs O(chunk x n) attention
+        per piece instead of O(n^2) at once, and keeps positions at n + r + chunk instead of 2n + r."""
+        from transformers import DynamicCache
+
         from ..attention import record_attention_stats
 
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("kvzip records unpadded prompts only: give it one prompt per batch.")
+        if int(chunk) < 1:
+            raise ValueError(f"kvzip's chunk is the number of context tokens reconstructed per pass (>= 1); got {chunk}.")
 
         n = input_ids.shape[1]
         rep = tokenizer(REPEAT, add_special_tokens=False, return_tensors="pt")["input_ids"].to(input_ids.device)
-        seq = torch.cat([input_ids, rep.expand(input_ids.shape[0], -1), input_ids], dim=1)
-        # the queries after the context: the repeat request and the reconstruction
-        stats = record_attention_stats(model, seq, ("max",), observe=seq.shape[1] - n)
-        return cls(scores=[st["max"][..., :n] for st in stats], **params)
+        rep = rep.expand(input_ids.shape[0], -1)
+        if n <= chunk:
+            seq = torch.cat([input_ids, rep, input_ids], dim=1)
+            # the queries after the context: the repeat request and the reconstruction
+            stats = record_attention_stats(model, seq, ("max",), observe=seq.shape[1] - n)
+            return cls(scores=[st["max"][..., :n] for st in stats], **params)
+        context = DynamicCache()
+        record_attention_stats(model, input_ids, (), past_key_values=context)
+        scores = None
+        for s in range(0, n, chunk):
+            piece = torch.cat([rep, input_ids[:, s: s + chunk]], dim=1)
+            stats = record_attention_stats(model, piece, ("max",), past_key_values=context, observe=piece.shape[1])
+            context.crop(-piece.shape[1])  # the next piece reconstructs from the context alone
+            got = [st["max"][..., :n] for st in stats]
+            scores = got if scores is None else [torch.maximum(a, b) for a, b in zip(scores, got)]
+        return cls(scores=scores, **params)
 
     def score(self, c: Candidates):
         s = self.scores[c.layer_idx].to(c.pos.device)
