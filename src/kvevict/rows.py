@@ -76,6 +76,7 @@ class Rows:
         self.kind = torch.zeros(batch, dtype=torch.long, device=device)
         self._kinds_of = [0] * batch  # ``kind`` on the host
         self._groups: list = [(policy, budget, None)]  # None: every row
+        self._sub_groups: dict = {}  # rows of a cap group -> their (policy, budget, index) groups
 
     @property
     def policies(self) -> list[Policy]:
@@ -103,9 +104,12 @@ class Rows:
         rows ``c`` holds, in order (None: every row)."""
         groups = self._groups
         if rows is not None:
-            kinds = [self._kinds_of[r] for r in rows]
-            groups = [(p, b, torch.tensor([j for j, k in enumerate(kinds) if k == i], device=c.pos.device))
-                      for i, (p, b) in enumerate(self.kinds) if i in kinds]
+            groups = self._sub_groups.get(tuple(rows))
+            if groups is None:  # built once per batch change and row subset, not per step
+                kinds = [self._kinds_of[r] for r in rows]
+                groups = self._sub_groups[tuple(rows)] = [
+                    (p, b, torch.tensor([j for j, k in enumerate(kinds) if k == i], device=c.pos.device))
+                    for i, (p, b) in enumerate(self.kinds) if i in kinds]
         if len(groups) == 1:
             policy, budget, _ = groups[0]
             return policy.priority(replace(c, budget=budget))
@@ -143,6 +147,7 @@ class Rows:
             self.kinds = [self.kinds[i] for i in used]
             self.kind = table[self.kind]
             self._kinds_of = self.kind.tolist()
+        self._sub_groups = {}  # rows of a cap group -> their (policy, budget, index) groups
         if len(self.kinds) <= 1:
             self._groups = [(p, b, None) for p, b in self.kinds]
         else:

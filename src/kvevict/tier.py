@@ -32,6 +32,7 @@ class Tier:
         # row's own, slots past it unavailable (never written, never ranked); None: every row has budget
         self.caps: torch.Tensor | None = None
         self.min_cap = budget
+        self._cols: dict = {}  # (cap, budget, candidates) -> the columns a cap group ranks
         self.store = make_store(b, h, budget, dk, dv, dtype, device, bits, group)
         if heads > 1:  # shared by the heads: whose each slot is
             self.head = torch.zeros(b, h, budget, dtype=torch.uint8, device=device)
@@ -92,7 +93,9 @@ class Tier:
         out = torch.full(c.pos.shape, float("inf"), device=c.pos.device)
         n = c.pos.shape[-1]
         for cap, idx, rows in self._cap_groups:
-            cols = torch.cat([torch.arange(cap), torch.arange(self.budget, n)]).to(c.pos.device)
+            cols = self._cols.get((cap, self.budget, n))
+            if cols is None:  # a pure function of its key: built once per batch change, not per step
+                cols = self._cols[cap, self.budget, n] = torch.cat([torch.arange(cap), torch.arange(self.budget, n)]).to(c.pos.device)
             part = torch.full((len(rows), *c.pos.shape[1:]), float("inf"), device=c.pos.device)
             part[:, :, cols] = policy.priority(rows_of(c, idx, cols), rows)
             out.index_copy_(0, idx, part)
@@ -195,6 +198,7 @@ class Tier:
             self.caps, self.min_cap = None, self.budget
             return
         caps = self.caps.tolist()  # one host read per batch change, none per step
+        self._cols = {}
         self._cap_groups = [(cap, torch.tensor(rows, device=self.caps.device), rows) for cap in sorted(set(caps))
                             for rows in [[i for i, c in enumerate(caps) if c == cap]]]
 
