@@ -6,6 +6,7 @@ from transformers import DynamicCache
 
 import kvevict
 from conftest import tiny_model
+from kvevict.storage import Storage
 from kvevict.store import dequantize, quantize
 
 
@@ -216,6 +217,20 @@ def test_memory_plans_follow_the_measured_rule():
     tokens = plan("1MiB", 64, 64, 4, 1, layers_heads=90)  # bytes per sequence -> int4 slots per layer and head
     assert tokens.budget == 2**20 // (90 * 89)
     assert parse_memory("20%") == pytest.approx(0.2) and parse_memory("2GiB") == 2**31 and parse_memory(0.3) == 0.3
+
+
+def test_memory_plan_counts_the_head_id_of_head_adaptive_slots():
+    from kvevict.memory import plan_for_model
+    from kvevict.policies import make_policy
+
+    model = tiny_model("llama-gqa")
+    slots = {name: plan_for_model(model, "64KiB", make_policy(name)).budget for name in ("h2o", "ada-h2o")}
+    c = model.config
+    layers_heads = c.num_hidden_layers * c.num_key_value_heads
+    d = c.hidden_size // c.num_attention_heads
+    int4 = Storage(kv_bits=4).slot_bytes(d, d, 4, 1)
+    assert slots["h2o"] == 2**16 // (layers_heads * int4)
+    assert slots["ada-h2o"] == 2**16 // (layers_heads * (int4 + 1))
 
 
 @pytest.mark.parametrize("memory", [0.5, 0.2, 0.1, 0.05])

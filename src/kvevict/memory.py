@@ -64,14 +64,15 @@ class Plan:
 
 
 def plan(memory, head_dim_k: int, head_dim_v: int, dtype_bytes: int, n_stats: int, layers_heads: int = 1,
-         group: int = DEFAULT_GROUP) -> Plan:
+         group: int = DEFAULT_GROUP, slot_extra: int = 0) -> Plan:
     """The storage and token budget for ``memory`` (see the module's rule). ``layers_heads``: layers x
-    KV heads, to turn bytes per sequence into slots per (layer, KV head)."""
+    KV heads, to turn bytes per sequence into slots per (layer, KV head); ``slot_extra``: bytes a slot
+    carries besides ``Storage.slot_bytes`` (Ada-KV's 1-byte head id)."""
     memory = parse_memory(memory)
     full = (head_dim_k + head_dim_v) * dtype_bytes  # one token of the full cache, per KV head
 
     def slot(bits) -> float:
-        return Storage(kv_bits=bits, group=group).slot_bytes(head_dim_k, head_dim_v, dtype_bytes, n_stats)
+        return Storage(kv_bits=bits, group=group).slot_bytes(head_dim_k, head_dim_v, dtype_bytes, n_stats) + slot_extra
 
     if isinstance(memory, int):  # bytes per sequence: as many int4 tokens as fit
         tokens = int(memory // (layers_heads * slot(4)))
@@ -100,4 +101,5 @@ def plan_for_model(model, memory, policy, group: int = DEFAULT_GROUP) -> Plan:
     if d is None:
         raise ValueError(f"cannot find the head dimension of {type(model).__name__} to plan a memory budget.")
     layers_heads = config.num_hidden_layers * (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-    return plan(memory, d, d, model.dtype.itemsize, len(policy.stats), layers_heads, group)
+    head_id = 1 if getattr(policy, "adaptive", False) else 0  # a pooled slot says whose head it is (Tier.head)
+    return plan(memory, d, d, model.dtype.itemsize, len(policy.stats), layers_heads, group, head_id)
