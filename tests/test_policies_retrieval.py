@@ -109,15 +109,19 @@ def test_kvzip_record_is_the_attention_of_the_reconstruction_pass():
 
 def test_kvzip_chunked_record_is_the_max_over_each_piece_reconstructed_from_the_whole_context():
     model = tiny_model("llama-gqa")
+    with torch.no_grad():  # sharper attention, so that which queries see which piece shows in the max
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(6)
+            layer.self_attn.k_proj.weight.mul_(6)
     torch.manual_seed(5)
     ids = torch.randint(10, 128, (1, 12))
-    pol = KVzip.record(model, _Tok(), ids, chunk=5)  # pieces 0-4, 5-9, 10-11
-    assert KVzip.record(model, _Tok(), ids, chunk=12).scores[0].shape == pol.scores[0].shape
+    pol = KVzip.record(model, _Tok(), ids, chunk=5)  # pieces 0-4, 5-11: the 2-token rest joins the last
+    one = KVzip.record(model, _Tok(), ids, chunk=8)  # a rest of 4 (>= 8 / 2) is a piece of its own: 0-7, 8-11
     model.set_attn_implementation("eager")
     g = model.config.num_attention_heads // model.config.num_key_value_heads
     want = None
-    for s in (0, 5, 10):
-        seq = torch.cat([ids, torch.tensor([[7, 8, 9]]), ids[:, s: s + 5]], 1)
+    for s, e in ((0, 5), (5, 12)):
+        seq = torch.cat([ids, torch.tensor([[7, 8, 9]]), ids[:, s:e]], 1)
         with torch.no_grad():
             att = model(seq, output_attentions=True).attentions
         got = []
@@ -127,6 +131,9 @@ def test_kvzip_chunked_record_is_the_max_over_each_piece_reconstructed_from_the_
         want = got if want is None else [torch.maximum(x, y) for x, y in zip(want, got)]
     for s, w in zip(pol.scores, want):
         assert torch.allclose(s, w, atol=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(KVzip.record(model, _Tok(), ids, chunk=9).scores,
+                                                                  KVzip.record(model, _Tok(), ids, chunk=12).scores))
+    assert not all(torch.allclose(a, b, atol=1e-5) for a, b in zip(one.scores, pol.scores))
 
 
 def test_kvzip_through_generate_matches_full_with_a_covering_budget():

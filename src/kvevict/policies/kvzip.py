@@ -63,12 +63,14 @@ class KVzip(Policy):
     @classmethod
     @torch.no_grad()
     def record(cls, model, tokenizer, input_ids, attention_mask=None, chunk: int = 4096, **params) -> "KVzip":
-        """Score ``input_ids`` by reconstruction. A prompt of at most ``chunk`` tokens is scored in
-        one pass over ``[context, repeat, context]``. A longer one is scored as KVzip's chunked
-        scoring does (Kim et al. 2025, Sec. 3.3): the context is cached once, then each piece of
-        ``chunk`` tokens is reconstructed on top of it, ``[repeat, piece]`` attending to the whole
-        context, and a key's score is its max over the pieces. That costs O(chunk x n) attention
-        per piece instead of O(n^2) at once, and keeps positions at n + r + chunk instead of 2n + r."""
+        """Score ``input_ids`` by reconstruction, as KVzip's chunked scoring does (Kim et al. 2025,
+        Sec. 3.3): the context is cached once, then each piece of ``chunk`` tokens is reconstructed
+        on top of it, ``[repeat, piece]`` attending to the whole context, and a key's score is its
+        max over the pieces. That costs O(chunk x n) attention per piece instead of O(n^2) at once,
+        and keeps positions at n + r + chunk instead of 2n + r. The last piece takes in a remainder
+        shorter than ``chunk / 2``: a short piece copied without the text before it is read less
+        sharply (a pass key at the end of a 4,119-token prompt, in a 23-token piece, lost a digit).
+        One piece is one pass over ``[context, repeat, context]``."""
         from transformers import DynamicCache
 
         from ..attention import record_attention_stats
@@ -81,7 +83,10 @@ class KVzip(Policy):
         n = input_ids.shape[1]
         rep = tokenizer(REPEAT, add_special_tokens=False, return_tensors="pt")["input_ids"].to(input_ids.device)
         rep = rep.expand(input_ids.shape[0], -1)
-        if n <= chunk:
+        starts = list(range(0, n, chunk))
+        if len(starts) > 1 and n - starts[-1] < chunk / 2:
+            starts.pop()  # the last piece takes in the short remainder
+        if len(starts) == 1:
             seq = torch.cat([input_ids, rep, input_ids], dim=1)
             # the queries after the context: the repeat request and the reconstruction
             stats = record_attention_stats(model, seq, ("max",), observe=seq.shape[1] - n)
@@ -89,8 +94,8 @@ class KVzip(Policy):
         context = DynamicCache()
         record_attention_stats(model, input_ids, (), past_key_values=context)
         scores = None
-        for s in range(0, n, chunk):
-            piece = torch.cat([rep, input_ids[:, s: s + chunk]], dim=1)
+        for s, e in zip(starts, starts[1:] + [n]):
+            piece = torch.cat([rep, input_ids[:, s:e]], dim=1)
             stats = record_attention_stats(model, piece, ("max",), past_key_values=context, observe=piece.shape[1])
             context.crop(-piece.shape[1])  # the next piece reconstructs from the context alone
             got = [st["max"][..., :n] for st in stats]
