@@ -93,9 +93,10 @@ class Tier:
         out = torch.full(c.pos.shape, float("inf"), device=c.pos.device)
         n = c.pos.shape[-1]
         for cap, idx, rows in self._cap_groups:
-            cols = self._cols.get((cap, self.budget, n))
-            if cols is None:  # a pure function of its key: built once per batch change, not per step
-                cols = self._cols[cap, self.budget, n] = torch.cat([torch.arange(cap), torch.arange(self.budget, n)]).to(c.pos.device)
+            key = (cap, self.budget, n)
+            if key not in self._cols:  # a pure function of its key: built once per batch change, not per step
+                self._cols[key] = torch.cat([torch.arange(cap), torch.arange(self.budget, n)]).to(c.pos.device)
+            cols = self._cols[key]
             part = torch.full((len(rows), *c.pos.shape[1:]), float("inf"), device=c.pos.device)
             part[:, :, cols] = policy.priority(rows_of(c, idx, cols), rows)
             out.index_copy_(0, idx, part)

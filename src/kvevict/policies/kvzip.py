@@ -39,8 +39,9 @@ class KVzip(Policy):
         B_l = lo + (L (B - lo)) x |{(h, i) of l in TopK(S, L H (B - lo))}| / (L H (B - lo))
 
     tokens per head (rounded, the total kept at L x B, a layer capped at the prompt's n;
-    lo = recent + sinks + question + 1 so every layer keeps its window). ``kvzip-pool`` is both: KVzip's own allocation (kvpress ranks every
-    layer's and head's scores together) with the memory freed.
+    lo = recent + sinks + question + 1 so every layer keeps its window). ``kvzip-pool`` is both:
+    KVzip's own allocation (kvpress ranks every layer's and head's scores together) with the
+    memory freed.
     """
 
     scores: list | None = field(default=None, repr=False)  # per layer: (b, hkv, n) reconstruction attention
@@ -78,7 +79,8 @@ class KVzip(Policy):
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("kvzip records unpadded prompts only: give it one prompt per batch.")
         if int(chunk) < 1:
-            raise ValueError(f"kvzip's chunk is the number of context tokens reconstructed per pass (>= 1); got {chunk}.")
+            raise ValueError(f"kvzip's chunk is the number of context tokens reconstructed per pass (>= 1); "
+                             f"got {chunk}.")
 
         n = input_ids.shape[1]
         rep = tokenizer(REPEAT, add_special_tokens=False, return_tensors="pt")["input_ids"].to(input_ids.device)

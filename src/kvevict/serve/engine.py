@@ -5,8 +5,9 @@ Each loop of the worker (1) admits waiting requests, oldest first, while their K
 ``Settings.kv_memory`` and fewer than ``max_batch`` sequences run (``memory.Budgeter`` bounds the
 bytes); each admitted prompt is prefilled on its own, gives its first token at once, and joins the
 running batch: one ``EvictingCache`` holds rows of any policies and budgets (each evicts by its
-own), and full-cache rows share a batch of their own; (2) steps every running batch by one token. A sequence that ends (EOS, max_tokens, stop string) or whose client went away leaves its
-batch at once and its storage is freed, so a waiting request can take its place at the next step.
+own), and full-cache rows share a batch of their own; (2) steps every running batch by one token.
+A sequence that ends (EOS, max_tokens, stop string) or whose client went away leaves its batch at
+once and its storage is freed, so a waiting request can take its place at the next step.
 """
 
 from __future__ import annotations
@@ -19,12 +20,11 @@ from collections import deque
 import torch
 
 from ..attention import ATTN_NAME, register
-from ..policies import make_policy
 from ..rows import shareable
 from .batch import DecodeBatch
 from .detokenize import TextStream
 from .errors import BadRequest
-from .memory import Budgeter
+from .memory import Budgeter, spec_policy
 from .metrics import Metrics
 from .protocol import GenRequest
 from .sampling import make_generator, pick_tokens
@@ -341,8 +341,7 @@ def _joins(specs: list[tuple], spec: tuple) -> bool:
         return False
     if spec[0] == "full":
         return True
-    pols = [make_policy(p, **({} if recent is None else {"recent": recent})) for p, _, recent, _ in (*specs, spec)]
-    return shareable(pols)
+    return shareable([spec_policy(p, recent) for p, _, recent, _ in (*specs, spec)])
 
 
 def _eos_ids(model, tokenizer) -> set[int]:

@@ -13,6 +13,8 @@ per-slot state, and its bytes per sequence besides), for this model, dtype and s
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers import DynamicCache
 
@@ -21,6 +23,13 @@ from ..policies import POLICIES, make_policy
 from ..rows import stat_names
 
 PROBES = (64, 128)  # budgets of the two probe caches
+
+
+@functools.lru_cache(maxsize=None)
+def spec_policy(name: str, recent: int | None):
+    """The policy a request's ``kv_policy`` and recent window name, made once per pair: admission
+    and the gauges ask for it on every worker loop, and it is only read (statistics, budgets)."""
+    return make_policy(name, **({} if recent is None else {"recent": recent}))
 
 
 class Budgeter:
@@ -43,6 +52,8 @@ class Budgeter:
         # keeps one, "sum"), and per row besides; a shared batch's slot carries the union's
         self.slot_parts = [(bare, one - bare, rest) for (bare, rest), (one, _) in
                            zip(self.slots["recency"], self.slots["h2o"])]
+        # a running batch's bound changes only when its rows do; the gauges ask every step
+        self._batch_bytes = functools.lru_cache(maxsize=1024)(self._bytes_of)
 
     def _probe(self, cache):
         with torch.inference_mode():
@@ -54,8 +65,7 @@ class Budgeter:
         max_tokens); a budgeted one is preallocated at its per-layer budgets (PyramidKV: a schedule)."""
         if policy == "full":
             return length * self.token_bytes
-        pol = make_policy(policy, **({} if recent is None else {"recent": recent}))
-        budgets = layer_budgets(pol, budget_tokens, len(self.per_layer))
+        budgets = layer_budgets(spec_policy(policy, recent), budget_tokens, len(self.per_layer))
         return sum(per_slot * b + rest for b, (per_slot, rest) in zip(budgets, self.slots[policy]))
 
     def per_token(self, policy: str) -> tuple[int, int]:
@@ -72,11 +82,14 @@ class Budgeter:
         the longest. Budgeted rows share one EvictingCache: rows x (per layer, the largest budget
         any row has there x the bytes of a slot carrying every row's policy statistics, + the
         bytes per row besides)."""
+        return self._batch_bytes(tuple(rows))
+
+    def _bytes_of(self, rows: tuple) -> int:
         if not rows:
             return 0
         if rows[0][0] == "full":
             return len(rows) * max(r[3] for r in rows) * self.token_bytes
-        pols = [make_policy(p, **({} if recent is None else {"recent": recent})) for p, _, recent, _ in rows]
+        pols = [spec_policy(p, recent) for p, _, recent, _ in rows]
         widths = [max(col) for col in zip(*(layer_budgets(pol, r[1], len(self.per_layer))
                                               for pol, r in zip(pols, rows)))]
         n_stats = len(stat_names(pols))

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 
 from ..cache import check_budget, layer_budgets, resolve_budget
 from ..generate import FULL
-from ..policies import POLICIES, make_policy
+from ..policies import POLICIES
 from .errors import BadRequest
+from .memory import spec_policy
 from .settings import Settings
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
@@ -153,7 +154,7 @@ def _kv_fields(body, settings: Settings, prompt_len: int, layers: int):
     if isinstance(budget, float):
         tokens = max(tokens, settings.min_budget)
         tokens = -(-tokens // settings.budget_round) * settings.budget_round
-    pol = make_policy(policy, **({} if recent is None else {"recent": recent}))
+    pol = spec_policy(policy, recent)
     per_layer = sorted(set(layer_budgets(pol, tokens, layers)))  # PyramidKV: every layer's own budget
     try:
         for b in per_layer:
