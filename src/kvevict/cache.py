@@ -223,9 +223,8 @@ class EvictingLayer(CacheLayerMixin):
         ends = [] if other.prompt_end is None else [other.prompt_end]
         rows = iter([*theirs, other.n_real, *ends, other.rows.kind])
         self._map_batch(lambda t: torch.cat([t, next(rows)]))
-        for mine, their in zip(self.tiers, other.tiers):
-            self._padded = self._padded or mine.filled != their.filled
-            mine.filled = max(mine.filled, their.filled)
+        # rows of different fills: slots below ``filled`` that a row has not used are empty, masked
+        self._padded = self._padded or any(len(set(t.fills)) > 1 for t in self.tiers)
         self._padded = self._padded or other._padded or any(t.caps is not None for t in self.tiers)
         self.seen = max(self.seen, other.seen)
         self.evicted = max(self.evicted, other.evicted)

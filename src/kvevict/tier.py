@@ -44,6 +44,12 @@ class Tier:
                  heads: int = 1):
         self.budget, self.filled, self.heads = budget, 0, heads
         self.capacity = 0  # slots allocated: pages, grown on demand up to ``budget``
+        # slots each row has used: a row writes its next tokens at its own fill, so rows that joined
+        # a batch at different lengths leave no holes (``fills`` on the host, ``fill`` its mirror);
+        # ``filled``, the most any row used, bounds what attention reads
+        self.fills = [0] * b
+        self.fill = torch.zeros(b, dtype=torch.long, device=device)
+        self._caps_host: list[int] | None = None  # ``caps`` on the host
         # rows of a shared batch may have smaller budgets than the tier is wide: ``caps`` (b,) each
         # row's own, slots past it unavailable (never written, never ranked); None: every row has budget
         self.caps: torch.Tensor | None = None
@@ -85,19 +91,26 @@ class Tier:
     def insert(self, policy: Policy, new: dict, ctx: dict, protected_newcomer: bool, want_evicted: bool):
         """Store ``new`` entries (keys "k", "v" and the metadata, each (b, h, m, ...)); return the
         entries that left (evicted candidates, valid first) when ``want_evicted``, else None."""
-        f, m, B = self.filled, new["pos"].shape[-1], self.budget
-        self.reserve(f + m)
-        if f + m <= self.min_cap:
-            idx = torch.arange(f, f + m, device=self.pos.device).expand(*new["pos"].shape)
+        m = new["pos"].shape[-1]
+        caps = self._caps_host or [self.budget] * len(self.fills)
+        fills = [min(c, f + m) for f, c in zip(self.fills, caps)]  # every row takes its free slots first
+        self.reserve(max(fills, default=0))
+        gone = None
+        if all(f + m <= c for f, c in zip(self.fills, caps)):  # room everywhere: append at each row's fill
+            idx = (self.fill.view(-1, 1, 1) + torch.arange(m, device=self.pos.device)).expand(*new["pos"].shape)
             self._write(idx, new, None)
-            self.filled = f + m
-            return None
-        if m == 1:
+        elif m == 1:
+            # a row with room: its free slots rank -inf and the first (its fill) is taken
             gone = self._replace_one(policy, new, ctx, protected_newcomer, want_evicted)
-            # a capped row's free slots rank -inf, the first of them is taken: slot <= f
-            self.filled = min(B, f + 1)
-            return gone
-        return self._replace_many(policy, new, ctx, want_evicted)
+        else:
+            gone = self._replace_many(policy, new, ctx, want_evicted)
+        self._set_fills(fills)
+        return gone
+
+    def _set_fills(self, fills: list[int]) -> None:
+        self.fills = fills
+        self.fill = torch.tensor(fills, dtype=torch.long, device=self.pos.device)
+        self.filled = max(fills, default=0)
 
     def _priority(self, policy, new: dict | None, ctx: dict) -> torch.Tensor:
         """The policy's priority of every slot (and new entry). Slots past a row's cap are +inf:
@@ -151,6 +164,10 @@ class Tier:
         tokens move into the evicted slots, pairwise, so storage is overwritten in place."""
         B, m = self.capacity, new["pos"].shape[-1]
         prio = self._priority(policy, new, ctx)
+        # empty slots go first in slot order (topk breaks ties arbitrarily), so a row fills its
+        # slots in order and never writes past its fill
+        order = torch.arange(prio.shape[-1], device=prio.device, dtype=torch.float32)
+        prio = torch.where(prio == -float("inf"), order * 1e32 - 3e38, prio)
         out = prio.topk(m, dim=-1, largest=False).indices  # (b, h, m) evicted candidates
         gone = self._evicted(out, new) if want_evicted else None
         ev_slot = torch.zeros(prio.shape[0], prio.shape[1], B + m, dtype=torch.bool, device=prio.device)
@@ -163,7 +180,6 @@ class Tier:
         move = torch.arange(k, device=prio.device).view(1, 1, k) < n_moves  # (b, h, k)
         moved = {n: t.gather(2, expand_index(sources, t)) for n, t in new.items()}
         self._write(targets, moved, move)
-        self.filled = B
         return gone
 
     def _evicted(self, out, new: dict) -> dict:
@@ -180,13 +196,18 @@ class Tier:
         return {n: t.gather(2, expand_index(order, t)) for n, t in got.items()}
 
     def map_batch(self, fn) -> None:
+        """Apply ``fn`` to every per-row tensor (slots, then each row's fill and cap); ``fit`` after."""
+        self._map_slots(fn)
+        self.fill = fn(self.fill)
+        if self.caps is not None:
+            self.caps = fn(self.caps)
+
+    def _map_slots(self, fn) -> None:
         self.store.map_batch(fn)
         for name in self.names():
             if name not in self.stats:
                 setattr(self, name, fn(getattr(self, name)))
         self.stats = {n: fn(t) for n, t in self.stats.items()}
-        if self.caps is not None:
-            self.caps = fn(self.caps)
 
     def row_caps(self) -> torch.Tensor:
         """(b,) each row's own number of slots."""
@@ -217,7 +238,11 @@ class Tier:
         """After rows joined or left: pages no row uses any more are given back, the budget is the
         widest row's cap (a row writes only below its cap, so nothing kept is cut), and no caps
         once every row has the full width."""
-        self._shrink()
+        self._set_fills(self.fill.tolist())  # one host read per batch change, none per step
+        self._caps_host = None
+        keep = pages(self.filled, self.budget)
+        if keep < self.capacity:  # rows that left held the last pages
+            self._resize(keep)
         if self.caps is None:
             return
         widest = int(self.caps.max()) if self.caps.numel() else self.budget
@@ -229,22 +254,10 @@ class Tier:
         if self.min_cap >= self.budget:
             self.caps, self.min_cap = None, self.budget
             return
-        caps = self.caps.tolist()  # one host read per batch change, none per step
+        caps = self._caps_host = self.caps.tolist()  # one host read per batch change, none per step
         self._cols = {}
         self._cap_groups = [(cap, torch.tensor(rows, device=self.caps.device), rows) for cap in sorted(set(caps))
                             for rows in [[i for i, c in enumerate(caps) if c == cap]]]
-
-    def _shrink(self) -> None:
-        """Cut the pages past the last slot any row still holds (rows left the batch): one host
-        read per batch change."""
-        if not self.capacity:
-            return
-        used = self.valid.flatten(0, 1).any(0)
-        last = int(used.nonzero().max()) + 1 if bool(used.any()) else 0
-        keep = pages(last, self.budget)
-        if keep < self.capacity:
-            self._resize(keep)
-        self.filled = min(self.filled, max(last, 0))
 
     def _resize(self, n: int) -> None:
         """Reallocate every per-slot tensor to ``n`` slots (cut, or padded with empty slots)."""
@@ -255,9 +268,10 @@ class Tier:
                 return t[:, :, :n].clone()  # a view would keep the whole old storage alive
             return torch.cat([t, t.new_zeros(*t.shape[:2], extra, *t.shape[3:])], dim=2)
 
-        caps, self.caps = self.caps, None  # per row, not per slot: map_batch leaves it alone
-        self.map_batch(fn)
-        self.caps, self.capacity, self.filled = caps, n, min(self.filled, n)
+        self._map_slots(fn)
+        self.capacity = n
+        if self.filled > n:  # cut below a row's fill (the budget shrank to the widest cap)
+            self._set_fills([min(f, n) for f in self.fills])
 
     def nbytes(self) -> int:
         """Every byte this tier holds: keys and values (codes, steps, zeros), positions, validity, statistics."""

@@ -128,6 +128,10 @@ class Budgeter:
 
 
 def _line(small, big) -> tuple[int, int]:
-    """One layer's (bytes per slot, bytes per sequence besides) from its probes at two budgets."""
-    per_slot = (big.kv_bytes() - small.kv_bytes()) // (big.budget - small.budget)
-    return per_slot, small.kv_bytes() - per_slot * small.budget
+    """One layer's (bytes per slot, bytes per sequence besides) from its probes at two budgets
+    (slots per KV head: a pooled Ada-KV tier holds heads x budget in one row)."""
+    def slots(layer):
+        return layer.tiers[0].capacity // layer.shared
+
+    per_slot = (big.kv_bytes() - small.kv_bytes()) // (slots(big) - slots(small))
+    return per_slot, small.kv_bytes() - per_slot * slots(small)
