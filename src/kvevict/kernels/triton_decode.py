@@ -47,8 +47,16 @@ def available() -> tuple[bool, str]:
 
 
 def interpreting() -> bool:
-    """Whether triton runs its programs in the CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    """Whether triton runs its programs in the CPU interpreter: TRITON_INTERPRET=1, and set before
+    triton was first imported (its own library functions are interpreted only then)."""
+    if os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on", "yes"):
+        return False
+    try:
+        import triton.language as tl
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:
+        return False
+    return isinstance(tl.zeros, InterpretedFunction)
 
 
 def register(registry: dict) -> None:
@@ -73,7 +81,7 @@ def decode_attention_triton(q, runs, k_new, v_new, mask, scale, softcap=None, *,
     g = hq // hkv
     gp = max(16, _pow2(g))  # tl.dot needs at least 16 rows: the group's heads padded
     d_p, dv_p = max(16, _pow2(d)), max(16, _pow2(dv))
-    block_n = 64 if max(d_p, dv_p) <= 128 else 32
+    block_n = _block(split, 64 if max(d_p, dv_p) <= 128 else 32)
     every = [(r.bits, r.group, r.k, r.v, r.n) for r in runs if r.n > 0]
     every.append((32, 1, (k_new,), (v_new,), 1))  # the new key: a dense run of one, always visible
     split = _split(split, block_n, b * hkv, sum(r[-1] for r in every), q.device)
@@ -91,6 +99,7 @@ def decode_attention_triton(q, runs, k_new, v_new, mask, scale, softcap=None, *,
     l_fin = torch.empty_like(m_fin)
     pg = torch.empty(b, hkv, nt1, dtype=f32, device=dev)
     cdt = {torch.float16: tk.tl.float16, torch.bfloat16: tk.tl.bfloat16, torch.float32: tk.tl.float32}[q.dtype]
+    emu = not q.is_cuda  # the interpreter: see _rnd and _operand in triton_kernels
     m = mask.view(torch.uint8) if mask is not None else scores  # bool read as bytes; a dummy when None
     m_strides = (m.stride(0), m.stride(1) if m.shape[1] > 1 else 0, m.stride(2)) if mask is not None else (0, 0, 0)
 
@@ -105,13 +114,14 @@ def decode_attention_triton(q, runs, k_new, v_new, mask, scale, softcap=None, *,
             n, key_off, split_off, split, n_splits, nt1, float(scale), float(softcap or 1.0),
             HKV=hkv, G=g, GP=gp, D=d, D_P=d_p, DV=dv, DV_P=dv_p,
             BITS=bits, GROUP=group if bits in PACKED else 1, BLOCK_N=block_n,
-            HAS_MASK=mask is not None and not is_new, SOFTCAP=softcap is not None, CDT=cdt,
+            HAS_MASK=mask is not None and not is_new, SOFTCAP=softcap is not None, CDT=cdt, EMU=emu,
         )
         key_off += n
         split_off += ns
     gr = max(2, _pow2(g))
     tk._combine[(b * hkv,)](m_part, l_part, acc_part, out, out.stride(0), out.stride(1), out.stride(3),
-                            m_fin, l_fin, n_splits, HKV=hkv, G=g, GP=gr, DV=dv, DV_P=dv_p)
+                            m_fin, l_fin, n_splits, HKV=hkv, G=g, GP=gr, DV=dv, DV_P=dv_p,
+                            CDT=cdt, EMU=emu)
     block = 256
     tk._group_probs[(b * hkv, triton_cdiv(nt1, block))](scores, m_fin, l_fin, pg, nt1, G=g, GP=gr, BLOCK=block)
     return out, pg
@@ -125,11 +135,20 @@ def _pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
+def _block(split, block_n: int) -> int:
+    """Keys per tile: ``block_n``, or the largest power of two >= 16 below it dividing ``split``."""
+    if split is None:
+        return block_n
+    if isinstance(split, bool) or not isinstance(split, int) or split < 16 or split % 16:
+        raise ValueError(f"split must be a positive multiple of 16 (keys per program), got {split!r}.")
+    while split % block_n:
+        block_n //= 2
+    return block_n
+
+
 def _split(split, block_n: int, programs: int, n_keys: int, device) -> int:
     """Keys per split: the caller's, or enough splits for ~8 programs per multiprocessor."""
     if split is not None:
-        if isinstance(split, bool) or not isinstance(split, int) or split < block_n or split % block_n:
-            raise ValueError(f"split must be a positive multiple of the key tile {block_n}, got {split!r}.")
         return split
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     want = max(1, (8 * sms) // max(1, programs))

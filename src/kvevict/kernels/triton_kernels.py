@@ -29,12 +29,41 @@ def _tanh(x):
 
 
 @triton.jit
+def _rnd(x, CDT: tl.constexpr, EMU: tl.constexpr):
+    """fp32 x rounded to the compute dtype CDT (to nearest, ties to even, as torch rounds), kept in
+    fp32. EMU (the interpreter, triton 3.9): its fp32 -> bf16 cast truncates, so bf16 rounding is
+    done on the bits there."""
+    if CDT == tl.float32:
+        return x
+    elif EMU and CDT == tl.bfloat16:
+        b = x.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        return b.to(tl.float32, bitcast=True)
+    else:
+        return x.to(CDT).to(tl.float32)
+
+
+@triton.jit
+def _operand(x, CDT: tl.constexpr, EMU: tl.constexpr):
+    """A CDT-valued fp32 tile as a tl.dot operand: in CDT (tensor cores on a GPU); in fp32 in the
+    interpreter, whose tl.dot multiplies bf16's raw uint16 bits (triton 3.9). bf16 and fp16
+    products are exact in fp32, so only the summation order differs."""
+    if EMU:
+        return x
+    else:
+        return x.to(CDT)
+
+
+@triton.jit
 def _tile(c_ptr, z_ptr, s_ptr, sc_n, sc_d, sz_n, sz_d, ss_n, ss_d, rows, cols, valid,
-          BITS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr):
-    """(BLOCK_N, D_P) keys or values in fp32. Packed: channel c of a token sits in byte c % W at bit
-    (c // W) * BITS, W = D * BITS / 8 (``kvevict.store.pack``); its group is c // GROUP."""
+          BITS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, CDT: tl.constexpr, EMU: tl.constexpr):
+    """(BLOCK_N, D_P) keys or values rounded to the compute dtype CDT (held in fp32). Packed: channel c of a token sits in
+    byte c % W at bit (c // W) * BITS, W = D * BITS / 8 (``kvevict.store.pack``); its group is
+    c // GROUP; x_hat = zero + step * code rounded as ``kvevict.store.dequantize`` rounds it
+    (step and zero to CDT, the product to CDT, the sum to CDT), so both backends see the same keys."""
     if BITS >= 16:
-        x = tl.load(c_ptr + rows[:, None] * sc_n + cols[None, :] * sc_d, mask=valid, other=0.0).to(tl.float32)
+        x = tl.load(c_ptr + rows[:, None] * sc_n + cols[None, :] * sc_d, mask=valid, other=0.0)
+        x = _rnd(x.to(tl.float32), CDT, EMU)
     else:
         W: tl.constexpr = D * BITS // 8
         byte = cols % W
@@ -42,9 +71,11 @@ def _tile(c_ptr, z_ptr, s_ptr, sc_n, sc_d, sz_n, sz_d, ss_n, ss_d, rows, cols, v
         raw = tl.load(c_ptr + rows[:, None] * sc_n + byte[None, :] * sc_d, mask=valid, other=0).to(tl.int32)
         code = (raw >> shift[None, :]) & ((1 << BITS) - 1)
         gi = cols // GROUP
-        z = tl.load(z_ptr + rows[:, None] * sz_n + gi[None, :] * sz_d, mask=valid, other=0.0).to(tl.float32)
-        s = tl.load(s_ptr + rows[:, None] * ss_n + gi[None, :] * ss_d, mask=valid, other=0.0).to(tl.float32)
-        x = z + s * code.to(tl.float32)
+        z = tl.load(z_ptr + rows[:, None] * sz_n + gi[None, :] * sz_d, mask=valid, other=0.0)
+        s = tl.load(s_ptr + rows[:, None] * ss_n + gi[None, :] * ss_d, mask=valid, other=0.0)
+        # arithmetic in fp32 (a code times a step is exact there), rounded to CDT where torch rounds
+        prod = _rnd(_rnd(s.to(tl.float32), CDT, EMU) * code.to(tl.float32), CDT, EMU)
+        x = _rnd(prod + _rnd(z.to(tl.float32), CDT, EMU), CDT, EMU)
     return x
 
 
@@ -61,9 +92,11 @@ def _split_kernel(
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
     D: tl.constexpr, D_P: tl.constexpr, DV: tl.constexpr, DV_P: tl.constexpr,
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, CDT: tl.constexpr,
+    HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, CDT: tl.constexpr, EMU: tl.constexpr,
 ):
-    """One (sequence, KV head, split) of one run: partial m, l, acc and the raw scores."""
+    """One (sequence, KV head, split) of one run: partial m, l, acc and the raw scores. The scaled
+    query, the keys, the values and the probabilities are rounded to the compute dtype CDT where
+    the torch reference holds them in it; products accumulate in fp32."""
     pid = tl.program_id(0).to(tl.int64)  # offsets of big batches overflow int32
     sp = tl.program_id(1)
     bi = pid // HKV
@@ -75,7 +108,7 @@ def _split_kernel(
     # the query rows of this KV group, scaled in the compute dtype as the reference does
     q = tl.load(q_ptr + bi * sq_b + (kh * G + rows[:, None]) * sq_h + dk[None, :] * sq_d,
                 mask=rmask[:, None] & (dk[None, :] < D), other=0.0)
-    q = (q.to(tl.float32) * scale).to(CDT)
+    q = _operand(_rnd(q.to(tl.float32) * scale, CDT, EMU), CDT, EMU)
     # a pooled run (one head) arrives with head strides 0
     kc_ptr += bi * skc_b + kh * skc_h
     kz_ptr += bi * skz_b + kh * skz_h
@@ -92,8 +125,8 @@ def _split_kernel(
         offs = t + tl.arange(0, BLOCK_N)
         nm = offs < end
         k = _tile(kc_ptr, kz_ptr, ks_ptr, skc_n, skc_d, skz_n, skz_d, sks_n, sks_d, offs, dk,
-                  nm[:, None] & (dk[None, :] < D), BITS, GROUP, D)
-        s = tl.dot(q, tl.trans(k.to(CDT)), input_precision="ieee")  # (GP, BLOCK_N), fp32
+                  nm[:, None] & (dk[None, :] < D), BITS, GROUP, D, CDT, EMU)
+        s = tl.dot(q, tl.trans(_operand(k, CDT, EMU)), input_precision="ieee")  # (GP, BLOCK_N), fp32
         if SOFTCAP:
             s = _tanh(s / softcap) * softcap
         visible = nm
@@ -109,8 +142,8 @@ def _split_kernel(
         p = tl.exp(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = _tile(vc_ptr, vz_ptr, vs_ptr, svc_n, svc_d, svz_n, svz_d, svs_n, svs_d, offs, dv,
-                  nm[:, None] & (dv[None, :] < DV), BITS, GROUP, DV)
-        acc = acc * alpha[:, None] + tl.dot(p.to(CDT), v.to(CDT), input_precision="ieee")
+                  nm[:, None] & (dv[None, :] < DV), BITS, GROUP, DV, CDT, EMU)
+        acc = acc * alpha[:, None] + tl.dot(_operand(_rnd(p, CDT, EMU), CDT, EMU), _operand(v, CDT, EMU), input_precision="ieee")
         m_i = m_new
     part = (pid * n_splits + split_off + sp) * G + rows
     tl.store(m_ptr + part, m_i, mask=rmask)
@@ -120,7 +153,8 @@ def _split_kernel(
 
 @triton.jit
 def _combine(m_ptr, l_ptr, acc_ptr, out_ptr, so_b, so_h, so_d, mfin_ptr, lfin_ptr, n_splits,
-             HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DV: tl.constexpr, DV_P: tl.constexpr):
+             HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DV: tl.constexpr, DV_P: tl.constexpr,
+             CDT: tl.constexpr, EMU: tl.constexpr):
     """One (sequence, KV head): merge the splits' partials; write out and the final M, L."""
     pid = tl.program_id(0).to(tl.int64)  # offsets of big batches overflow int32
     bi = pid // HKV
@@ -146,7 +180,7 @@ def _combine(m_ptr, l_ptr, acc_ptr, out_ptr, so_b, so_h, so_d, mfin_ptr, lfin_pt
         big_m = m_new
     o = o / tl.where(big_l > 0, big_l, 1.0)[:, None]
     tl.store(out_ptr + bi * so_b + (kh * G + rows[:, None]) * so_h + dv[None, :] * so_d,
-             o.to(out_ptr.dtype.element_ty), mask=amask)
+             _rnd(o, CDT, EMU).to(CDT), mask=amask)
     tl.store(mfin_ptr + pid * G + rows, big_m, mask=rmask)
     tl.store(lfin_ptr + pid * G + rows, big_l, mask=rmask)
 
