@@ -97,6 +97,8 @@ CASES = {  # name: (tiers as (bits, group, n, pooled), d, hkv, g, masked, softca
     "int4-d64-g3": ([(4, 32, 70, False)], 64, 2, 3, True, None, torch.float32),
     "int4-d256-g3": ([(4, 64, 40, False)], 256, 1, 3, True, None, torch.float32),
     "int2-d64-g3": ([(2, 16, 50, False)], 64, 2, 3, False, None, torch.float32),
+    # a group across two byte parts (64 > 32 bytes of int4 codes): the kernel's per-channel path
+    "int4-group-spans-parts": ([(4, 64, 50, False)], 64, 2, 3, True, None, torch.bfloat16),
     "fp16-d64-g3": ([(16, 32, 50, False)], 64, 2, 3, True, None, torch.float32),
     "dense-d256-g1": ([(32, 32, 40, False)], 256, 2, 1, False, None, torch.float32),
     "two-tiers-int8-int4": ([(8, 32, 45, False), (4, 32, 60, False)], 64, 2, 3, True, None, torch.float32),

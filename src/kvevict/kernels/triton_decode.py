@@ -115,6 +115,7 @@ def decode_attention_triton(q, runs, k_new, v_new, mask, scale, softcap=None, *,
             HKV=hkv, G=g, GP=gp, D=d, D_P=d_p, DV=dv, DV_P=dv_p,
             BITS=bits, GROUP=group if bits in PACKED else 1, BLOCK_N=block_n,
             HAS_MASK=mask is not None and not is_new, SOFTCAP=softcap is not None, CDT=cdt, EMU=emu,
+            GROUPED_K=_grouped(bits, group, d), GROUPED_V=_grouped(bits, group, dv),
         )
         key_off += n
         split_off += ns
@@ -133,6 +134,13 @@ def triton_cdiv(a: int, b: int) -> int:
 
 def _pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
+
+
+def _grouped(bits: int, group: int, d: int) -> bool:
+    """Whether a packed tile can be read group by group (``_tile``'s fast path): power-of-two head
+    dim and group, each group inside one of the 8 / bits byte parts of a token."""
+    pow2 = lambda x: x & (x - 1) == 0  # noqa: E731
+    return bits in PACKED and pow2(d) and pow2(group) and (d * bits // 8) % group == 0
 
 
 def _block(split, block_n: int) -> int:

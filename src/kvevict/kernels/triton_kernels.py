@@ -55,15 +55,34 @@ def _operand(x, CDT: tl.constexpr, EMU: tl.constexpr):
 
 
 @triton.jit
-def _tile(c_ptr, z_ptr, s_ptr, sc_n, sc_d, sz_n, sz_d, ss_n, ss_d, rows, cols, valid,
-          BITS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, CDT: tl.constexpr, EMU: tl.constexpr):
-    """(BLOCK_N, D_P) keys or values rounded to the compute dtype CDT (held in fp32). Packed: channel c of a token sits in
-    byte c % W at bit (c // W) * BITS, W = D * BITS / 8 (``kvevict.store.pack``); its group is
-    c // GROUP; x_hat = zero + step * code rounded as ``kvevict.store.dequantize`` rounds it
-    (step and zero to CDT, the product to CDT, the sum to CDT), so both backends see the same keys."""
+def _tile(c_ptr, z_ptr, s_ptr, sc_n, sc_d, sz_n, sz_d, ss_n, ss_d, rows, nm, cols,
+          BITS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, CDT: tl.constexpr, EMU: tl.constexpr,
+          GROUPED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(BLOCK_N, D_P) keys or values rounded to the compute dtype CDT (held in fp32). Packed: channel
+    c of a token sits in byte c % W at bit (c // W) * BITS, W = D * BITS / 8 (``kvevict.store.pack``);
+    its group is c // GROUP; x_hat = zero + step * code rounded as ``kvevict.store.dequantize`` rounds it
+    (step and zero to CDT, the product to CDT, the sum to CDT), so both backends see the same keys.
+    GROUPED (D a power of two and each group inside one W-byte part): the tile is read as
+    (BLOCK_N, groups, GROUP), so a group's bytes load as one contiguous vector and its zero and step
+    once, not once per channel; otherwise per channel."""
+    valid = nm[:, None] & (cols[None, :] < D)  # rows in the run, channels of the (padded) head dim
     if BITS >= 16:
         x = tl.load(c_ptr + rows[:, None] * sc_n + cols[None, :] * sc_d, mask=valid, other=0.0)
         x = _rnd(x.to(tl.float32), CDT, EMU)
+    elif GROUPED:
+        NG: tl.constexpr = D // GROUP
+        PART: tl.constexpr = D * BITS // 8 // GROUP  # groups per W-byte part
+        gi = tl.arange(0, NG)
+        byte = (gi % PART)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # (NG, GROUP)
+        shift = ((gi // PART) * BITS)[:, None]
+        raw = tl.load(c_ptr + rows[:, None, None] * sc_n + byte[None, :, :] * sc_d, mask=nm[:, None, None],
+                      other=0).to(tl.int32)
+        code = (raw >> shift[None, :, :]) & ((1 << BITS) - 1)
+        z = tl.load(z_ptr + rows[:, None] * sz_n + gi[None, :] * sz_d, mask=nm[:, None], other=0.0)
+        s = tl.load(s_ptr + rows[:, None] * ss_n + gi[None, :] * ss_d, mask=nm[:, None], other=0.0)
+        prod = _rnd(_rnd(s.to(tl.float32), CDT, EMU)[:, :, None] * code.to(tl.float32), CDT, EMU)
+        x = _rnd(prod + _rnd(z.to(tl.float32), CDT, EMU)[:, :, None], CDT, EMU)
+        x = tl.reshape(x, (BLOCK_N, D))
     else:
         W: tl.constexpr = D * BITS // 8
         byte = cols % W
@@ -93,6 +112,7 @@ def _split_kernel(
     D: tl.constexpr, D_P: tl.constexpr, DV: tl.constexpr, DV_P: tl.constexpr,
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, CDT: tl.constexpr, EMU: tl.constexpr,
+    GROUPED_K: tl.constexpr, GROUPED_V: tl.constexpr,
 ):
     """One (sequence, KV head, split) of one run: partial m, l, acc and the raw scores. The scaled
     query, the keys, the values and the probabilities are rounded to the compute dtype CDT where
@@ -124,8 +144,8 @@ def _split_kernel(
     for t in range(start, end, BLOCK_N):
         offs = t + tl.arange(0, BLOCK_N)
         nm = offs < end
-        k = _tile(kc_ptr, kz_ptr, ks_ptr, skc_n, skc_d, skz_n, skz_d, sks_n, sks_d, offs, dk,
-                  nm[:, None] & (dk[None, :] < D), BITS, GROUP, D, CDT, EMU)
+        k = _tile(kc_ptr, kz_ptr, ks_ptr, skc_n, skc_d, skz_n, skz_d, sks_n, sks_d, offs, nm, dk,
+                  BITS, GROUP, D, CDT, EMU, GROUPED_K, BLOCK_N)
         s = tl.dot(q, tl.trans(_operand(k, CDT, EMU)), input_precision="ieee")  # (GP, BLOCK_N), fp32
         if SOFTCAP:
             s = _tanh(s / softcap) * softcap
@@ -141,8 +161,8 @@ def _split_kernel(
         alpha = tl.exp(m_i - m_ref)
         p = tl.exp(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = _tile(vc_ptr, vz_ptr, vs_ptr, svc_n, svc_d, svz_n, svz_d, svs_n, svs_d, offs, dv,
-                  nm[:, None] & (dv[None, :] < DV), BITS, GROUP, DV, CDT, EMU)
+        v = _tile(vc_ptr, vz_ptr, vs_ptr, svc_n, svc_d, svz_n, svz_d, svs_n, svs_d, offs, nm, dv,
+                  BITS, GROUP, DV, CDT, EMU, GROUPED_V, BLOCK_N)
         acc = acc * alpha[:, None] + tl.dot(_operand(_rnd(p, CDT, EMU), CDT, EMU), _operand(v, CDT, EMU), input_precision="ieee")
         m_i = m_new
     part = (pid * n_splits + split_off + sp) * G + rows
