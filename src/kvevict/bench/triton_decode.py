@@ -148,7 +148,8 @@ def main(argv=None) -> int:
         ratios = [a / b for a, b in zip(ms[name], ms[dense])]
         med = statistics.median(ms[name])
         rows.append({"config": name, "ms_per_layer": round(med, 4), "ms_all_layers": round(med * args.layers, 3),
-                     "ratio_to_dense": round(statistics.median(ratios), 3), "kv_mib": round(configs[name][1] / 2**20, 1),
+                     "ratio_to_dense": round(statistics.median(ratios), 3),
+                     "kv_mib": round(configs[name][1] / 2**20, 1),
                      "max_abs_err": errors.get(name), "ms_per_layer_rounds": [round(x, 4) for x in ms[name]]})
     where = torch.cuda.get_device_name() if cuda else "CPU, triton interpreter (timings mean nothing)"
     result = {"device": where, "torch": torch.__version__, "triton": triton.__version__,

@@ -163,7 +163,8 @@ def _split_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = _tile(vc_ptr, vz_ptr, vs_ptr, svc_n, svc_d, svz_n, svz_d, svs_n, svs_d, offs, nm, dv,
                   BITS, GROUP, DV, CDT, EMU, GROUPED_V, BLOCK_N)
-        acc = acc * alpha[:, None] + tl.dot(_operand(_rnd(p, CDT, EMU), CDT, EMU), _operand(v, CDT, EMU), input_precision="ieee")
+        pv = tl.dot(_operand(_rnd(p, CDT, EMU), CDT, EMU), _operand(v, CDT, EMU), input_precision="ieee")
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
     part = (pid * n_splits + split_off + sp) * G + rows
     tl.store(m_ptr + part, m_i, mask=rmask)
