@@ -20,13 +20,17 @@ from .attention import ATTN_NAME, PaddingInfo, _Segments, hand_off, register
 from .policies import Policy, make_policy
 from .rope import compact_positions, rope_inv_freq, shift_keys
 from .rows import Rows, shareable
+from .stock import STOCK_BYTES, layer_windows
 from .storage import DEFAULT_GROUP, Storage
 from .store import DenseStore, Piece, check_group
 from .tier import Tier
 
 
 def resolve_budget(budget, prompt_len: int) -> int:
-    """An int budget is tokens; a float in (0, 1] is that fraction of the prompt length."""
+    """An int budget is tokens; a float in (0, 1] is that fraction of the prompt length (a memory
+    plan's ``PromptShare`` resolves itself: its floor, sliding layers)."""
+    if hasattr(budget, "tokens"):
+        return budget.tokens(prompt_len)
     if isinstance(budget, float):
         return max(1, math.ceil(budget * prompt_len - 1e-9))
     return budget
@@ -381,14 +385,21 @@ class EvictingCache(Cache):
         when quantized), positions, validity and policy statistics, of every layer and tier."""
         return sum(layer.kv_bytes() for layer in self.layers)
 
-    def full_kv_bytes(self) -> int:
-        """Bytes a full (unevicted) cache of the model's dtype would hold for the tokens seen so far."""
+    windows: tuple = ()  # per layer, the tokens a stock cache keeps at most (None: all); set by make_cache
+
+    def full_kv_bytes(self, dtype_bytes: int | None = STOCK_BYTES) -> int:
+        """Bytes a stock transformers cache would hold for the tokens seen so far (``kvevict.stock``):
+        every token of a full-attention layer, the last window - 1 of a sliding one, at
+        ``dtype_bytes`` per value: 2 (16 bits, the denominator of every ratio), or None for the
+        model's own dtype."""
         total = 0
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             if layer.is_initialized:
                 h, dk, dv = layer.dims
                 b = layer.n_real.shape[0]
-                total += b * h * layer.seen * (dk + dv) * layer.dtype.itemsize
+                w = self.windows[i] if i < len(self.windows) else None
+                kept = layer.seen if w is None else min(layer.seen, w)
+                total += b * h * kept * (dk + dv) * (dtype_bytes or layer.dtype.itemsize)
         return total
 
     def peak_entries(self) -> int:
@@ -447,7 +458,7 @@ def _head_dim(model) -> int | None:
     return hidden // heads if isinstance(heads, int) and isinstance(hidden, int) and heads else None
 
 
-def make_cache(model, policy="h2o", budget=0.2, recent=None, compact=False, kv_bits=None, group=None,
+def make_cache(model, policy=None, budget=0.2, recent=None, compact=False, kv_bits=None, group=None,
                evicted_bits=None, evicted_budget=None, memory=None, question=None, **policy_params) -> EvictingCache:
     """A cache for ``model.generate(..., past_key_values=cache)`` that keeps at most ``budget``
     tokens per layer and KV head, evicting with ``policy``.
@@ -460,10 +471,14 @@ def make_cache(model, policy="h2o", budget=0.2, recent=None, compact=False, kv_b
     of ``group`` channels, default 32 or gcd(32, head_dim); see kvevict.store); None keeps the model's dtype.
     evicted_bits: demote evicted tokens into a tier of that many bits instead of dropping them
     (MiKV); ``evicted_budget`` caps it (int tokens or fraction of the prompt; default the rest of the prompt).
-    memory: a budget in bytes instead: a fraction of what the full cache would hold (0.2, '20%') or
-    bytes per sequence ('64MiB'). It replaces ``budget`` and the storage options with the split of
-    tokens kept x bits per token measured best (``kvevict.memory.plan``): the recommended way to
-    bound a cache; 0.2 keeps every token at 4 bits (+~1% perplexity on SmolLM2).
+    policy: a name (``kvevict.POLICIES``), a spec or a Policy; not given: ``h2o``, the streaming
+    policy a cache handed to ``model.generate`` needs (``kvevict.memory.pick_policy``; a prompt
+    known in advance is better served by ``kvevict.generate.generate``, which picks ``kvzip-pool``).
+    memory: a budget in bytes instead: a fraction of what a stock cache would hold for the same
+    tokens in 16 bits (0.2, '20%'; ``kvevict.stock``) or bytes per sequence ('64MiB'). It replaces
+    ``budget`` and the storage options with the split of tokens kept x bits per token measured best
+    (``kvevict.memory.plan``): the recommended way to bound a cache. A fraction keeps at least
+    ``kvevict.memory.MIN_TOKENS`` tokens per layer and KV head, so a short prompt is never cut.
     question: the prompt's last N tokens are its question: never evicted, and the observation
     window of the policies that have one (SnapKV, expected attention). Honest only when the whole
     question is in the prompt at prefill (kvevict.generate.question_tokens counts it).
@@ -475,6 +490,10 @@ def make_cache(model, policy="h2o", budget=0.2, recent=None, compact=False, kv_b
         if isinstance(recent, bool) or not isinstance(recent, int):
             raise ValueError(f"recent must be an int number of tokens, got {recent!r}.")
         policy_params["recent"] = recent
+    if policy is None:
+        from .memory import pick_policy
+
+        policy = pick_policy(prompt_known=False)
     pol = make_policy(policy, **policy_params)
     if question is not None:
         if isinstance(question, bool) or not isinstance(question, int) or question < 0:
@@ -512,4 +531,6 @@ def make_cache(model, policy="h2o", budget=0.2, recent=None, compact=False, kv_b
     model.set_attn_implementation(ATTN_NAME)
     if model.config._attn_implementation != ATTN_NAME:
         raise ValueError(f"{type(model).__name__} refused attn_implementation={ATTN_NAME!r}; kvevict cannot hook it.")
-    return EvictingCache(pol, budget, num_layers, rope_inv_freq(model) if compact else None, storage)
+    cache = EvictingCache(pol, budget, num_layers, rope_inv_freq(model) if compact else None, storage)
+    cache.windows = tuple(layer_windows(model.config))  # what the stock cache keeps: full_kv_bytes
+    return cache
