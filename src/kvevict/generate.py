@@ -76,6 +76,12 @@ def dynamic_kv_bytes(cache: DynamicCache) -> int:
     return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.is_initialized)
 
 
+def stock_kv_bytes16(cache: DynamicCache) -> int:
+    """The stock cache's keys and values at 16 bits (the denominator of every ratio, kvevict.stock)."""
+    return sum((layer.keys.numel() + layer.values.numel()) * STOCK_BYTES
+               for layer in cache.layers if layer.is_initialized)
+
+
 def _greedy(model, tokenizer, ids, cache, max_new_tokens) -> torch.Tensor:
     """Prompt + greedy continuation token ids, one sequence."""
     return model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, do_sample=False,
@@ -151,7 +157,7 @@ def generate(model, tokenizer, prompt, policy=None, budget=0.2, max_new_tokens=6
     new = out[0, ids.shape[1]:]
     if policy in FULL:  # the stock cache itself: its bytes, and the same tensors in 16 bits
         held = own = dynamic_kv_bytes(cache)
-        full = own * STOCK_BYTES // model.dtype.itemsize
+        full = stock_kv_bytes16(cache)
     else:
         held, full, own = cache.kv_bytes(), cache.full_kv_bytes(), cache.full_kv_bytes(dtype_bytes=None)
     return Result(policy=label, budget=None if policy in FULL else budget,

@@ -21,6 +21,7 @@ from transformers import DynamicCache
 from ..cache import layer_budgets, make_cache
 from ..policies import POLICIES, make_policy
 from ..rows import stat_names
+from ..stock import STOCK_BYTES, layer_windows
 
 PROBES = (64, 128)  # budgets of the two probe caches
 
@@ -41,6 +42,9 @@ class Budgeter:
         self.per_layer = [layer.keys.nbytes + layer.values.nbytes for layer in full.layers if layer.is_initialized]
         self.token_bytes = sum(self.per_layer)  # one token of one sequence in a full cache, every layer
         self.entries_per_token = sum(layer.keys.shape[1] for layer in full.layers if layer.is_initialized)
+        # the denominator of usage's kv_bytes_full: a stock cache in 16 bits, sliding layers at their window
+        self.stock_per_layer = [n * STOCK_BYTES // model.dtype.itemsize for n in self.per_layer]
+        self.windows = layer_windows(model.config)
         self.slots = {}  # policy -> per layer (bytes per slot, bytes per sequence besides)
         for name in POLICIES:
             try:
@@ -59,6 +63,10 @@ class Budgeter:
         with torch.inference_mode():
             self.model(torch.zeros(1, 1, dtype=torch.long), past_key_values=cache, use_cache=True, logits_to_keep=1)
         return cache
+
+    def stock_bytes(self, tokens: int) -> int:
+        """What a stock cache holds for ``tokens`` tokens of one sequence in 16 bits (``kvevict.stock``)."""
+        return sum(n * (tokens if w is None else min(tokens, w)) for n, w in zip(self.stock_per_layer, self.windows))
 
     def row_bytes(self, policy: str, budget_tokens: int | None, recent: int | None, length: int) -> int:
         """The most bytes one sequence's cache holds: a full cache grows to ``length`` (prompt +
