@@ -77,6 +77,8 @@ class EvictingLayer(CacheLayerMixin):
     # -- transformers' layer protocol -------------------------------------------------------
     def lazy_initialization(self, key_states, value_states) -> None:
         b, h, m, dk = key_states.shape
+        if hasattr(self.budget_spec, "storage_for"):  # a memory plan: a short prompt is kept at 16 bits
+            self.storage = self.budget_spec.storage_for(self.prompt_len or m, self.storage)
         self.budget = resolve_budget(self.budget_spec, m)
         self.policy.check(self.budget)
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -347,6 +349,8 @@ class EvictingCache(Cache):
             raise ValueError(f"the prompt length must be a positive int number of tokens, got {n!r}.")
         for layer in self.layers:
             if not layer.is_initialized:
+                if hasattr(layer.budget_spec, "storage_for"):  # a memory plan: a short prompt is kept at 16 bits
+                    layer.storage = layer.budget_spec.storage_for(n, layer.storage)
                 layer.budget_spec = resolve_budget(layer.budget_spec, n)
                 layer.prompt_len = n
 
@@ -509,8 +513,11 @@ def make_cache(model, policy=None, budget=0.2, recent=None, compact=False, kv_bi
         from .memory import plan_for_model
 
         p = plan_for_model(model, memory, pol, group)
-        budget, kv_bits, evicted_bits, evicted_budget = (p.budget, p.storage.kv_bits, p.storage.evicted_bits,
-                                                          p.storage.evicted_budget)
+        storage, known = p.storage, getattr(pol, "prompt_tokens", None)
+        if known and hasattr(p.budget, "storage_for"):  # a recorded prompt (kvzip): its storage now
+            storage = p.budget.storage_for(known, storage)
+        budget, kv_bits, evicted_bits, evicted_budget = (p.budget, storage.kv_bits, storage.evicted_bits,
+                                                          storage.evicted_budget)
     check_budget(budget)
     storage = Storage(kv_bits=kv_bits, group=group, evicted_bits=evicted_bits, evicted_budget=evicted_budget)
     num_layers = _check_hookable(model)

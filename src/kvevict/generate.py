@@ -174,4 +174,5 @@ def _storage_label(cache) -> str:
     kept = sum(int(t.valid[..., : t.filled].sum()) / (t.valid.shape[0] * layer.dims[0])
                for layer in layers for t in layer.tiers) / max(1, len(layers))
     seen = layers[0].seen if layers else 0
-    return f"{cache.storage.label or 'model dtype'}, {round(kept)} of {seen} tokens"
+    label = layers[0].storage.label if layers else cache.storage.label  # a short prompt's may differ
+    return f"{label or 'model dtype'}, {round(kept)} of {seen} tokens"

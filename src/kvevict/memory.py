@@ -88,17 +88,28 @@ class PromptShare(float):
     """A fractional token budget from a memory plan: its value is the share of the prompt kept on a
     model without sliding layers (what ``check_budget`` and the layer schedules read), and
     ``tokens(n)`` resolves it for an n-token prompt: the bytes solve for sliding layers, then the
-    floor of ``floor`` tokens. ``kvevict.cache.resolve_budget`` calls it."""
+    floor of ``floor`` tokens. ``kvevict.cache.resolve_budget`` calls it, and the cache asks
+    ``storage_for(n, planned)`` once the prompt's length is known: a prompt of at most ``floor``
+    tokens is kept whole at 16 bits (``short_bits``: the model's dtype when it is 16-bit, else
+    float16), where 4-bit codes changed SmolLM2's greedy answers to 10 of 13 short chats (fp32)."""
 
-    def __new__(cls, value: float, memory: float = 0.0, ratio: float = 1.0, windows: tuple = (), floor: int = 1):
+    def __new__(cls, value: float, memory: float = 0.0, ratio: float = 1.0, windows: tuple = (), floor: int = 1,
+                short_bits: int | None = 16):
         self = super().__new__(cls, value)
         self.memory, self.ratio, self.windows, self.floor = memory, ratio, tuple(windows), floor
+        self.short_bits = short_bits
         return self
 
     def __reduce__(self):
-        return PromptShare, (float(self), self.memory, self.ratio, self.windows, self.floor)
+        return PromptShare, (float(self), self.memory, self.ratio, self.windows, self.floor, self.short_bits)
+
+    def storage_for(self, n: int, planned: Storage) -> Storage:
+        """The storage for an n-token prompt: ``planned``, or 16 bits for a short prompt."""
+        return Storage(kv_bits=self.short_bits, group=planned.group) if n <= self.floor else planned
 
     def tokens(self, n: int) -> int:
+        if n <= self.floor:  # a short prompt: kept whole, room for the answer up to the floor
+            return self.floor
         budget = math.ceil(float(self) * n - 1e-9)
         if any(w is not None for w in self.windows):  # slots the bytes of the stock cache buy, solved for B
             budget = min(n, _fill(self.memory * kept_tokens(list(self.windows), n) / self.ratio, self.windows))
@@ -150,8 +161,10 @@ def plan(memory, head_dim_k: int, head_dim_v: int, dtype_bytes: int, n_stats: in
         return Plan(tokens, Storage(kv_bits=4, group=group))
     ratio = {bits: slot(bits) / full for bits in (8, 4)}
 
+    short = None if dtype_bytes == STOCK_BYTES else 16  # a short prompt: 16 bits, the model's own if it has them
+
     def share(value, bits, lone=True):
-        return PromptShare(min(1.0, value), memory, ratio[bits], windows if lone else (), floor)
+        return PromptShare(min(1.0, value), memory, ratio[bits], windows if lone else (), floor, short)
 
     if memory >= ratio[8]:
         return Plan(share(memory / ratio[8], 8), Storage(kv_bits=8, group=group))
