@@ -12,7 +12,7 @@ import kvevict
 from kvevict.generate import dynamic_kv_bytes, generate
 from kvevict.memory import MIN_TOKENS, PromptShare, plan_for_model
 from kvevict.policies import make_policy
-from kvevict.stock import layer_windows, stock_kv_bytes
+from kvevict.stock import stock_windows, stock_kv_bytes
 
 SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=512)
@@ -54,7 +54,7 @@ def test_full_kv_bytes_is_what_the_stock_cache_holds_at_16_bits(arch, dtype):
     assert cache.full_kv_bytes() == held == cache.full_kv_bytes(dtype_bytes=None)
     assert stock_kv_bytes(model.config, 45, batch=2) == held
     every = sum(2 * layer.dims[0] * layer.seen * (layer.dims[1] + layer.dims[2]) * 2 for layer in cache.layers)
-    sliding = any(w is not None for w in layer_windows(model.config))
+    sliding = any(w is not None for w in stock_windows(model.config))
     assert sliding == (arch != "llama-gqa") and (held < every if sliding else held == every)
 
 
@@ -131,7 +131,7 @@ def test_a_sliding_model_plans_its_budget_in_bytes():
     model = gemma3()  # five layers of six keep at most 15 tokens in the stock cache
     p = plan_for_model(model, 0.3, make_policy("h2o"), group=8)
     assert isinstance(p.budget, PromptShare) and p.storage.kv_bits == 4
-    windows = layer_windows(model.config)
+    windows = stock_windows(model.config)
     for n in (2000, 6000):
         b = p.budget.tokens(n)
 

@@ -38,7 +38,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from .stock import STOCK_BYTES, kept_tokens, layer_windows
+from .stock import STOCK_BYTES, kept_tokens, stock_windows
 from .storage import DEFAULT_GROUP, Storage
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -140,7 +140,7 @@ def plan(memory, head_dim_k: int, head_dim_v: int, dtype_bytes: int, n_stats: in
     stock cache whatever ``dtype_bytes`` (the model's, for storage kept in it). ``layers_heads``:
     layers x KV heads, to turn bytes per sequence into slots per (layer, KV head); ``slot_extra``:
     bytes a slot carries besides ``Storage.slot_bytes`` (Ada-KV's 1-byte head id); ``windows``: per
-    layer the tokens a stock cache keeps at most (``kvevict.stock.layer_windows``), None for a
+    layer the tokens a stock cache keeps at most (``kvevict.stock.stock_windows``), None for a
     model without sliding layers; ``floor``: the fewest tokens a fractional budget keeps."""
     memory = parse_memory(memory)
     full = (head_dim_k + head_dim_v) * STOCK_BYTES  # one 16-bit token of the stock cache, per KV head
@@ -188,6 +188,6 @@ def plan_for_model(model, memory, policy, group: int = DEFAULT_GROUP, floor: int
         raise ValueError(f"cannot find the head dimension of {type(model).__name__} to plan a memory budget.")
     layers_heads = config.num_hidden_layers * (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     head_id = 1 if getattr(policy, "adaptive", False) else 0  # a pooled slot says whose head it is (Tier.head)
-    windows = layer_windows(config)
+    windows = stock_windows(config)
     return plan(memory, d, d, model.dtype.itemsize, len(policy.stats), layers_heads, group, head_id,
                 windows if any(w is not None for w in windows) else None, floor)

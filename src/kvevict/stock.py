@@ -23,7 +23,7 @@ def text_config(config):
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
 
 
-def layer_windows(config) -> list[int | None]:
+def stock_windows(config) -> list[int | None]:
     """Per decoder layer, the tokens a stock ``DynamicCache`` keeps at most (window - 1 on a
     sliding or chunked layer), or None where it keeps every token."""
     from transformers.cache_utils import get_layer_types_and_kwargs
@@ -52,4 +52,4 @@ def stock_kv_bytes(config, tokens: int, batch: int = 1, dtype_bytes: int = STOCK
     cfg = text_config(config)
     heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return batch * heads * 2 * d * dtype_bytes * kept_tokens(layer_windows(cfg), tokens)
+    return batch * heads * 2 * d * dtype_bytes * kept_tokens(stock_windows(cfg), tokens)
