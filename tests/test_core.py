@@ -70,7 +70,9 @@ def test_kv_bytes_is_exactly_the_budget_and_stays_there():
         assert cache.kv_bytes() == expected
     assert cache.get_seq_length() == 240  # positions go on although only 16 tokens are kept
     assert [layer.keys.data_ptr() for layer in cache.layers] == storage  # written in place, never reallocated
-    assert cache.full_kv_bytes() == 240 * cfg.num_key_value_heads * head_dim * 2 * 4 * cfg.num_hidden_layers * batch
+    # a stock cache of the same tokens: 16 bits a value (every ratio's denominator), or the model's fp32
+    stock16 = 240 * cfg.num_key_value_heads * head_dim * 2 * 2 * cfg.num_hidden_layers * batch
+    assert cache.full_kv_bytes() == stock16 and cache.full_kv_bytes(dtype_bytes=None) == 2 * stock16
 
 
 def test_float_budget_is_a_fraction_of_the_prompt():

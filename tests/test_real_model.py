@@ -53,7 +53,7 @@ def test_cli_generate_prints_answer_and_memory(tmp_path, real_model):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
-    assert "KV held" in out.stderr and "vs full cache" in out.stderr
+    assert "KV held" in out.stderr and "vs 16-bit stock cache" in out.stderr
 
 
 def test_cli_bad_input_is_one_clear_line(tmp_path):

@@ -139,7 +139,8 @@ def test_completion_with_server_defaults_and_full_cache(client, reference):
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, extra_body={"kv_policy": "full"})
     want = generate(model, tok, prompt, "full", None, max_new_tokens=10)
     assert r.choices[0].text.strip() == want.text
-    assert r.usage.kv_bytes == r.usage.kv_bytes_full == want.kv_bytes
+    # the fp32 stock cache holds twice what the 16-bit stock cache (every ratio's denominator) would
+    assert r.usage.kv_bytes == want.kv_bytes == 2 * r.usage.kv_bytes_full == 2 * want.full_kv_bytes
 
 
 def test_streaming_equals_plain_and_ends_with_done(server, client):

@@ -22,13 +22,17 @@ from .policies import Policy, make_policy
 from .policies.window import Windowed, window_recency
 from .rope import compact_positions, rope_inv_freq, shift_keys
 from .rows import Rows, shareable
+from .stock import STOCK_BYTES
 from .storage import DEFAULT_GROUP, Storage
 from .store import DenseStore, Piece, check_group
 from .tier import Tier
 
 
 def resolve_budget(budget, prompt_len: int) -> int:
-    """An int budget is tokens; a float in (0, 1] is that fraction of the prompt length."""
+    """An int budget is tokens; a float in (0, 1] is that fraction of the prompt length (a memory
+    plan's ``PromptShare`` resolves itself: its floor, sliding layers)."""
+    if hasattr(budget, "tokens"):
+        return budget.tokens(prompt_len)
     if isinstance(budget, float):
         return max(1, math.ceil(budget * prompt_len - 1e-9))
     return budget
@@ -77,6 +81,8 @@ class EvictingLayer(CacheLayerMixin):
     # -- transformers' layer protocol -------------------------------------------------------
     def lazy_initialization(self, key_states, value_states) -> None:
         b, h, m, dk = key_states.shape
+        if hasattr(self.budget_spec, "storage_for"):  # a memory plan: a short prompt is kept at 16 bits
+            self.storage = self.budget_spec.storage_for(self.prompt_len or m, self.storage)
         self.budget, policy = self._windowed(resolve_budget(self.budget_spec, m))
         policy.check(self.budget)
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -368,6 +374,8 @@ class EvictingCache(Cache):
             raise ValueError(f"the prompt length must be a positive int number of tokens, got {n!r}.")
         for layer in self.layers:
             if not layer.is_initialized:
+                if hasattr(layer.budget_spec, "storage_for"):  # a memory plan: a short prompt is kept at 16 bits
+                    layer.storage = layer.budget_spec.storage_for(n, layer.storage)
                 layer.budget_spec = resolve_budget(layer.budget_spec, n)
                 layer.prompt_len = n
 
@@ -406,14 +414,19 @@ class EvictingCache(Cache):
         when quantized), positions, validity and policy statistics, of every layer and tier."""
         return sum(layer.kv_bytes() for layer in self.layers)
 
-    def full_kv_bytes(self) -> int:
-        """Bytes a full (unevicted) cache of the model's dtype would hold for the tokens seen so far."""
+    def full_kv_bytes(self, dtype_bytes: int | None = STOCK_BYTES) -> int:
+        """Bytes a stock transformers cache would hold for the tokens seen so far (``kvevict.stock``):
+        every token of a full-attention layer, the last window - 1 of a sliding one, at
+        ``dtype_bytes`` per value: 2 (16 bits, the denominator of every ratio), or None for the
+        model's own dtype."""
         total = 0
         for layer in self.layers:
             if layer.is_initialized:
                 h, dk, dv = layer.dims
                 b = layer.n_real.shape[0]
-                total += b * h * layer.seen * (dk + dv) * layer.dtype.itemsize
+                # a sliding layer of the stock cache keeps its last window - 1 tokens
+                kept = layer.seen if layer.window is None else min(layer.seen, layer.window - 1)
+                total += b * h * kept * (dk + dv) * (dtype_bytes or layer.dtype.itemsize)
         return total
 
     def peak_entries(self) -> int:
@@ -472,7 +485,7 @@ def _head_dim(model) -> int | None:
     return hidden // heads if isinstance(heads, int) and isinstance(hidden, int) and heads else None
 
 
-def make_cache(model, policy="h2o", budget=0.2, recent=None, compact=False, kv_bits=None, group=None,
+def make_cache(model, policy=None, budget=0.2, recent=None, compact=False, kv_bits=None, group=None,
                evicted_bits=None, evicted_budget=None, memory=None, question=None, **policy_params) -> EvictingCache:
     """A cache for ``model.generate(..., past_key_values=cache)`` that keeps at most ``budget``
     tokens per layer and KV head, evicting with ``policy``.
@@ -485,10 +498,14 @@ def make_cache(model, policy="h2o", budget=0.2, recent=None, compact=False, kv_b
     of ``group`` channels, default 32 or gcd(32, head_dim); see kvevict.store); None keeps the model's dtype.
     evicted_bits: demote evicted tokens into a tier of that many bits instead of dropping them
     (MiKV); ``evicted_budget`` caps it (int tokens or fraction of the prompt; default the rest of the prompt).
-    memory: a budget in bytes instead: a fraction of what the full cache would hold (0.2, '20%') or
-    bytes per sequence ('64MiB'). It replaces ``budget`` and the storage options with the split of
-    tokens kept x bits per token measured best (``kvevict.memory.plan``): the recommended way to
-    bound a cache; 0.2 keeps every token at 4 bits (+~1% perplexity on SmolLM2).
+    policy: a name (``kvevict.POLICIES``), a spec or a Policy; not given: ``h2o``, the streaming
+    policy a cache handed to ``model.generate`` needs (``kvevict.memory.pick_policy``; a prompt
+    known in advance is better served by ``kvevict.generate.generate``, which picks ``kvzip-pool``).
+    memory: a budget in bytes instead: a fraction of what a stock cache would hold for the same
+    tokens in 16 bits (0.2, '20%'; ``kvevict.stock``) or bytes per sequence ('64MiB'). It replaces
+    ``budget`` and the storage options with the split of tokens kept x bits per token measured best
+    (``kvevict.memory.plan``): the recommended way to bound a cache. A fraction keeps at least
+    ``kvevict.memory.MIN_TOKENS`` tokens per layer and KV head, so a short prompt is never cut.
     question: the prompt's last N tokens are its question: never evicted, and the observation
     window of the policies that have one (SnapKV, expected attention). Honest only when the whole
     question is in the prompt at prefill (kvevict.generate.question_tokens counts it).
@@ -500,6 +517,10 @@ def make_cache(model, policy="h2o", budget=0.2, recent=None, compact=False, kv_b
         if isinstance(recent, bool) or not isinstance(recent, int):
             raise ValueError(f"recent must be an int number of tokens, got {recent!r}.")
         policy_params["recent"] = recent
+    if policy is None:
+        from .memory import pick_policy
+
+        policy = pick_policy(prompt_known=False)
     pol = make_policy(policy, **policy_params)
     if question is not None:
         if isinstance(question, bool) or not isinstance(question, int) or question < 0:
@@ -515,8 +536,11 @@ def make_cache(model, policy="h2o", budget=0.2, recent=None, compact=False, kv_b
         from .memory import plan_for_model
 
         p = plan_for_model(model, memory, pol, group)
-        budget, kv_bits, evicted_bits, evicted_budget = (p.budget, p.storage.kv_bits, p.storage.evicted_bits,
-                                                          p.storage.evicted_budget)
+        storage, known = p.storage, getattr(pol, "prompt_tokens", None)
+        if known and hasattr(p.budget, "storage_for"):  # a recorded prompt (kvzip): its storage now
+            storage = p.budget.storage_for(known, storage)
+        budget, kv_bits, evicted_bits, evicted_budget = (p.budget, storage.kv_bits, storage.evicted_bits,
+                                                          storage.evicted_budget)
     check_budget(budget)
     storage = Storage(kv_bits=kv_bits, group=group, evicted_bits=evicted_bits, evicted_budget=evicted_budget)
     num_layers = _check_hookable(model)

@@ -12,6 +12,7 @@ from transformers import DynamicCache
 from .cache import make_cache
 from .policies import policy_class
 from .prefill import check_mode, prefill
+from .stock import STOCK_BYTES
 from .storage import Storage, split_spec
 
 FULL = ("full", "none")
@@ -27,9 +28,10 @@ class Result:
     prompt_tokens: int
     new_tokens: int
     kv_bytes: int
-    full_kv_bytes: int
+    full_kv_bytes: int  # what a stock cache holds for the same tokens in 16 bits (kvevict.stock)
     seconds: float
-    storage: str = ""  # how the kept tokens are stored, e.g. "int4, every token"
+    storage: str = ""  # how the kept tokens are stored and how many, e.g. "int4, 730 of 1290 tokens"
+    model_kv_bytes: int = 0  # the same stock cache in the model's own dtype
 
     def as_dict(self):
         return asdict(self)
@@ -74,6 +76,12 @@ def dynamic_kv_bytes(cache: DynamicCache) -> int:
     return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.is_initialized)
 
 
+def stock_kv_bytes16(cache: DynamicCache) -> int:
+    """The stock cache's keys and values at 16 bits (the denominator of every ratio, kvevict.stock)."""
+    return sum((layer.keys.numel() + layer.values.numel()) * STOCK_BYTES
+               for layer in cache.layers if layer.is_initialized)
+
+
 def _greedy(model, tokenizer, ids, cache, max_new_tokens) -> torch.Tensor:
     """Prompt + greedy continuation token ids, one sequence."""
     return model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, do_sample=False,
@@ -81,17 +89,24 @@ def _greedy(model, tokenizer, ids, cache, max_new_tokens) -> torch.Tensor:
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prompt, policy="h2o", budget=0.2, max_new_tokens=64, prefill_mode="full",
+def generate(model, tokenizer, prompt, policy=None, budget=0.2, max_new_tokens=64, prefill_mode="full",
              stride=None, memory=None, question=None, **policy_params) -> Result:
     """Greedy generation of one prompt (chat messages or raw text) under ``policy`` and ``budget``;
     ``policy="full"`` runs the stock transformers DynamicCache with SDPA as the reference.
     ``prefill_mode``: full, token or block (with ``stride``), see kvevict.prefill.
     ``memory``: a budget in bytes instead of ``budget`` (see ``make_cache``).
+    ``policy`` not given: with ``memory``, ``kvzip-pool`` when the whole prompt enters at once (it
+    is known before decoding) and ``h2o`` under token or block prefill (``kvevict.memory.pick_policy``);
+    without, ``h2o``.
     ``question``: protect the prompt's last N tokens and observe them (``make_cache(question=N)``);
     True (or a policy spec ending in ``+q``) counts the question with ``question_tokens``.
     Switches the model's attention implementation: not for concurrent use on a shared model
     (the server runs every model call on one worker thread)."""
     check_mode(prefill_mode, stride)
+    if policy is None:
+        from .memory import pick_policy
+
+        policy = pick_policy(prompt_known=memory is not None and prefill_mode == "full")
     label = policy if isinstance(policy, str) else getattr(policy, "name", policy)
     policy, asked = split_question(policy)
     if asked or question is True:
@@ -131,26 +146,33 @@ def generate(model, tokenizer, prompt, policy="h2o", budget=0.2, max_new_tokens=
         if question:
             policy_params["question"] = question
         cache = make_cache(model, policy, budget, **policy_params)
-        if memory is not None:  # what the memory budget was planned into
-            budget = cache.layers[0].budget_spec
+        if memory is not None:  # what the memory budget was planned into (a pooled one: the layers' mean)
+            specs = [layer.budget_spec for layer in cache.layers]
+            budget = specs[0] if len(set(specs)) == 1 else round(sum(specs) / len(specs))
     start = time.perf_counter()
     if policy not in FULL:
         prefill(model, cache, ids, mode=prefill_mode, stride=stride)
     out = _greedy(model, tokenizer, ids, cache, max_new_tokens)
     seconds = time.perf_counter() - start + record_seconds
     new = out[0, ids.shape[1]:]
-    if policy in FULL:
-        held = full = dynamic_kv_bytes(cache)
+    if policy in FULL:  # the stock cache itself: its bytes, and the same tensors in 16 bits
+        held = own = dynamic_kv_bytes(cache)
+        full = stock_kv_bytes16(cache)
     else:
-        held, full = cache.kv_bytes(), cache.full_kv_bytes()
+        held, full, own = cache.kv_bytes(), cache.full_kv_bytes(), cache.full_kv_bytes(dtype_bytes=None)
     return Result(policy=label, budget=None if policy in FULL else budget,
                   text=tokenizer.decode(new, skip_special_tokens=True).strip(), prompt_tokens=ids.shape[1],
                   new_tokens=len(new), kv_bytes=held, full_kv_bytes=full, seconds=seconds,
-                  storage="" if policy in FULL else _storage_label(cache))
+                  storage="" if policy in FULL else _storage_label(cache), model_kv_bytes=own)
 
 
 def _storage_label(cache) -> str:
-    """'int8+int4, 1068 of 1084 tokens': how the kept tokens are stored, how many of those seen are kept."""
-    layer = cache.layers[0]
-    kept = sum(t.filled for t in layer.tiers)
-    return f"{cache.storage.label or 'model dtype'}, {kept} of {layer.seen} tokens"
+    """'int8+int4, 1068 of 1084 tokens': how the kept tokens are stored, and how many of the tokens
+    seen a layer and KV head keeps, on average over the layers and KV heads (a pooled budget, as
+    kvzip-pool's, gives layers and heads unequal shares)."""
+    layers = [layer for layer in cache.layers if layer.is_initialized]
+    kept = sum(int(t.valid[..., : t.filled].sum()) / (t.valid.shape[0] * layer.dims[0])
+               for layer in layers for t in layer.tiers) / max(1, len(layers))
+    seen = layers[0].seen if layers else 0
+    label = layers[0].storage.label if layers else cache.storage.label  # a short prompt's may differ
+    return f"{label or 'model dtype'}, {round(kept)} of {seen} tokens"

@@ -1,17 +1,32 @@
 """Budgets in bytes: say how much memory the cache may hold, get tokens kept x bits per token.
 
-``make_cache(model, memory=0.2)`` uses it. A memory budget is a fraction of what the full cache (the model's dtype) would hold for the
-prompt (``0.2``, ``"20%"``), or bytes per sequence (``"64MiB"``, ``2**26``). ``plan`` turns it into
-a storage and a token budget by the rule measured on SmolLM2 (docs/quality-per-byte.md):
+``make_cache(model, memory=0.2)`` uses it. A memory budget is a fraction of what a stock
+transformers cache would hold for the prompt with 16-bit keys and values (``kvevict.stock``:
+sliding-window layers at their window, every other layer at every token), whatever the model's own
+dtype (``0.2``, ``"20%"``), or bytes per sequence (``"64MiB"``, ``2**26``). ``plan`` turns it into a
+storage and a token budget by the rule measured on SmolLM2 (docs/quality-per-byte.md), with r8 and
+r4 the bytes of an int8 and an int4 slot over a 16-bit token's (0.60 and 0.35 at head_dim 64):
 
-  - from ~30% of the full bytes, every token at int8 (+0.0002 nats per token: lossless);
-  - from ~17.4% (what int4 for every token costs) to 30%, every token still kept, in two tiers:
-    the share f the policy ranks highest (H2O: heavy hitters + the recent window) at int8, the rest
-    demoted to int4 (mixed precision, MiKV), f chosen so the two tiers fill the memory. At 20% this
-    costs +0.002 nats per token, a fifth of int4 for every token and a seventh of plain H2O;
-  - below 17.4%, evict with the policy and keep int4 for the tokens kept: at the same bytes this
-    costs a third of plain H2O's NLL at 10% and a quarter at 5%. 2-bit storage (for every token,
-    or for the demoted ones) costs +1 to +3 nats per token, or more than evicting: never chosen.
+  - from r8, every token at int8 (+0.0002 nats per token: lossless);
+  - from r4 (what int4 for every token costs) to r8, every token still kept, in two tiers: the
+    share f the policy ranks highest at int8, the rest demoted to int4 (mixed precision, MiKV),
+    f chosen so the two tiers fill the memory: f r8 + (1 - f) r4 = memory;
+  - below r4, evict with the policy and keep int4 for the tokens kept (memory / r4 of them). 2-bit
+    storage (for every token, or for the demoted ones) costs +1 to +3 nats per token, or more than
+    evicting: never chosen.
+
+A fractional budget never cuts a short prompt: it keeps at least ``MIN_TOKENS`` tokens per layer
+and KV head (as the server's ``--min-budget`` does for token budgets), so a short chat is stored
+whole at the plan's bits and holds more than the fraction says. On a model with sliding-window
+layers the token budget B is solved in bytes once the prompt's length n is known, a sliding layer
+holding min(window, B) tokens:  sum_l min(cap_l, B) x r = memory x sum_l kept_l(n).
+
+Which policy a budget picks when none is named (``pick_policy``): a prompt-scoring one
+(``kvzip-pool``) when the whole prompt is known before decoding (``kvevict.generate.generate``,
+``kvevict generate``, the demo), a streaming one (``h2o``) when it is not (a cache handed to
+``model.generate``, chunked prefill, streams, the server's running batches). At 20% of the 16-bit
+stock cache on SmolLM2, ``kvzip-pool`` over int4 found the access codes the full cache found (10/12
+at 1.2K tokens, 6/6 at 3.5K) where H2O over int4 found 4/12 and 2/6 (issue 20).
 
 Per slot and KV head: ``Storage.slot_bytes`` (codes, fp16 zero and step per group, int32 position,
 bool validity, the policy's fp32 statistics).
@@ -19,16 +34,18 @@ bool validity, the policy's fp32 statistics).
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
+from .stock import STOCK_BYTES, kept_tokens, stock_windows
 from .storage import DEFAULT_GROUP, Storage
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
 def parse_memory(memory) -> float | int:
-    """0.2 or '20%' -> 0.2 (fraction of the full cache's bytes); '64MiB' or 67108864 -> bytes (int)."""
+    """0.2 or '20%' -> 0.2 (fraction of a 16-bit stock cache's bytes); '64MiB' or 67108864 -> bytes (int)."""
     if isinstance(memory, bool):
         raise ValueError(f"memory must be a fraction in (0, 1], a percentage or a size such as '64MiB', got {memory!r}.")
     if isinstance(memory, str):
@@ -50,50 +67,119 @@ def parse_memory(memory) -> float | int:
                              "or a size (64MiB, 2GiB).")
     if isinstance(memory, float):
         if not 0.0 < memory <= 1.0:
-            raise ValueError(f"a fractional memory budget is a share of the full cache's bytes, in (0, 1]; got {memory}.")
+            raise ValueError(f"a fractional memory budget is a share of a 16-bit stock cache's bytes, in (0, 1]; got {memory}.")
         return memory
     if isinstance(memory, int) and memory > 0:
         return memory
     raise ValueError(f"memory must be a fraction in (0, 1], a percentage or a size such as '64MiB', got {memory!r}.")
 
 
+MIN_TOKENS = 128  # a fractional memory budget keeps at least this many tokens per layer and KV head
+PROMPT_POLICY = "kvzip-pool"  # scores the whole prompt before decoding
+STREAM_POLICY = "h2o"  # scores what streams in
+
+
+def pick_policy(prompt_known: bool) -> str:
+    """The policy a memory budget uses when none is named (see the module's rule)."""
+    return PROMPT_POLICY if prompt_known else STREAM_POLICY
+
+
+class PromptShare(float):
+    """A fractional token budget from a memory plan: its value is the share of the prompt kept on a
+    model without sliding layers (what ``check_budget`` and the layer schedules read), and
+    ``tokens(n)`` resolves it for an n-token prompt: the bytes solve for sliding layers, then the
+    floor of ``floor`` tokens. ``kvevict.cache.resolve_budget`` calls it, and the cache asks
+    ``storage_for(n, planned)`` once the prompt's length is known: a prompt of at most ``floor``
+    tokens is kept whole at 16 bits (``short_bits``: the model's dtype when it is 16-bit, else
+    float16), where 4-bit codes changed SmolLM2's greedy answers to 10 of 13 short chats (fp32)."""
+
+    def __new__(cls, value: float, memory: float = 0.0, ratio: float = 1.0, windows: tuple = (), floor: int = 1,
+                short_bits: int | None = 16):
+        self = super().__new__(cls, value)
+        self.memory, self.ratio, self.windows, self.floor = memory, ratio, tuple(windows), floor
+        self.short_bits = short_bits
+        return self
+
+    def __reduce__(self):
+        return PromptShare, (float(self), self.memory, self.ratio, self.windows, self.floor, self.short_bits)
+
+    def storage_for(self, n: int, planned: Storage) -> Storage:
+        """The storage for an n-token prompt: ``planned``, or 16 bits for a short prompt."""
+        return Storage(kv_bits=self.short_bits, group=planned.group) if n <= self.floor else planned
+
+    def tokens(self, n: int) -> int:
+        if n <= self.floor:  # a short prompt: kept whole, room for the answer up to the floor
+            return self.floor
+        budget = math.ceil(float(self) * n - 1e-9)
+        if any(w is not None for w in self.windows):  # slots the bytes of the stock cache buy, solved for B
+            budget = min(n, _fill(self.memory * kept_tokens(list(self.windows), n) / self.ratio, self.windows))
+        return max(1, self.floor, budget)
+
+
+def _fill(units: float, caps) -> int:
+    """The largest B with sum_l min(cap_l, B) <= units (cap None: no cap)."""
+    lo, hi = 0, int(units) + 1
+    while lo < hi:  # sum_l min(cap_l, B) grows with B
+        mid = (lo + hi + 1) // 2
+        if sum(mid if c is None else min(c, mid) for c in caps) <= units:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 @dataclass(frozen=True)
 class Plan:
-    budget: float | int  # tokens kept at kv_bits: a fraction of the prompt, or tokens
+    budget: float | int  # tokens kept at kv_bits: a fraction of the prompt (a PromptShare), or tokens
     storage: Storage
 
 
 def plan(memory, head_dim_k: int, head_dim_v: int, dtype_bytes: int, n_stats: int, layers_heads: int = 1,
-         group: int = DEFAULT_GROUP, slot_extra: int = 0) -> Plan:
-    """The storage and token budget for ``memory`` (see the module's rule). ``layers_heads``: layers x
-    KV heads, to turn bytes per sequence into slots per (layer, KV head); ``slot_extra``: bytes a slot
-    carries besides ``Storage.slot_bytes`` (Ada-KV's 1-byte head id)."""
+         group: int = DEFAULT_GROUP, slot_extra: int = 0, windows=None, floor: int = MIN_TOKENS) -> Plan:
+    """The storage and token budget for ``memory`` (see the module's rule), as a share of a 16-bit
+    stock cache whatever ``dtype_bytes`` (the model's, for storage kept in it). ``layers_heads``:
+    layers x KV heads, to turn bytes per sequence into slots per (layer, KV head); ``slot_extra``:
+    bytes a slot carries besides ``Storage.slot_bytes`` (Ada-KV's 1-byte head id); ``windows``: per
+    layer the tokens a stock cache keeps at most (``kvevict.stock.stock_windows``), None for a
+    model without sliding layers; ``floor``: the fewest tokens a fractional budget keeps."""
     memory = parse_memory(memory)
-    full = (head_dim_k + head_dim_v) * dtype_bytes  # one token of the full cache, per KV head
+    full = (head_dim_k + head_dim_v) * STOCK_BYTES  # one 16-bit token of the stock cache, per KV head
+    windows = tuple(windows or ())
+    sliding = any(w is not None for w in windows)
 
     def slot(bits) -> float:
         return Storage(kv_bits=bits, group=group).slot_bytes(head_dim_k, head_dim_v, dtype_bytes, n_stats) + slot_extra
 
     if isinstance(memory, int):  # bytes per sequence: as many int4 tokens as fit
-        tokens = int(memory // (layers_heads * slot(4)))
+        if sliding:  # a sliding layer never holds more than its window: the rest goes to the others
+            tokens = _fill(memory / (layers_heads // len(windows) * slot(4)), windows)
+        else:
+            tokens = int(memory // (layers_heads * slot(4)))
         if tokens < 1:
             raise ValueError(f"{memory} bytes hold less than one 4-bit token per layer and KV head "
                              f"({layers_heads * slot(4):.0f} bytes); give more memory.")
         return Plan(tokens, Storage(kv_bits=4, group=group))
     ratio = {bits: slot(bits) / full for bits in (8, 4)}
+
+    short = None if dtype_bytes == STOCK_BYTES else 16  # a short prompt: 16 bits, the model's own if it has them
+
+    def share(value, bits, lone=True):
+        return PromptShare(min(1.0, value), memory, ratio[bits], windows if lone else (), floor, short)
+
     if memory >= ratio[8]:
-        return Plan(min(1.0, memory / ratio[8]), Storage(kv_bits=8, group=group))
+        return Plan(share(memory / ratio[8], 8), Storage(kv_bits=8, group=group))
     if memory >= ratio[4]:
         # every token: the policy's top f at int8, the rest demoted to int4; f r8 + (1 - f) r4 = memory
         f = (memory - ratio[4]) / (ratio[8] - ratio[4])
         if f * 1000 < 1:
-            return Plan(1.0, Storage(kv_bits=4, group=group))
-        return Plan(f, Storage(kv_bits=8, group=group, evicted_bits=4, evicted_budget=1.0 - f))
-    return Plan(memory / ratio[4], Storage(kv_bits=4, group=group))
+            return Plan(share(1.0, 4), Storage(kv_bits=4, group=group))
+        return Plan(share(f, 8, lone=False), Storage(kv_bits=8, group=group, evicted_bits=4, evicted_budget=1.0 - f))
+    return Plan(share(memory / ratio[4], 4), Storage(kv_bits=4, group=group))
 
 
-def plan_for_model(model, memory, policy, group: int = DEFAULT_GROUP) -> Plan:
-    """``plan`` with the model's shape: head dimension, dtype, layers x KV heads, the policy's statistics."""
+def plan_for_model(model, memory, policy, group: int = DEFAULT_GROUP, floor: int = MIN_TOKENS) -> Plan:
+    """``plan`` with the model's shape: head dimension, dtype, layers x KV heads, sliding windows,
+    the policy's statistics."""
     from .cache import _head_dim
 
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -102,4 +188,6 @@ def plan_for_model(model, memory, policy, group: int = DEFAULT_GROUP) -> Plan:
         raise ValueError(f"cannot find the head dimension of {type(model).__name__} to plan a memory budget.")
     layers_heads = config.num_hidden_layers * (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     head_id = 1 if getattr(policy, "adaptive", False) else 0  # a pooled slot says whose head it is (Tier.head)
-    return plan(memory, d, d, model.dtype.itemsize, len(policy.stats), layers_heads, group, head_id)
+    windows = stock_windows(config)
+    return plan(memory, d, d, model.dtype.itemsize, len(policy.stats), layers_heads, group, head_id,
+                windows if any(w is not None for w in windows) else None, floor)

@@ -46,8 +46,9 @@ def add_model_args(p, policy=True, prefill=True):
         p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
                        help="a policy parameter, e.g. --param sinks=4 --param window=32 (repeatable)")
         p.add_argument("--memory", default=None,
-                       help="a budget in bytes instead of --budget: share of the full cache (0.2, 20%%) or size "
-                            "(64MiB); kvevict picks tokens kept x bits (see README)")
+                       help="a budget in bytes instead of --budget: share of a 16-bit stock cache (0.2, 20%%) "
+                            "or size (64MiB); kvevict picks tokens kept x bits, and the policy unless --policy "
+                            "names one (see README)")
         p.add_argument("--kv-bits", type=int, default=None, help="store kept tokens in 16, 8, 4 or 2 bits")
         p.add_argument("--evicted-bits", type=int, default=None,
                        help="demote evicted tokens to a tier of 16, 8, 4 or 2 bits instead of dropping them")
@@ -82,7 +83,7 @@ def check_policy_args(args) -> None:
     from ..policies import POLICIES, policy_class
     from ..prefill import check_mode
 
-    name = split_question(args.policy)[0]  # "snapkv+q": the question protected and observed
+    name = split_question(args.policy or "h2o")[0]  # "snapkv+q": the question protected and observed
     if name not in ("full", "oracle") and policy_class(name) is None:
         raise ValueError(f"unknown policy {args.policy!r}; known policies: full, {', '.join(sorted(POLICIES))} "
                          "(ada-NAME: head-adaptive budgets; NAME+q: the prompt's question protected).")

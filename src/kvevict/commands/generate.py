@@ -9,13 +9,15 @@ from pathlib import Path
 from ._common import add_model_args, check_policy_args, mib, parse_budget, policy_params, setup_threads
 
 NAME = "generate"
-HELP = "answer a prompt under a KV budget; print the answer and the KV bytes held vs the full cache"
+HELP = "answer a prompt under a KV budget; print the answer and the KV bytes held vs a 16-bit stock cache"
 
 
 def add_arguments(p):
     add_model_args(p)
     # like the server: short prompts stay whole, eviction starts past 1024 tokens per layer & KV head
     p.set_defaults(budget="1024")
+    # no --policy: h2o, or with --memory the policy the budget picks (kvzip-pool: the prompt is known)
+    p.set_defaults(policy=None)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", help="file with the prompt text ('-' for stdin)")
@@ -50,6 +52,6 @@ def run(args):
     ratio = res.kv_bytes / res.full_kv_bytes if res.full_kv_bytes else 1.0
     stored = f", {res.storage}" if res.storage else ""
     print(f"\n[{res.policy} budget={res.budget}{stored}] prompt {res.prompt_tokens} tokens, {res.new_tokens} new, "
-          f"{res.seconds:.2f} s; KV held {mib(res.kv_bytes)} vs full cache {mib(res.full_kv_bytes)} "
+          f"{res.seconds:.2f} s; KV held {mib(res.kv_bytes)} vs 16-bit stock cache {mib(res.full_kv_bytes)} "
           f"({ratio:.0%})", file=sys.stderr)
     return 0

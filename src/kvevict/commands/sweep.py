@@ -66,7 +66,7 @@ def run(args):
     where = "a local Ray" if spec == "ray:" else ("Ray at " + spec[4:] if spec.startswith("ray:") else spec)
     print(f"{len(items)} items: {summary.done} run now ({where}), {summary.skipped} already in {args.out}, "
           f"{len(summary.failed)} failed")
-    print(f"{'policy':<10} {'budget':>7} {'n':>3} {'found':>6} {'KV held / full':>15} {'s/item':>7}")
+    print(f"{'policy':<10} {'budget':>7} {'n':>3} {'found':>6} {'of 16-bit stock':>15} {'s/item':>7}")
     for (policy, budget), rs in sorted(rows.items(), key=lambda kv: (kv[0][0] != "full", kv[0][0], str(kv[0][1]))):
         found = sum(r["found"] for r in rs) / len(rs)
         ratio = sum(r["kv_bytes"] for r in rs) / max(1, sum(r["full_kv_bytes"] for r in rs))

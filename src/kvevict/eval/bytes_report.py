@@ -1,8 +1,12 @@
-"""Quality against bytes: each cell of the grid at the share of the full cache's bytes it held
-(kv_bytes / full_kv_bytes, both counted by the cache itself), its paired difference to the full
-cache with a 95% interval, and a Pareto plot (the cells no other cell beats on both axes).
+"""Quality against bytes: each cell of the grid at the share of a 16-bit stock cache's bytes it
+held (kv_bytes / full_kv_bytes, ``kvevict.stock``), its paired difference to the full cache with a
+95% interval, and a Pareto plot (the cells no other cell beats on both axes).
 
     python -m kvevict.eval.bytes_report results/qpb [more folders...] --out docs/quality-per-byte
+
+Records written before issue 20 (no ``bytes_basis``) counted a full cache in the model's dtype,
+every layer at every token: their denominator is rescaled to 16 bits by ``--legacy-dtype-bytes``
+(4: every such run of this project held SmolLM2, which has no sliding layers, in fp32).
 """
 
 from __future__ import annotations
@@ -13,23 +17,33 @@ from pathlib import Path
 
 from . import records
 from ..plotting import pyplot
+from ..stock import STOCK_BYTES
 from .caches import FULL
 from .report import collect, paired_difference
 from .tasks import TASKS
 
 
-def byte_shares(recs: list[dict]) -> dict:
-    """{(task, policy, budget): mean kv_bytes / full_kv_bytes} over the records that carry both."""
+def stock_share(rec: dict, legacy_dtype_bytes: int = 4) -> float:
+    """kv_bytes over a 16-bit stock cache's bytes for the same tokens; an old record's full cache
+    (model dtype, ``legacy_dtype_bytes`` per value) rescaled to 16 bits."""
+    full = rec["full_kv_bytes"]
+    if rec.get("bytes_basis") != records.BASIS:
+        full = full * STOCK_BYTES / legacy_dtype_bytes
+    return rec["kv_bytes"] / full
+
+
+def byte_shares(recs: list[dict], legacy_dtype_bytes: int = 4) -> dict:
+    """{(task, policy, budget): mean share of a 16-bit stock cache} over the records that carry both."""
     acc: dict = {}
     for r in recs:
         if r.get("kv_bytes") and r.get("full_kv_bytes"):
-            acc.setdefault((r["task"], r["policy"], r["budget"]), []).append(r["kv_bytes"] / r["full_kv_bytes"])
+            acc.setdefault((r["task"], r["policy"], r["budget"]), []).append(stock_share(r, legacy_dtype_bytes))
     return {k: sum(v) / len(v) for k, v in acc.items()}
 
 
-def rows(recs: list[dict]) -> list[dict]:
+def rows(recs: list[dict], legacy_dtype_bytes: int = 4) -> list[dict]:
     """One row per task and non-reference cell: bytes share, mean score, paired difference to full."""
-    table, shares, out = collect(recs), byte_shares(recs), []
+    table, shares, out = collect(recs), byte_shares(recs, legacy_dtype_bytes), []
     for task_name, by_metric in table.items():
         task = TASKS.get(task_name)
         metric = getattr(task, "primary", None) or next(iter(by_metric))
@@ -67,7 +81,7 @@ def markdown(all_rows: list[dict]) -> str:
         tr = [r for r in all_rows if r["task"] == task_name]
         front = pareto(tr)
         lines += [f"### {task_name} ({tr[0]['metric']}; full cache {tr[0]['ref_mean']:.4g})", "",
-                  "| cache | budget | bytes (of full) | mean | paired − full [95% CI] | n | Pareto |",
+                  "| cache | budget | bytes (of 16-bit stock) | mean | paired − full [95% CI] | n | Pareto |",
                   "|---|---|---|---|---|---|---|"]
         for i, r in enumerate(tr):
             share = "?" if r["bytes"] is None else f"{r['bytes']:.1%}"
@@ -93,7 +107,7 @@ def plot(all_rows: list[dict], path: Path) -> None:
         if len(pts) > 1:
             ax.plot(*zip(*pts), "k--", lw=0.8)
         ax.axhline(0, color="grey", lw=0.8)
-        ax.set_xlabel("KV bytes held, % of the full cache")
+        ax.set_xlabel("KV bytes held, % of a 16-bit stock cache")
         ax.set_ylabel(f"{tr[0]['metric'] if tr else ''} − full cache (paired)")
         ax.set_title(task_name)
         ax.legend(fontsize=7)
@@ -106,11 +120,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("folders", nargs="+", help="eval output folders (records.jsonl)")
     p.add_argument("--out", required=True, help="path prefix: writes PREFIX.md and PREFIX.png")
+    p.add_argument("--legacy-dtype-bytes", type=int, default=4, choices=(2, 4),
+                   help="bytes per value of the full cache in records written before issue 20 (default 4: fp32)")
     args = p.parse_args(argv)
     recs = [r for f in args.folders for r in records.load(f).values()]
     if not recs:
         raise SystemExit(f"no records in {', '.join(args.folders)}")
-    all_rows = rows(recs)
+    all_rows = rows(recs, args.legacy_dtype_bytes)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     text = markdown(all_rows)

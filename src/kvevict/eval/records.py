@@ -7,6 +7,9 @@ import json
 from pathlib import Path
 
 FILE = "records.jsonl"
+# records written since issue 20 carry it: full_kv_bytes is a stock cache at 16 bits; older ones
+# counted every layer at every token in the model's dtype (see bytes_report.stock_share)
+BASIS = "stock16"
 
 
 def budget_key(budget) -> str:
@@ -44,6 +47,8 @@ class Writer:
             self._fh.write("\n")  # a killed run may have left half a line: start a fresh one
 
     def write(self, rec: dict) -> None:
+        if "full_kv_bytes" in rec:  # what full_kv_bytes counts: a 16-bit stock cache (kvevict.stock)
+            rec = {**rec, "bytes_basis": BASIS}
         self._fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
         self._fh.flush()
 

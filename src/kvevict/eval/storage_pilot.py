@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     setup_threads(args)
     model, tok = load_model(args.model)
     res = run(model, tok, configs, args.windows)
-    print("\n| config | bytes (of full) | NLL − full, mean over windows | per window |\n|---|---|---|---|")
+    print("\n| config | bytes (of 16-bit stock) | NLL − full, mean over windows | per window |\n|---|---|---|---|")
     for name, vals in res.items():
         mean = sum(v[1] for v in vals) / len(vals)
         print(f"| {name} | {sum(v[2] for v in vals) / len(vals):.1%} | {mean:+.4f} | "

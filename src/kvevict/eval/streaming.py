@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import metrics
-from ..generate import dynamic_kv_bytes
+from ..generate import dynamic_kv_bytes, stock_kv_bytes16
 from .caches import FULL, new_cache
 
 
@@ -23,7 +23,7 @@ class StreamScore:
     top1: list = field(default_factory=list)
     kl: list = field(default_factory=list)
     kv_bytes: int = 0  # held at the end of the stream
-    full_kv_bytes: int = 0  # a full cache of the model's dtype, same tokens
+    full_kv_bytes: int = 0  # a stock cache in 16 bits, same tokens (kvevict.stock)
 
 
 @torch.no_grad()
@@ -55,10 +55,10 @@ def stream_compare(model, ids: torch.Tensor, cells: list[tuple[str, object]], ch
             sc.nll += metrics.token_nll(out, y).tolist()
             sc.top1 += metrics.top1_agreement(out, ref).tolist()
             sc.kl += metrics.kl_divergence(out, ref).clamp_min(0).tolist()
-    full = dynamic_kv_bytes(ref_cache)
+    held, full = dynamic_kv_bytes(ref_cache), stock_kv_bytes16(ref_cache)
     for cell, sc in scores.items():
         sc.full_kv_bytes = full
-        sc.kv_bytes = full if cell[0] == FULL else caches[cell].kv_bytes()
+        sc.kv_bytes = held if cell[0] == FULL else caches[cell].kv_bytes()
     return scores
 
 

@@ -313,7 +313,7 @@ class Engine:
         held = self.budgeter.row_bytes(req.policy, budget, req.recent, r.fed)
         usage = {"prompt_tokens": prompt, "completion_tokens": r.generated, "total_tokens": prompt + r.generated,
                  "kv_policy": req.policy, "kv_budget": req.budget, "kv_budget_tokens": budget,
-                 "kv_bytes": held, "kv_bytes_full": r.fed * self.budgeter.token_bytes, "kv_evicted_tokens": evicted}
+                 "kv_bytes": held, "kv_bytes_full": self.budgeter.stock_bytes(r.fed), "kv_evicted_tokens": evicted}
         self.metrics.add("kvevict_requests_total", outcome="completed")
         r.handle.push(("finish", reason, usage))
 
@@ -331,8 +331,7 @@ class Engine:
         m.set("kvevict_running_batches", len(self._running))
         m.set("kvevict_kv_bytes_held", held)
         m.set("kvevict_kv_bytes_reserved", self._bound())
-        m.set("kvevict_kv_bytes_full", sum(r.fed for run in self._running for r in run.rows)
-              * self.budgeter.token_bytes)
+        m.set("kvevict_kv_bytes_full", sum(self.budgeter.stock_bytes(r.fed) for run in self._running for r in run.rows))
         m.peak("kvevict_kv_bytes_peak", held)
 
 

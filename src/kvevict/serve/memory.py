@@ -25,6 +25,7 @@ from transformers import DynamicCache
 from ..cache import layer_budgets, layer_windows, make_cache
 from ..policies import POLICIES, make_policy
 from ..rows import stat_names
+from ..stock import STOCK_BYTES
 from ..tier import PAGE, pages
 
 PROBES = (64, 128)  # budgets of the two probe caches
@@ -49,6 +50,8 @@ class Budgeter:
         self.per_layer = [layer.keys.nbytes + layer.values.nbytes for layer in full.layers if layer.is_initialized]
         self.token_bytes = sum(self.per_layer)  # one token of one sequence in a full cache, every layer
         self.entries_per_token = sum(layer.keys.shape[1] for layer in full.layers if layer.is_initialized)
+        # the denominator of usage's kv_bytes_full: a stock cache in 16 bits, sliding layers at their window
+        self.stock_per_layer = [n * STOCK_BYTES // model.dtype.itemsize for n in self.per_layer]
         self.slots_of = {}  # policy -> per layer (bytes per slot, bytes per sequence besides)
         for name in POLICIES:
             try:
@@ -69,6 +72,10 @@ class Budgeter:
             self.model(torch.zeros(1, tokens, dtype=torch.long), past_key_values=cache, use_cache=True,
                        logits_to_keep=1)
         return cache
+
+    def stock_bytes(self, tokens: int) -> int:
+        """What a stock cache holds for ``tokens`` tokens of one sequence in 16 bits (``kvevict.stock``)."""
+        return sum(n * (tokens if w is None else min(tokens, w)) for n, w in zip(self.stock_per_layer, self.windows))
 
     def slots(self, policy, budget_tokens: int, length: int) -> list[int]:
         """Slots per layer and KV head a row of ``length`` tokens holds: whole pages, never past its

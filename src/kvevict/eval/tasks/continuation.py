@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ...generate import dynamic_kv_bytes
+from ...generate import dynamic_kv_bytes, stock_kv_bytes16
 from .. import metrics
 from ..caches import FULL, new_cache
 from .base import Sample
@@ -72,7 +72,7 @@ class ContinuationTask(PerplexityTask):
             cache = new_cache(model, *cell, sequence=ids, prompt=ctx, tokenizer=tokenizer)
             logits = continuation_logits(model, cache, ctx, cont, self.chunk)
             if ref is None:
-                ref, full_bytes = logits, dynamic_kv_bytes(cache)
+                ref, full_bytes, ref_bytes = logits, stock_kv_bytes16(cache), dynamic_kv_bytes(cache)
             if cell not in cells:
                 continue
             nll = metrics.token_nll(logits, y)
@@ -80,7 +80,7 @@ class ContinuationTask(PerplexityTask):
                                     "top1": metrics.top1_agreement(logits, ref).mean().item(),
                                     "kl": metrics.kl_divergence(logits, ref).clamp_min(0).mean().item()},
                          "output": None, "tokens": ids.shape[1], "context_tokens": self.context,
-                         "kv_bytes": full_bytes if cell[0] == FULL else cache.kv_bytes(),
+                         "kv_bytes": ref_bytes if cell[0] == FULL else cache.kv_bytes(),
                          "full_kv_bytes": full_bytes}
             self._done(cell, out[cell])
         return out

@@ -1,0 +1,145 @@
+"""Issue 20: every bytes ratio is a share of what a stock transformers cache holds in 16 bits
+(sliding-window layers at their window), and a memory budget picks the policy too."""
+
+import copy
+
+import pytest
+import torch
+from conftest import tiny_model
+from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM
+
+import kvevict
+from kvevict.generate import dynamic_kv_bytes, generate
+from kvevict.memory import MIN_TOKENS, PromptShare, plan_for_model
+from kvevict.policies import make_policy
+from kvevict.stock import stock_windows, stock_kv_bytes
+
+SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=512)
+
+
+def gemma3():
+    """Gemma 3's layout: five sliding layers (window 16) to one global one."""
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(**SMALL, num_hidden_layers=6, head_dim=8, sliding_window=16)
+    return Gemma3ForCausalLM(cfg).eval()
+
+
+def mistral_sliding():
+    """Mistral-style: ``sliding_window`` and no ``layer_types`` (every layer slides)."""
+    torch.manual_seed(0)
+    return MistralForCausalLM(MistralConfig(**SMALL, num_hidden_layers=2, sliding_window=12)).eval()
+
+
+MODELS = {"llama-gqa": lambda: tiny_model("llama-gqa"), "gemma3": gemma3, "mistral-sliding": mistral_sliding}
+
+
+def _feed(model, cache, ids, steps=5):
+    """The prompt, then ``steps`` decoding steps (one token each), as generate feeds a cache."""
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+        for t in range(steps):
+            model(ids[:, t:t + 1], past_key_values=cache)
+    return cache
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("arch", list(MODELS))
+def test_full_kv_bytes_is_what_the_stock_cache_holds_at_16_bits(arch, dtype):
+    model = MODELS[arch]().to(dtype)
+    ids = torch.randint(0, 128, (2, 40))
+    stock = _feed(model, DynamicCache(config=model.config), ids)
+    held = dynamic_kv_bytes(stock)  # the stock cache's own tensors, in 16 bits here
+    cache = _feed(model, kvevict.make_cache(model, "h2o", budget=64), ids)
+    assert cache.full_kv_bytes() == held == cache.full_kv_bytes(dtype_bytes=None)
+    assert stock_kv_bytes(model.config, 45, batch=2) == held
+    every = sum(2 * layer.dims[0] * layer.seen * (layer.dims[1] + layer.dims[2]) * 2 for layer in cache.layers)
+    sliding = any(w is not None for w in stock_windows(model.config))
+    assert sliding == (arch != "llama-gqa") and (held < every if sliding else held == every)
+
+
+def test_an_fp32_model_is_counted_at_16_bits_with_its_own_dtype_beside():
+    model = gemma3()
+    ids = torch.randint(0, 128, (1, 30))
+    stock = _feed(model, DynamicCache(config=model.config), ids)
+    cache = _feed(model, kvevict.make_cache(model, "h2o", budget=64), ids)
+    assert cache.full_kv_bytes(dtype_bytes=None) == dynamic_kv_bytes(stock)  # fp32: 4 bytes a value
+    assert cache.full_kv_bytes() * 2 == dynamic_kv_bytes(stock)
+    r = generate(model, _CharTok(), ids, "full", None, max_new_tokens=3)
+    assert r.kv_bytes == r.model_kv_bytes == 2 * r.full_kv_bytes  # the fp32 stock cache: 200% of 16 bits
+
+
+class _CharTok:
+    """Just what generate asks of a tokenizer when the prompt is token ids."""
+    pad_token_id = 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(str(int(i)) for i in ids)
+
+
+@pytest.mark.parametrize("memory", [0.95, 0.75, 0.4, 0.1])
+def test_memory_fractions_hold_the_same_bytes_in_fp32_and_bf16(memory):
+    # head_dim 16, groups of 8 channels: int8 from 57/64 of a 16-bit token, int8 + int4 from 41/64, int4 below
+    fp32 = tiny_model("llama-mha")
+    bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
+    ids = torch.randint(0, 128, (2, 1200))  # long enough that the floor does not bind
+    held = {}
+    for name, model in (("fp32", fp32), ("bf16", bf16)):
+        cache = _feed(model, kvevict.make_cache(model, memory=memory, group=8), ids, steps=3)
+        held[name] = (cache.kv_bytes(), cache.full_kv_bytes(), cache.layers[0].storage.label, cache.budget)
+    assert held["fp32"] == held["bf16"]
+    kv, full, label, _ = held["fp32"]
+    assert label == {0.95: "int8", 0.75: "int8+int4", 0.4: "int4", 0.1: "int4"}[memory]
+    assert 0.75 * memory * full <= kv <= 1.02 * memory * full
+
+
+def test_a_memory_budget_picks_a_streaming_policy_or_a_prompt_scoring_one(tmp_path):
+    from tiny_chat_model import save_tiny_chat_model
+
+    model, tok = kvevict.load_model(str(save_tiny_chat_model(tmp_path / "m")))
+    assert kvevict.make_cache(model, memory=0.2).policy.name == "h2o"  # a cache for model.generate
+    assert kvevict.make_cache(model, "h2o", 0.2).layers[0].budget_spec == 0.2  # positional calls still work
+    assert kvevict.make_cache(model, "tova", memory=0.2).policy.name == "tova"
+    text = "Tell me about the fox and the crow. " * 12
+    known = generate(model, tok, text, memory=0.2, max_new_tokens=4)  # the whole prompt, before decoding
+    assert known.policy == "kvzip-pool"
+    chunked = generate(model, tok, text, memory=0.2, max_new_tokens=4, prefill_mode="block", stride=32)
+    assert chunked.policy == "h2o"
+    named = generate(model, tok, text, "snapkv", memory=0.2, max_new_tokens=4)
+    assert named.policy == "snapkv"
+    assert generate(model, tok, text, max_new_tokens=4).policy == "h2o"  # no memory: the token budget's default
+    # kvzip-pool pools its budget over layers and heads: the label says the mean a layer and head keeps
+    kept, seen = (int(x) for x in known.storage.split(", ")[1].removesuffix(" tokens").split(" of "))
+    assert known.storage.startswith("int4, ") and seen == known.prompt_tokens + known.new_tokens - 1
+    assert kept <= seen and abs(kept - known.budget) <= 1
+
+
+def test_a_fractional_memory_budget_never_cuts_a_short_prompt():
+    model = tiny_model("llama-gqa")
+    short = _feed(model, kvevict.make_cache(model, memory=0.05), torch.randint(0, 128, (1, 40)), steps=3)
+    layer = short.layers[0]
+    # kept whole at 16 bits, with room for an answer up to the floor
+    assert short.budget == MIN_TOKENS and layer.evicted == 0 and layer.storage.kv_bits == 16
+    assert int(layer.tiers[0].valid.sum()) == 43 * layer.dims[0]
+    long = _feed(model, kvevict.make_cache(model, memory=0.2), torch.randint(0, 128, (1, 1500)), steps=0)
+    assert long.layers[0].storage.kv_bits == 4 and MIN_TOKENS < long.budget < 1500
+    mid = _feed(model, kvevict.make_cache(model, memory=0.05), torch.randint(0, 128, (1, 300)), steps=0)
+    assert mid.budget == MIN_TOKENS and mid.layers[0].storage.kv_bits == 4  # the floor, at the plan's bits
+
+
+def test_a_sliding_model_plans_its_budget_in_bytes():
+    model = gemma3()  # five layers of six keep at most 15 tokens in the stock cache
+    p = plan_for_model(model, 0.3, make_policy("h2o"), group=8)
+    assert isinstance(p.budget, PromptShare) and p.storage.kv_bits == 4
+    windows = stock_windows(model.config)
+    for n in (2000, 6000):
+        b = p.budget.tokens(n)
+
+        def slots(budget):  # a sliding layer holds min(window, budget)
+            return sum(budget if w is None else min(w, budget) for w in windows)
+
+        stock = sum(n if w is None else min(w, n) for w in windows)
+        assert slots(b) * p.budget.ratio <= 0.3 * stock < slots(b + 1) * p.budget.ratio
+        # under the share a dense model would keep: the stock cache it is a share of holds less
+        assert MIN_TOKENS < b < float(p.budget) * n
+    assert p.budget.tokens(100) == MIN_TOKENS  # a short prompt: the floor
