@@ -5,7 +5,8 @@ One call per (context, threads, K/V type):
 
     llama-bench -m MODEL.gguf -p 0 -n 32 -d CONTEXT -fa on -ctk X -ctv X -t THREADS -r R -o json
 
-``-d`` fills the cache with CONTEXT tokens first (untimed), ``-n 32`` then times 32 decode steps;
+``-d`` fills the cache with CONTEXT tokens first (untimed, once per call), ``-n 32`` then times 32
+decode steps, ``-r R`` times; tokens/s is their mean;
 ``-fa on`` is needed for a quantized V cache, and llama.cpp's CPU flash attention reads the q8_0 /
 q4_0 blocks directly. ``-ctk`` / ``-ctv`` take lists whose cross product llama-bench runs, so each
 call passes one pair. The model's weights are 4-bit in the GGUF (kvevict decodes in fp32), so only
@@ -68,8 +69,10 @@ def parse_json(text: str) -> list[dict]:
 
 
 def run_peer(binary: Path, gguf: Path, contexts: list[int], threads: list[int], repeats: int, n_gen: int = 32,
-             kv_types: tuple[str, ...] = KV_TYPES, timeout: float = 1800, runner=None, log=print) -> dict:
-    """Every (context, threads, K/V type) point ``repeats`` times in interleaved rounds; returns
+             repetitions: int = 3, kv_types: tuple[str, ...] = KV_TYPES, timeout: float = 1800, runner=None,
+             log=print) -> dict:
+    """Every (context, threads, K/V type) point ``repeats`` times in interleaved rounds, each call
+    timing ``repetitions`` runs of ``n_gen`` tokens after one fill of the context; returns
     {"records": [...], "ratios": [...], "errors": {...}}. ``runner(argv) -> stdout`` is for tests."""
     runner = runner or (lambda argv: _run(argv, timeout))
     tps: dict[tuple[int, int, str], list[float]] = {}
@@ -84,7 +87,7 @@ def run_peer(binary: Path, gguf: Path, contexts: list[int], threads: list[int], 
                     if key in errors:
                         continue
                     try:
-                        (test,) = [x for x in parse_json(runner(bench_argv(binary, gguf, c, t, kv, n_gen)))
+                        (test,) = [x for x in parse_json(runner(bench_argv(binary, gguf, c, t, kv, n_gen, repetitions)))
                                    if x["type_k"] == kv]
                     except (ValueError, RuntimeError) as err:
                         errors[key] = str(err)[:300]

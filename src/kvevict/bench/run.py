@@ -150,7 +150,8 @@ def run_llamacpp_section(s: Settings, log) -> dict:
         log(f"  note: {note}")
         return {"note": note}
     log(f"llama.cpp peer ({binary.name}, {gguf.name}), interleaved rounds:")
-    out = run_peer(binary, gguf, s.llama_contexts, s.llama_threads, s.llama_repeats, n_gen=s.llama_gen, log=log)
+    out = run_peer(binary, gguf, s.llama_contexts, s.llama_threads, s.llama_repeats, n_gen=s.llama_gen,
+                   repetitions=s.llama_reps, log=log)
     out.update(binary=binary.name, gguf=gguf.name)
     return out
 

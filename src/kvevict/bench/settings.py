@@ -38,6 +38,7 @@ class Settings:
     llama_threads: list[int] = field(default_factory=lambda: [1, 2])
     llama_repeats: int = 2
     llama_gen: int = 32
+    llama_reps: int = 3  # llama-bench -r: timed runs per call, after one fill of the context
     sections: list[str] = field(default_factory=lambda: list(SECTIONS))
     seed: int = 0
     quick: bool = False
@@ -66,7 +67,8 @@ def quick_settings(**overrides) -> Settings:
     base = {"contexts": [64, 128], "batches": [1, 2], "budgets": [0.25], "repeats": 2, "steps": 2,
             "kv_memory_gib": 0.01, "prefill_context": 128, "prefill_decode_steps": 2, "peer_presses": ["knorm"],
             "threads": 1, "quick": True, "matrix_contexts": [64, 128], "matrix_batches": [1, 2], "matrix_threads": [1],
-            "chat_tokens": 20, "llama_contexts": [128], "llama_threads": [1], "llama_repeats": 1, "llama_gen": 4}
+            "chat_tokens": 20, "llama_contexts": [128], "llama_threads": [1], "llama_repeats": 1, "llama_gen": 4,
+            "llama_reps": 1}
     base.update({k: v for k, v in overrides.items() if v is not None})
     return Settings(**base)
 
@@ -79,8 +81,8 @@ def check(s: Settings) -> None:
         if not vals or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in vals):
             flag = name.replace("_", "-")
             raise ValueError(f"--{flag} must be a comma list of positive integers, got {vals}.")
-    if s.llama_repeats < 1 or s.llama_gen < 1 or s.chat_tokens < 1:
-        raise ValueError("--llama-repeats, --llama-gen and --chat-tokens must be >= 1.")
+    if min(s.llama_repeats, s.llama_gen, s.llama_reps, s.chat_tokens) < 1:
+        raise ValueError("--llama-repeats, --llama-gen, --llama-reps and --chat-tokens must be >= 1.")
     from .matrix import parse_caches
 
     parse_caches(s.matrix_caches)  # a clear error for a cache it cannot read

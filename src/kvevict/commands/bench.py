@@ -42,7 +42,8 @@ def add_arguments(p):
     m.add_argument("--llama-contexts", help="comma list of llama-bench depths (default 3072,8192)")
     m.add_argument("--llama-threads", help="comma list of llama-bench thread counts (default 1,2)")
     m.add_argument("--llama-repeats", type=int, help="interleaved rounds of llama-bench calls (default 2)")
-    m.add_argument("--llama-gen", type=int, help="tokens llama-bench generates per call (default 32)")
+    m.add_argument("--llama-gen", type=int, help="tokens llama-bench generates per timed run (default 32)")
+    m.add_argument("--llama-reps", type=int, help="llama-bench -r: timed runs per call (default 3)")
     g = p.add_argument_group("endless stream (--stream: this benchmark instead of the sections above)")
     g.add_argument("--stream", action="store_true",
                    help="stream a long real text: perplexity per window and memory, vs the stock cache")
@@ -68,6 +69,7 @@ def settings_from(args):
         "peer_presses": _names(args.peer_presses) if args.peer_presses else None,
         "sections": _names(args.sections) if args.sections else None,
         "chat_tokens": args.chat_tokens, "llama_repeats": args.llama_repeats, "llama_gen": args.llama_gen,
+        "llama_reps": args.llama_reps,
         "matrix_caches": _names(args.matrix_caches) if args.matrix_caches else None,
     }
     for name in ("matrix_contexts", "matrix_batches", "matrix_threads", "llama_contexts", "llama_threads"):
