@@ -147,3 +147,17 @@ def test_peers_are_found_by_variable_then_root(tmp_path, monkeypatch):
     assert peer_paths.find("llamacpp") is None  # default root is under $KVEVICT_CACHE
     with pytest.raises(ValueError, match="unknown peer"):
         peer_paths.find("ollama")
+
+
+def test_recorded_server_commands_name_no_machine_path(tmp_path, monkeypatch):
+    import sys
+
+    from kvevict.bench.serve_load import portable
+
+    vllm = tmp_path / "peers" / "vllm" / "bin" / "python"
+    vllm.parent.mkdir(parents=True)
+    vllm.write_text("")
+    monkeypatch.setenv("KVEVICT_VLLM_PYTHON", str(vllm))
+    home = str(Path.home())
+    assert portable([sys.executable, "-m", "kvevict.cli", "serve"]) == "python -m kvevict.cli serve"
+    assert portable([str(vllm), "--model", home + "/.cache/kvevict/m"]) == "VLLM_PYTHON --model ~/.cache/kvevict/m"
