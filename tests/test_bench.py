@@ -58,6 +58,42 @@ def test_max_batch_by_hand():
         mm.max_batch(100, 0)
 
 
+def test_matrix_floor_by_hand():
+    # SmolLM2 fp32 weights 538,000,000 B; batch 8 of every token at 8,192 in int8: per token and layer and KV head
+    # 2 x (64 codes + 2 groups x 4 B of fp16 zero and step) = 144 B; 30 layers x 3 heads -> 12,960 B per token;
+    # 8 x 8,192 x 12,960 = 849,346,560 B read; at 20 GB/s: (538,000,000 + 849,346,560) / 2e10 = 69.37 ms
+    kv = 8 * 8192 * 30 * 3 * 2 * (64 + 2 * 4)
+    assert kv == 849_346_560
+    assert mm.floor_seconds(538_000_000, kv, 2e10) == pytest.approx(0.0693673, rel=1e-5)
+
+
+def test_cache_labels_round_trip():
+    for label in ("stock", "kvevict-full/int8", "h2o@0.2", "h2o/int4@0.2", "memory=0.1"):
+        assert CacheSpec.parse(label).label == label
+    assert CacheSpec.parse("memory=0.2").kept_tokens(8192) == 8192  # the plan keeps every token at 20%
+    assert CacheSpec.parse("h2o/int8@0.2").kept_tokens(8192) == 1639
+    for bad in ("memory=2", "h2o@x", "memory=", "h2o@0"):
+        with pytest.raises(ValueError, match="cannot read the cache"):
+            CacheSpec.parse(bad)
+
+
+def test_peer_comparison_pairs_kvevict_and_llamacpp_ratios():
+    from kvevict.bench.matrix import add_step_ratios, peer_comparison
+
+    def rec(cache, steps):
+        return {"threads": 2, "context": 3072, "batch": 1, "cache": cache, "round_median_step_s": steps}
+
+    recs = [rec("stock", [0.10, 0.10]), rec("kvevict-full/fp16", [0.05, 0.06]), rec("kvevict-full/int8", [0.05, 0.066]),
+            rec("kvevict-full/int4", [0.08, 0.09])]
+    add_step_ratios(recs)
+    assert recs[1]["step_vs_stock"]["median"] == pytest.approx(0.55)
+    llama = {"ratios": [{"context": 3072, "threads": 2, "kv_type": "q4_0", "step_ratio_vs_f16": {"median": 1.63}}]}
+    rows = {r["pair"]: r for r in peer_comparison(recs, llama)}
+    assert rows["int8/fp16"]["kvevict"]["median"] == pytest.approx(1.05) and rows["int8/fp16"]["llamacpp"] is None
+    assert rows["int4/fp16"]["kvevict"]["median"] == pytest.approx((1.6 + 1.5) / 2)
+    assert rows["int4/fp16"]["llamacpp"]["median"] == 1.63
+
+
 def test_summary_quartiles():
     s = summary([4.0, 1.0, 3.0, 2.0])
     assert (s["median"], s["min"], s["max"], s["n"]) == (2.5, 1.0, 4.0, 4)
@@ -201,15 +237,44 @@ def test_quick_run_writes_json_markdown_plots(tiny_dir, tmp_path, monkeypatch, c
     assert all(p["peak_rss_bytes"]["median"] >= p["rss_loaded_bytes"]["median"] > 0 for p in pre.values())
     assert any("kvpress peer skipped" in n for n in res["prefill"]["notes"])
     assert len(res["targets"]) == 5
+    mx = res["matrix"]
+    labels = {r["cache"] for r in mx["records"]}
+    assert labels == {"stock", "h2o@0.2", "h2o/fp16@0.2", "h2o/int8@0.2", "h2o/int4@0.2", "memory=0.2", "memory=0.1",
+                      "kvevict-full/fp16", "kvevict-full/int8", "kvevict-full/int4"}
+    assert {(r["threads"], r["context"], r["batch"]) for r in mx["records"]} == {(1, c, b) for c in (64, 128) for b in (1, 2)}
+    bw = mx["bandwidth"]["1"]["best"]
+    by = {(r["cache"], r["context"], r["batch"]): r for r in mx["records"]}
+    for r in mx["records"]:
+        assert r["step_s"]["n"] == 2 * 2 and r["floor_s"] == pytest.approx((res["weight_bytes"] + r["read_bytes"]) / bw)
+        assert r["x_floor"] == pytest.approx(r["step_s"]["median"] / r["floor_s"])
+        assert r["read_bytes"] == r["batch"] * by[(r["cache"], r["context"], 1)]["read_bytes"]  # batch copies of one row
+    # the stock cache reads every token in fp32: 128 tokens x 3 layers x 2 KV heads x (8 + 8) dims x 4 B, per sequence
+    assert by[("stock", 128, 1)]["read_bytes"] == 128 * 3 * 2 * 16 * 4
+    assert by[("kvevict-full/int4", 128, 1)]["read_bytes"] < by[("kvevict-full/int8", 128, 1)]["read_bytes"] \
+        < by[("kvevict-full/fp16", 128, 1)]["read_bytes"] < by[("stock", 128, 1)]["read_bytes"]
+    assert by[("stock", 64, 2)]["step_vs_stock"]["median"] == 1.0
+    assert mx["kernel"].startswith("default") or mx["kernel"] in ("torch", "cpu", "auto")
+    chat = {r["cache"]: r for r in mx["bytes_held"]["chat"]}
+    assert chat["stock"]["state_bytes"] == (20 + 16) * 3 * 2 * 16 * 4 and chat["stock"]["vs_stock"] == 1.0
+    assert chat["h2o/int4@0.2"]["state_bytes"] < chat["h2o@0.2"]["state_bytes"]
+    assert {r["context"] for r in mx["bytes_held"]["long"]} == {64, 128}
+    pairs = {(p["context"], p["pair"]) for p in mx["peer_comparison"]}
+    assert pairs == {(c, p) for c in (64, 128) for p in ("int8/fp16", "int4/fp16")}
+    assert "note" in res["llamacpp"]  # no GGUF for a local folder (and maybe no llama-bench): skipped, said why
     md = (out / "bench.md").read_text()
-    for heading in ("## Targets", "## Decode", "## Largest batch", "## One decode step", "## Prefill"):
+    for heading in ("## Targets", "## Decode", "## Largest batch", "## One decode step", "## Prefill",
+                    "## Decode-step matrix", "## llama.cpp peer"):
         assert heading in md
     assert (out / "throughput_vs_context.png").stat().st_size > 1000
     assert (out / "memory_vs_context.png").stat().st_size > 1000
+    assert (out / "matrix_steps.png").stat().st_size > 1000
 
 
 @pytest.mark.parametrize("argv, msg", [(["--budgets", "2"], "budgets"), (["--sections", "decode,nope"], "section"),
-                                       (["--contexts", "a,b"], "integers")])
+                                       (["--contexts", "a,b"], "integers"), (["--matrix-threads", "0"], "matrix-threads"),
+                                       (["--matrix-caches", "h2o@2"], "cannot read the cache"),
+                                       (["--matrix-caches", "h2o@0.2"], "include stock"),
+                                       (["--llama-contexts", "x"], "llama-contexts")])
 def test_bad_arguments_are_one_clear_line(argv, msg, tmp_path, capsys):
     assert main(["bench", "--quick", "--out", str(tmp_path)] + argv) == 2
     err = capsys.readouterr().err
@@ -221,7 +286,7 @@ def test_kvpress_peer_runs_in_its_venv(tiny_dir):
 
     py = kvpress_python()
     if py is None:
-        pytest.skip("no .venv-kvpress (see docs/performance.md for the command that creates it)")
+        pytest.skip("no kvpress environment (kvevict peers setup --only kvpress; see docs/performance.md)")
     (rec,) = run_jobs(kvpress_jobs(py, tiny_dir, ["knorm"], 0.25, 64, 1, 1, 0), repeats=1, log=lambda m: None)
     assert "error" not in rec, rec.get("error")
     # knorm keeps 25% of the 64 prompt tokens: 16 tokens x 3 layers x 2 KV heads x (8 + 8) dims x 4 B (head_dim 64/8)

@@ -12,6 +12,8 @@ possible while leaving every cache in exactly the state it has when decoding at 
   B-token forward pass. The cache is then full, so every decode step scores, picks a victim and
   overwrites its slot, exactly as after a C-token prompt: a step's work depends on B, not on how
   many tokens were evicted before (this saves ~30 s of 8K prefill per policy and budget).
+- ``memory=<fraction>``: ``make_cache(model, memory=fraction)``, pre-filled with a real C-token
+  forward pass (its plan depends on the prompt length and may keep every token in two tiers).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 STOCK = "stock"
 NO_EVICTION = "kvevict-full"
+MEMORY = "memory"
 
 
 @dataclass(frozen=True)
@@ -34,7 +37,30 @@ class CacheSpec:
 
     @property
     def label(self) -> str:
+        if self.kind == MEMORY:
+            return f"memory={self.budget:g}"
         return self.kind if self.budget is None else f"{self.kind}@{self.budget:g}"
+
+    @classmethod
+    def parse(cls, label: str) -> "CacheSpec":
+        """The inverse of ``label``: 'stock', 'kvevict-full/int8', 'h2o/int4@0.2', 'memory=0.1'."""
+        text = label.strip().lower()
+        try:
+            if text.startswith(MEMORY + "="):
+                value = float(text.split("=", 1)[1])
+                if not 0.0 < value <= 1.0:
+                    raise ValueError
+                return cls(MEMORY, value)
+            kind, _, budget = text.partition("@")
+            if not budget:
+                return cls(kind)
+            value = float(budget)
+            if not 0.0 < value <= 1.0:
+                raise ValueError
+            return cls(kind, value)
+        except ValueError:
+            raise ValueError(f"cannot read the cache {label!r}: write stock, kvevict-full[/STORAGE], "
+                             "POLICY[/STORAGE]@FRACTION (h2o/int4@0.2) or memory=FRACTION.") from None
 
     @property
     def is_policy(self) -> bool:
@@ -44,7 +70,9 @@ class CacheSpec:
         """Tokens held per (sequence, KV head) while decoding at ``context``."""
         from ..cache import resolve_budget
 
-        return context if self.budget is None else resolve_budget(float(self.budget), context)
+        if self.budget is None or self.kind == MEMORY:  # a memory plan keeps every token or says so itself
+            return context
+        return resolve_budget(float(self.budget), context)
 
 
 def available_policies(requested: list[str]) -> tuple[list[str], list[str]]:
@@ -93,6 +121,11 @@ def prefill(model, spec: CacheSpec, context: int, decode_tokens: int, seed: int 
             k, v = (torch.randn(1, heads, context, head_dim, generator=gen, dtype=dtype) for _ in range(2))
             cache.update(k, v, i)
         return cache
+    if spec.kind == MEMORY:
+        cache = make_cache(model, memory=spec.budget)
+        ids = torch.randint(0, cfg.vocab_size, (1, context), generator=gen)
+        model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return cache
     name, storage = split_spec(spec.kind)  # "h2o/int4": the policy over 4-bit storage
     kw = {"kv_bits": storage.kv_bits, "evicted_bits": storage.evicted_bits}
     if name == NO_EVICTION:
@@ -114,6 +147,14 @@ def expand(cache, batch: int):
     if batch > 1:
         out.batch_repeat_interleave(batch)
     return out
+
+
+def read_bytes(cache) -> int:
+    """Bytes of K/V (and the bookkeeping kvevict keeps beside them) a decode step reads: the stock
+    cache's keys and values, or kvevict's ``kv_bytes()``."""
+    if hasattr(cache, "kv_bytes"):
+        return cache.kv_bytes()
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.is_initialized)
 
 
 def state_bytes(cache) -> int:

@@ -55,3 +55,28 @@ def memory_vs_context(records: list[dict], path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def matrix_steps(records: list[dict], path: Path) -> Path:
+    """Step time vs context per cache, one panel per (threads, batch), the floor of each dotted."""
+    plt = pyplot()
+    panels = sorted({(r["threads"], r["batch"]) for r in records})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.2), squeeze=False)
+    for ax, (t, b) in zip(axes[0], panels):
+        sub = [r for r in records if (r["threads"], r["batch"]) == (t, b)]
+        for label in dict.fromkeys(r["cache"] for r in sub):
+            pts = sorted((r["context"], r["step_s"]["median"] * 1e3, r["floor_s"] * 1e3) for r in sub if r["cache"] == label)
+            line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label,
+                            linewidth=2.5 if label == "stock" else 1.2, color="black" if label == "stock" else None)
+            ax.plot([p[0] for p in pts], [p[2] for p in pts], linestyle=":", color=line.get_color(), linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"batch {b}, {t} thread(s)")
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("ms per decode step (dotted: bandwidth floor)")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][-1].legend(fontsize=6, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

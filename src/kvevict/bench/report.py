@@ -103,13 +103,62 @@ def target_lines(targets: list[dict]) -> list[str]:
     return ["## Targets (issue 5)", ""] + _table(["target", "goal", "reached", "status", "how"], rows)
 
 
+def matrix_lines(mx: dict) -> list[str]:
+    bws = ", ".join(f"{t} thread(s) {bw['best'] / 1e9:.1f} GB/s" for t, bw in mx["bandwidth"].items())
+    rows = [[r["threads"], r["context"], r["batch"], r["cache"], _spread_ms(r["step_s"]), f"{r['tokens_per_s']:.1f}",
+             _ratio(r.get("step_vs_stock")), _ms(r["floor_s"]), f"{r['x_floor']:.1f}x", f"{r['read_bytes'] / MiB:.1f}"]
+            for r in sorted(mx["records"], key=lambda r: (r["threads"], r["context"], r["batch"]))]
+    lines = ["## Decode-step matrix", "",
+             (f"Attention kernel: {mx['kernel']}. Copy bandwidth (best of 7): {bws}. ms per step: median [min-max] "
+              "over every timed step of every round; vs stock: median [min-max] of the round-wise ratio this step / "
+              "the stock full cache's step (< 1: faster); floor: (weights + K/V bytes read) / copy bandwidth at "
+              "the same threads; MiB read: K/V and bookkeeping of the whole batch."), ""]
+    lines += _table(["threads", "context", "batch", "cache", "ms/step", "tokens/s", "step vs stock", "floor ms",
+                     "x floor", "MiB read"], rows)
+    lines += ["![decode step per cache](matrix_steps.png)", ""]
+    held = mx.get("bytes_held") or {}
+    if held.get("chat"):
+        chat = held["chat"]
+        lines += [f"Bytes held after a {chat[0]['prompt']}-token chat prompt and {chat[0]['new_tokens']} new tokens "
+                  "(batch 1), beside the stock cache's:", ""]
+        lines += _table(["cache", "bytes held", "vs stock"], [[r["cache"], f"{r['state_bytes']:,}", f"{r['vs_stock']:.2f}x"]
+                                                             for r in chat])
+    if held.get("long"):
+        ctxs = sorted({r["context"] for r in held["long"]})
+        by = {(r["cache"], r["context"]): r for r in held["long"]}
+        names = list(dict.fromkeys(r["cache"] for r in held["long"]))
+        lines += ["Bytes held per sequence at decode time after the long prompts (MiB, and vs the stock cache):", ""]
+        lines += _table(["cache"] + [f"{c} tokens" for c in ctxs],
+                        [[n] + [f"{by[(n, c)]['state_bytes'] / MiB:.1f} ({by[(n, c)]['vs_stock']:.2f}x)" for c in ctxs]
+                         for n in names])
+    if mx.get("peer_comparison"):
+        rows = [[p["context"], p["threads"], p["pair"], _ratio(p["kvevict"]) or "-", p["llamacpp_pair"],
+                 _ratio(p["llamacpp"]) or "-"] for p in mx["peer_comparison"]]
+        lines += ["Step-time ratios against each engine's own 16-bit cache, batch 1 (> 1: slower than 16-bit):", ""]
+        lines += _table(["context", "threads", "kvevict", "ratio", "llama.cpp", "ratio"], rows)
+    return lines
+
+
+def llamacpp_lines(lc: dict) -> list[str]:
+    if lc.get("note"):
+        return ["## llama.cpp peer", "", f"- {lc['note']}", ""]
+    rows = [[r["context"], r["threads"], r["kv_type"], f"{r['tokens_per_s']['median']:.1f} "
+             f"[{r['tokens_per_s']['min']:.1f}-{r['tokens_per_s']['max']:.1f}]", _ms(r["step_s"])] for r in lc["records"]]
+    lines = ["## llama.cpp peer", "", (f"`{lc.get('binary')}` on `{lc.get('gguf')}`, `-p 0 -n N -d CONTEXT -fa on -ctk X "
+                                      "-ctv X`, one K/V type per call, interleaved rounds; tokens/s: median [min-max] "
+                                      "over rounds."), ""]
+    lines += _table(["context", "threads", "K/V", "tokens/s", "ms/step"], rows)
+    lines += [f"- failed: {k}: {v}" for k, v in lc.get("errors", {}).items()]
+    return lines + ([""] if lc.get("errors") else [])
+
+
 def render(res: dict) -> str:
     lines = ["# kvevict bench", ""] + machine_lines(res)
     lines += [f"- note: {n}" for n in res.get("notes", [])] + ([""] if res.get("notes") else [])
     if res.get("targets"):
         lines += target_lines(res["targets"])
     for key, fn in (("decode", decode_lines), ("maxbatch", maxbatch_lines), ("breakdown", breakdown_lines),
-                    ("prefill", prefill_lines)):
+                    ("prefill", prefill_lines), ("matrix", matrix_lines), ("llamacpp", llamacpp_lines)):
         if res.get(key):
             lines += fn(res[key])
     return "\n".join(lines)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import time
 from pathlib import Path
 
@@ -54,6 +55,9 @@ def run_bench(s: Settings, out_dir: Path, command: str = "", log=print) -> dict:
         log(f"  note: {n}")
     res["bandwidth"] = measure_copy_bandwidth(32 * 2**20 if s.quick else 256 * 2**20)
     model = load_for_bench(s.model)
+    # the imports and the model are a heap of long-lived objects that every full collection would
+    # walk again (about a second per gc.collect() here, twice per timed point): take them out of it
+    gc.freeze()
     res["weight_bytes"] = weight_bytes(model)
     res["kv_bytes_per_token"] = model_kv_bytes_per_token(model.config)
     bw = res["bandwidth"]["best"]
@@ -78,8 +82,16 @@ def run_bench(s: Settings, out_dir: Path, command: str = "", log=print) -> dict:
         log(f"decode step breakdown at context {s.target_context}, batch {s.target_batch}:")
         specs = [CacheSpec(STOCK), CacheSpec(NO_EVICTION)] + [CacheSpec(p, s.target_budget) for p in policies]
         res["breakdown"] = run_breakdown(model, bases, s.target_context, s.target_batch, specs, max(2, s.steps), log=log)
+    if "matrix" in s.sections:
+        res["matrix"] = run_matrix_section(model, bases, s, res["weight_bytes"], log)
     del bases, model
     gc.collect()
+    if "llamacpp" in s.sections:
+        res["llamacpp"] = run_llamacpp_section(s, log)
+    if res.get("matrix"):
+        from .matrix import peer_comparison
+
+        res["matrix"]["peer_comparison"] = peer_comparison(res["matrix"]["records"], res.get("llamacpp"))
 
     jobs, pre_notes = [], []
     if "prefill" in s.sections:
@@ -89,7 +101,7 @@ def run_bench(s: Settings, out_dir: Path, command: str = "", log=print) -> dict:
     if "peer" in s.sections:
         py = kvpress_python()
         if py is None:
-            pre_notes.append(f"kvpress peer skipped: no .venv-kvpress in the repository (create it with: {VENV_COMMAND})")
+            pre_notes.append(f"kvpress peer skipped: no kvpress environment found (create it with: {VENV_COMMAND})")
             log(f"  note: {pre_notes[-1]}")
         else:
             jobs += kvpress_jobs(py, model_folder(s.model), s.peer_presses, s.target_budget, s.prefill_context,
@@ -101,12 +113,47 @@ def run_bench(s: Settings, out_dir: Path, command: str = "", log=print) -> dict:
     elif pre_notes:
         res["notes"] += pre_notes
 
+    gc.unfreeze()
     res["machine"]["load_average_end"] = load_average()
     res["seconds"] = time.perf_counter() - t_start
     res["targets"] = targets.evaluate(res, target_policy, s.target_budget, s.target_context, s.target_batch)
     write_outputs(res, out_dir)
     log(f"wrote {out_dir}/bench.json, bench.md and plots in {res['seconds']:.0f} s")
     return res
+
+
+def run_matrix_section(model, bases, s: Settings, weight_bytes: int, log) -> dict:
+    from .matrix import chat_bytes, long_bytes, parse_caches, run_matrix
+
+    specs = parse_caches(s.matrix_caches)
+    log(f"decode-step matrix (interleaved; attention kernel: {os.environ.get('KVEVICT_KERNEL') or 'default'}):")
+    out = run_matrix(model, bases, specs, s.matrix_contexts, s.matrix_batches, s.matrix_threads, s.repeats, s.steps,
+                     weight_bytes, 32 * 2**20 if s.quick else 256 * 2**20, log=log)
+    out["bytes_held"] = {"chat": chat_bytes(model, specs, prompt=s.chat_tokens, seed=s.seed),
+                         "long": long_bytes(bases, specs, s.matrix_contexts)}
+    return out
+
+
+def run_llamacpp_section(s: Settings, log) -> dict:
+    """llama-bench on the model's own GGUF, when both are there; otherwise a note saying why not."""
+    from .llamacpp_peer import model_gguf, run_peer
+    from .peer_paths import find, hint
+
+    binary = find("llamacpp")
+    if binary is None:
+        note = f"llama.cpp peer skipped: no llama-bench found (build it with: {hint('llamacpp')})"
+        log(f"  note: {note}")
+        return {"note": note}
+    gguf = model_gguf(s.model)
+    if gguf is None:
+        note = f"llama.cpp peer skipped: {s.model!r} is not a known model with a GGUF"
+        log(f"  note: {note}")
+        return {"note": note}
+    log(f"llama.cpp peer ({binary.name}, {gguf.name}), interleaved rounds:")
+    out = run_peer(binary, gguf, s.llama_contexts, s.llama_threads, s.llama_repeats, n_gen=s.llama_gen,
+                   repetitions=s.llama_reps, log=log)
+    out.update(binary=binary.name, gguf=gguf.name)
+    return out
 
 
 def write_outputs(res: dict, out_dir: Path) -> None:
@@ -121,3 +168,5 @@ def write_outputs(res: dict, out_dir: Path) -> None:
             return
         plots.throughput_vs_context(res["decode"]["records"], out_dir / "throughput_vs_context.png")
         plots.memory_vs_context(res["decode"]["records"], out_dir / "memory_vs_context.png")
+    if res.get("matrix") and available():
+        plots.matrix_steps(res["matrix"]["records"], out_dir / "matrix_steps.png")

