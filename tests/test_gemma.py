@@ -105,3 +105,9 @@ def test_generate_runs_a_base_model_on_messages():
     full = generate(model, tok, msgs, "full", max_new_tokens=4)
     ours = generate(model, tok, msgs, "h2o", 64, max_new_tokens=4)
     assert full.prompt_tokens == 31 and full.text == ours.text  # covering budget: the same answer
+
+
+def test_compact_positions_are_refused_with_a_clear_error():
+    """Sliding and full layers rotate with different RoPE bases: one re-rotation cannot serve both."""
+    with pytest.raises(ValueError, match="sliding_attention layers with different RoPE"):
+        kvevict.make_cache(tiny_gemma(), "h2o", 16, compact=True)
