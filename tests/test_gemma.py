@@ -111,3 +111,11 @@ def test_compact_positions_are_refused_with_a_clear_error():
     """Sliding and full layers rotate with different RoPE bases: one re-rotation cannot serve both."""
     with pytest.raises(ValueError, match="sliding_attention layers with different RoPE"):
         kvevict.make_cache(tiny_gemma(), "h2o", 16, compact=True)
+
+
+def test_server_refuses_chat_for_a_model_without_template():
+    from kvevict.serve.protocol import BadRequest, parse_chat
+    from kvevict.serve.settings import Settings
+
+    with pytest.raises(BadRequest, match="no chat template .* /v1/completions"):
+        parse_chat({"messages": [{"role": "user", "content": "hi"}]}, _NoTemplate(), Settings(model_id="m"), 256)
