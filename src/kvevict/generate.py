@@ -49,7 +49,8 @@ def encode_chat(tokenizer, messages: list[dict] | str) -> torch.Tensor:
 
 
 def plain_text(messages: list[dict]) -> str:
-    """A chat as a base model reads it: the contents of the messages, separated by blank lines."""
+    """A chat as a base model reads it: the contents of the messages, separated by blank lines (a
+    last assistant message is the start of the answer, which the model goes on with)."""
     if not isinstance(messages, (list, tuple)) or not all(
             isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
         raise ValueError("messages must be a list of {'role': ..., 'content': str} dicts (or the prompt as text).")
