@@ -41,3 +41,11 @@ def real_model():
     import kvevict
 
     return kvevict.load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def gemma_model():
+    """Gemma 3 270M (base) from its four PyPI chunk wheels (assembled and converted once, then cached)."""
+    import kvevict
+
+    return kvevict.load_model("gemma3-270m")

@@ -31,6 +31,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from .input_checks import check_mask_length, check_positions_follow
 from .store import Piece
 
 ATTN_NAME = "kvevict"
@@ -57,6 +58,8 @@ class PaddingInfo:
 def kvevict_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
                  attention_mask=None, **kwargs):
     """Mask function for ``AttentionMaskInterface``: keep the 2-D padding mask, build nothing."""
+    if attention_mask is not None and attention_mask.dim() == 2:
+        check_mask_length(attention_mask.shape[-1], kv_offset + kv_length - q_length, q_length)
     padding = attention_mask
     if padding is not None and bool(padding.all()):
         padding = None  # the common unpadded case costs nothing later
@@ -140,6 +143,8 @@ def kvevict_attention(module, query, key, value, attention_mask, scaling=None, d
             "(batch, length) as generate() does."
         )
     q_len = query.shape[2]
+    if layer is not None and layer.layer_idx == 0:  # once per forward, before anything is stored
+        check_positions_follow(layer, kwargs.get("position_ids"), attention_mask)
     if layer is not None:
         seg = layer.segments(value, attention_mask, q_len)
         wanted, params = layer.attention_request()

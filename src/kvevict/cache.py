@@ -18,6 +18,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .attention import ATTN_NAME, PaddingInfo, _Segments, hand_off, register
+from .input_checks import max_positions, no_new_tokens, positions_after
 from .policies import Policy, make_policy
 from .policies.window import Windowed, window_recency
 from .rope import compact_positions, rope_inv_freq, shift_keys
@@ -358,6 +359,8 @@ def _shifted(pieces: list, delta: torch.Tensor, inv_freq) -> list:
 class EvictingCache(Cache):
     """A list of ``EvictingLayer``, one per decoder layer, passed to ``generate`` as ``past_key_values``."""
 
+    max_positions: int | None = None  # make_cache sets the model's, unless compact; None once warned
+
     def __init__(self, policy: Policy, budget, num_layers: int, inv_freq=None, storage: Storage | None = None,
                  windows: list | None = None):
         budgets = layer_budgets(policy, budget, num_layers)
@@ -384,6 +387,8 @@ class EvictingCache(Cache):
         # multi-token forward before any one-token (decoding) step means the prompt came in chunks
         # (generate's prefill_chunk_size): the budget was a fraction of its first chunk only.
         first = self.layers[0]
+        if layer_idx == 0 and self.max_positions is not None:
+            self.max_positions = positions_after(first, key_states.shape[2], self.max_positions)
         if layer_idx == 0 and isinstance(first.budget_spec, float):
             if not first.is_initialized:
                 self._decoding = False
@@ -397,6 +402,11 @@ class EvictingCache(Cache):
                     "before generate (kvevict.prefill does it), or pass an int budget."
                 )
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        if query_length == 0:  # the first thing a forward asks: fail here, not reshaping 0 elements later
+            raise ValueError(no_new_tokens(self.get_seq_length()))
+        return super().get_mask_sizes(query_length, layer_idx)
 
     def can_append(self, other: "EvictingCache") -> bool:
         """Whether ``append_rows(other)`` can merge the two: both filled, same storage and model;
@@ -561,8 +571,11 @@ def make_cache(model, policy=None, budget=0.2, recent=None, compact=False, kv_bi
     model.set_attn_implementation(ATTN_NAME)
     if model.config._attn_implementation != ATTN_NAME:
         raise ValueError(f"{type(model).__name__} refused attn_implementation={ATTN_NAME!r}; kvevict cannot hook it.")
-    return EvictingCache(pol, budget, num_layers, rope_inv_freq(model) if compact else None, storage,
-                         layer_windows(model))
+    cache = EvictingCache(pol, budget, num_layers, rope_inv_freq(model) if compact else None, storage,
+                          layer_windows(model))
+    if not compact:  # compact positions never pass the cache size
+        cache.max_positions = max_positions(model)
+    return cache
 
 
 def layer_windows(model) -> list:

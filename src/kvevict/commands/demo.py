@@ -20,7 +20,7 @@ def add_arguments(p):
 
 def run(args):
     from ..data.essays import haystack
-    from ..data.passkey import passkey_prompt
+    from ..data.passkey import for_tokenizer, passkey_prompt
     from ..cache import _head_dim
     from ..generate import generate
     from ..storage import Storage
@@ -42,7 +42,7 @@ def run(args):
             ("kvevict recommended", dict(memory=memory))]  # the budget picks the policy too
     rows = []
     for name, kw in runs:
-        r = generate(model, tok, task.messages, max_new_tokens=16, **kw)
+        r = generate(model, tok, for_tokenizer(task.messages, task.lead, tok), max_new_tokens=16, **kw)
         label = f"{name}: {r.policy}, {r.storage}" if r.storage else name
         rows.append((label, r.text, "yes" if task.answer in r.text else "no",
                      f"{mib(r.kv_bytes)} ({r.kv_bytes / r.full_kv_bytes:.0%})", f"{r.seconds:.2f} s"))

@@ -13,7 +13,7 @@ HELP = "passkey retrieval over policies x budgets x lengths x depths, on local w
 
 
 def add_arguments(p):
-    p.add_argument("--model", default="smollm2-135m", help="known name (smollm2-135m) or local HF folder")
+    p.add_argument("--model", default="smollm2-135m", help="known name (smollm2-135m, gemma3-270m) or local HF folder")
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker")
     p.add_argument("--policies", default="full,h2o,recency", help="comma-separated; 'full' = the stock cache")
     p.add_argument("--budgets", default="0.2", help="comma-separated budgets (fractions or token counts)")

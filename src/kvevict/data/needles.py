@@ -17,6 +17,7 @@ class NeedlePrompt:
     messages: list[dict]
     answer: str
     depth: float  # where the asked-for needle sits (0 = start, 1 = end)
+    lead: str = ""  # the answer's first words, for a base model to complete (passkey.for_tokenizer)
 
 
 def multikey_prompt(haystack: str, depth: float, n_keys: int = 4, seed: int = 0) -> NeedlePrompt:
@@ -37,4 +38,5 @@ def multikey_prompt(haystack: str, depth: float, n_keys: int = 4, seed: int = 0)
         text = insert_at(text, d, f" The special magic number for {lab} is {val}. ")
     question = (f"Some special magic numbers are hidden in the following text. Remember them.\n\n{text}\n\n"
                 f"What is the special magic number for {labels[0]}? Answer with the number only.")
-    return NeedlePrompt(messages=[{"role": "user", "content": question}], answer=values[0], depth=depth)
+    return NeedlePrompt(messages=[{"role": "user", "content": question}], answer=values[0], depth=depth,
+                        lead=f"The special magic number for {labels[0]} is")

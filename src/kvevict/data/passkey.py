@@ -10,6 +10,17 @@ from dataclasses import dataclass
 class PasskeyPrompt:
     messages: list[dict]
     answer: str
+    lead: str = "The pass key is"  # the answer's first words, for a base model to complete
+
+
+def for_tokenizer(messages: list[dict], lead: str, tokenizer) -> list[dict]:
+    """The messages as they are for a chat model; for a base model (no chat template) followed by
+    the answer's first words as an assistant message, which kvevict.generate's plain-text prompt
+    ends with, so the model completes the answer instead of going on with the text (Mohtashami &
+    Jaggi's pass key prompt ends "The pass key is" the same way)."""
+    if getattr(tokenizer, "chat_template", None):
+        return messages
+    return [*messages, {"role": "assistant", "content": lead}]
 
 
 def insert_at(text: str, depth: float, needle: str) -> str:

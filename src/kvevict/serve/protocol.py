@@ -48,6 +48,9 @@ class GenRequest:
 def parse_chat(body, tokenizer, settings: Settings, context: int, layers: int = 1) -> GenRequest:
     body = _object(body)
     messages = _messages(body.get("messages"))
+    if not getattr(tokenizer, "chat_template", None):
+        raise BadRequest("this model has no chat template (a base model): send a plain prompt to "
+                         "/v1/completions instead.", "messages")
     try:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                             return_dict=True)["input_ids"]

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from ...data.needles import multikey_prompt
-from ...data.passkey import passkey_prompt
+from ...data.passkey import for_tokenizer, passkey_prompt
 from ..metrics import exact_match
 from .base import GenerationTask, Sample
 
@@ -42,7 +42,7 @@ class RetrievalTask(GenerationTask):
             else:
                 p = multikey_prompt(hay, depth, n_keys=self.n_keys, seed=1000 + i)
             out.append(Sample(id=f"{kind}-{length}-d{depth:g}-{i}",
-                              data={"messages": p.messages, "answer": p.answer, "kind": kind,
+                              data={"messages": for_tokenizer(p.messages, p.lead, tokenizer), "answer": p.answer, "kind": kind,
                                     "length": length, "depth": depth}))
         return out
 

@@ -1,0 +1,75 @@
+"""What a cache is fed, checked before the model fails deep inside its attention (or silently
+goes wrong): an empty prompt, a cache reused for a new prompt, a sequence past the model's
+trained positions.
+
+transformers' rule for a cache given to ``generate`` again: the ids (and the 2-D attention
+mask) are the whole sequence so far, the tokens the cache has seen followed by new ones; generate
+feeds only the tokens past the cache's length. Passing a new prompt to a used cache breaks that
+rule: generate then feeds a meaningless slice of it, or nothing at all.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+_NEW_CACHE = ("To continue the same sequence, pass all of it (the previous ids, e.g. generate's output, then "
+              "the new tokens) with a mask as long; for a new prompt make a new cache (make_cache) or call "
+              "cache.reset() first.")
+
+
+def no_new_tokens(seen: int) -> str:
+    """The message for a forward that brings no token (transformers would fail reshaping 0 elements)."""
+    if seen == 0:
+        return "the prompt is empty (0 tokens): give a non-empty prompt."
+    return (f"this call gives the model no new token: the cache has already seen {seen} tokens and the input is "
+            f"no longer than that. {_NEW_CACHE}")
+
+
+def check_mask_length(mask_length: int, seen: int, new: int) -> None:
+    """A 2-D attention mask covers the tokens the cache has seen plus the new ones, or the cache and
+    the input describe different sequences (typically: a used cache given a new prompt)."""
+    if mask_length != seen + new:
+        raise ValueError(
+            f"the attention mask covers {mask_length} tokens but the cache has seen {seen} and this call adds "
+            f"{new}: the cache was filled with another sequence. {_NEW_CACHE}"
+        )
+
+
+def check_positions_follow(layer, position_ids, info) -> None:
+    """Unpadded, the new tokens' positions go on from the tokens ``layer`` has seen (generate drops
+    an all-ones mask, so this is what tells a used cache given a new prompt)."""
+    if position_ids is None or not layer.seen or layer._padded or (info is not None and info.padding is not None):
+        return
+    first = position_ids[..., 0]
+    if bool((first != layer.seen).any()):
+        raise ValueError(f"the new tokens start at position {int(first.min())} but the cache has seen {layer.seen} "
+                         f"tokens: the cache was filled with another sequence. {_NEW_CACHE}")
+
+
+def max_positions(model) -> int | None:
+    """The number of positions the model was trained on (config.max_position_embeddings), if it says."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    n = getattr(config, "max_position_embeddings", None)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+def warn_past_positions(positions: int, limit: int, stacklevel: int = 2) -> None:
+    """One line: the sequence needs ``positions`` positions, more than the ``limit`` the model knows."""
+    warnings.warn(
+        f"kvevict: this sequence needs {positions} positions, more than the model's {limit} "
+        "(config.max_position_embeddings), past which its output degrades; use compact positions "
+        "(make_cache(compact=True), --compact) or a shorter prompt.", stacklevel=stacklevel + 1)
+
+
+def positions_after(layer, new: int, limit: int) -> int | None:
+    """Check an eviction layer about to receive ``new`` tokens against ``limit`` positions; warn once.
+    Returns the limit to check next time (None once warned). ``layer.seen`` (padding included)
+    bounds every row's positions, so the exact per-row count (a host sync) is read only near the end."""
+    if layer.seen + new <= limit:
+        return limit
+    # positions count real tokens only; before the first forward the longest row is unpadded
+    longest = new + (int(layer.n_real.max()) if layer.is_initialized else 0)
+    if longest <= limit:
+        return limit
+    warn_past_positions(longest, limit, stacklevel=4)
+    return None
