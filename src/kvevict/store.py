@@ -106,6 +106,12 @@ class DenseStore:
         return [Piece(e - s, lambda s=s, e=e: k[:, :, s:e].to(self.compute_dtype),
                       lambda s=s, e=e: v[:, :, s:e].to(self.compute_dtype)) for s, e in _spans(n)]
 
+    def run(self, n: int):
+        """Slots [0, n) as stored, for a fused decode kernel (views, no copy)."""
+        from .kernels.runs import Run  # here: the kernels' reference imports this module
+
+        return Run(self.bits or 32, 0, (self.keys[:, :, :n],), (self.values[:, :, :n],), n)
+
     def map_batch(self, fn) -> None:
         self.keys, self.values = fn(self.keys), fn(self.values)
 
@@ -198,6 +204,13 @@ class PackedStore:
             return Piece(e - s, lambda: self._deq(self.k, sl), lambda: self._deq(self.v, sl))
 
         return [piece(s, e) for s, e in _spans(n)]
+
+    def run(self, n: int):
+        """Slots [0, n) as stored (packed codes, zeros, steps), for a fused decode kernel: views, no copy."""
+        from .kernels.runs import Run  # here: the kernels' reference imports this module
+
+        return Run(self.bits, self.group, tuple(t[:, :, :n] for t in self.k.tensors()),
+                   tuple(t[:, :, :n] for t in self.v.tensors()), n)
 
     def map_batch(self, fn) -> None:
         for part in (self.k, self.v):
