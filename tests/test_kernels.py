@@ -107,6 +107,15 @@ def test_pooled_runs_with_a_per_head_mask(backend, d):
 
 
 @pytest.mark.parametrize("backend", _fused_backends())
+@pytest.mark.parametrize("group", [8, 16, 64])
+def test_every_group_size(backend, group):
+    """Groups narrower than a vector (8), one vector (16), a whole 64-channel head."""
+    b, hkv, g, d = 2, 2, 3, 64
+    q, k_new, v_new = _inputs(b, hkv, g, d, seed=12)
+    _check(backend, q, [_run(b, hkv, 45, d, 4, group=group), _run(b, hkv, 20, d, 2, group=group)], k_new, v_new, None)
+
+
+@pytest.mark.parametrize("backend", _fused_backends())
 def test_softcap_and_an_empty_run(backend):
     b, hkv, g, d = 2, 2, 3, 64
     q, k_new, v_new = _inputs(b, hkv, g, d, seed=10)
@@ -216,7 +225,7 @@ def test_decoding_through_the_kernel_keeps_what_torch_keeps(monkeypatch, arch, c
     ids = torch.randint(0, 128, (3, 24), generator=gen)
     mask = torch.ones_like(ids)
     mask[1, :5] = 0  # a left-padded row
-    kw = dict(CASES[case], budget=10, recent=3, group=8)
+    kw = dict(CASES[case], budget=10, recent=3, group=32 if arch == "llama-64" else 8)  # 32: the vector path
     got = {}
     for backend in ("torch", "cpu"):
         monkeypatch.setenv("KVEVICT_KERNEL", backend)

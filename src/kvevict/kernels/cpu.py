@@ -16,7 +16,10 @@ from .runs import Run
 
 _KIND = {8: 0, 4: 1, 2: 2}
 _DENSE_KIND = {torch.float32: 3, torch.float16: 4, torch.bfloat16: 5}
-_VERSION = 1  # bump when decode_cpu.cpp changes in a way its hash would not show (flags)
+# sums may be reassociated (vector reductions are a tree, not 16 dependent adds); not -ffast-math:
+# masked scores are -inf and must stay so
+_REASSOCIATE = ["-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+_VERSION = 2  # bump when the build flags change (the source is hashed by load_inline)
 
 
 def _isa_flags() -> tuple[str, list[str]]:
@@ -52,7 +55,7 @@ def load():
     os.makedirs(folder, exist_ok=True)
     return cpp_extension.load_inline(
         name=f"kvevict_decode_{isa}_v{_VERSION}", cpp_sources=[src], functions=["decode"],
-        extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"], build_directory=folder,
+        extra_cflags=["-O3", "-fopenmp", *_REASSOCIATE, *flags], extra_ldflags=["-fopenmp"], build_directory=folder,
         verbose=False)
 
 

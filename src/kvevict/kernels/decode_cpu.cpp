@@ -111,6 +111,60 @@ inline const float* row(const Part& p, int64_t b, int64_t h, int64_t i, int d_rt
   }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define KVEVICT_AVX512 1
+// Row i of a part as D / 16 vectors, in registers (D a multiple of 64 for 2-bit codes, of 32 for
+// 4-bit; a group a multiple of 16 channels, so one vector lies in one group).
+template <int KIND, int D>
+inline void row_vec(const Part& p, int64_t b, int64_t h, int64_t i, int gshift, __m512* x) {
+  constexpr int NV = D / 16;
+  const int64_t off = b * p.s0 + h * p.s1 + i * p.s2;
+  if constexpr (KIND == F32) {
+    const float* r = reinterpret_cast<const float*>(p.data) + off;
+    for (int v = 0; v < NV; ++v) x[v] = _mm512_loadu_ps(r + 16 * v);
+  } else if constexpr (KIND == F16) {
+    const uint16_t* r = reinterpret_cast<const uint16_t*>(p.data) + off;
+    for (int v = 0; v < NV; ++v)
+      x[v] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 16 * v)));
+  } else if constexpr (KIND == BF16) {
+    const uint16_t* r = reinterpret_cast<const uint16_t*>(p.data) + off;
+    for (int v = 0; v < NV; ++v)
+      x[v] = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 16 * v))), 16));
+  } else {
+    const uint8_t* c = p.data + off;
+    auto bytes = [&](int u) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * u))); };
+    if constexpr (KIND == P8) {
+      for (int v = 0; v < NV; ++v) x[v] = _mm512_cvtepi32_ps(bytes(v));
+    } else if constexpr (KIND == P4) {  // byte j: channel j (low nibble), channel j + D/2 (high)
+      constexpr int H = NV / 2;
+      const __m512i m = _mm512_set1_epi32(15);
+      for (int u = 0; u < H; ++u) {
+        const __m512i by = bytes(u);
+        x[u] = _mm512_cvtepi32_ps(_mm512_and_si512(by, m));
+        x[H + u] = _mm512_cvtepi32_ps(_mm512_srli_epi32(by, 4));
+      }
+    } else {  // 2 bits: byte j holds channels j, j + D/4, j + D/2, j + 3D/4
+      constexpr int Q = NV / 4;
+      const __m512i m = _mm512_set1_epi32(3);
+      for (int u = 0; u < Q; ++u) {
+        const __m512i by = bytes(u);
+        for (int k = 0; k < 4; ++k)
+          x[k * Q + u] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(by, 2 * k), m));
+      }
+    }
+    // the token's zeros and steps (D / group <= 16 of them) as vectors; lane v >> gshift is vector v's group
+    const __mmask16 gm = static_cast<__mmask16>((1u << (D / (16 << gshift))) - 1);
+    const __m512 zv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gm, p.zero + b * p.z0 + h * p.z1 + i * p.z2));
+    const __m512 sv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gm, p.step + b * p.t0 + h * p.t1 + i * p.t2));
+    for (int v = 0; v < NV; ++v) {
+      const __m512i ix = _mm512_set1_epi32(v >> gshift);
+      x[v] = _mm512_fmadd_ps(x[v], _mm512_permutexvar_ps(ix, sv), _mm512_permutexvar_ps(ix, zv));
+    }
+  }
+}
+#endif
+
 struct Task {  // what one (sequence, KV head) task reads and writes
   int64_t b, kvh, N;     // N = stored slots + 1 (the new key)
   int g, d, dv;
@@ -124,11 +178,52 @@ struct Task {  // what one (sequence, KV head) task reads and writes
   float* buf;            // (max(d, dv)) one dequantized row
 };
 
+// log2(group / 16) when rows of this run can be read as vectors (row_vec), else -1
+template <int KIND, int D>
+int vector_shift(const RunView& r) {
+#if defined(KVEVICT_AVX512)
+  if constexpr (D > 0 && D % 64 == 0) {
+    if (KIND == F32 || KIND == F16 || KIND == BF16) return 0;
+    if (r.group % 16 || D % r.group || D / r.group > 16) return -1;
+    int sh = 0;
+    while ((16 << sh) < r.group) ++sh;
+    return (16 << sh) == r.group ? sh : -1;
+  }
+#endif
+  return -1;
+}
+
 template <int KIND, int D>
 void scores_run(const Task& t, const RunView& r, int64_t off) {
   const int d = D ? D : t.d;
   const int64_t rh = r.heads == 1 ? 0 : t.kvh;
   const float ninf = -std::numeric_limits<float>::infinity();
+#if defined(KVEVICT_AVX512)
+  if constexpr (D > 0 && D % 64 == 0) {
+    const int gshift = vector_shift<KIND, D>(r);
+    if (gshift >= 0) {
+      constexpr int NV = D / 16;
+      for (int64_t i = 0; i < r.n; ++i) {
+        const int64_t idx = off + i;
+        if (t.mask && idx < t.mask_n && !t.mask[idx * t.mstride]) {
+          for (int h = 0; h < t.g; ++h) t.sc[h * t.N + idx] = ninf;
+          continue;
+        }
+        __m512 x[NV];
+        row_vec<KIND, D>(r.k, t.b, rh, i, gshift, x);
+        for (int h = 0; h < t.g; ++h) {
+          const float* qq = t.q + h * D;
+          __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qq), x[0]);
+          for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(_mm512_loadu_ps(qq + 16 * v), x[v], a);
+          float s = _mm512_reduce_add_ps(a);
+          if (t.softcap > 0.f) s = std::tanh(s / t.softcap) * t.softcap;
+          t.sc[h * t.N + idx] = s;
+        }
+      }
+      return;
+    }
+  }
+#endif
   for (int64_t i = 0; i < r.n; ++i) {
     const int64_t idx = off + i;
     if (t.mask && idx < t.mask_n && !t.mask[idx * t.mstride]) {
@@ -151,6 +246,30 @@ template <int KIND, int D>
 void values_run(const Task& t, const RunView& r, int64_t off) {
   const int d = D ? D : t.d;  // the caller checked dv == d
   const int64_t rh = r.heads == 1 ? 0 : t.kvh;
+#if defined(KVEVICT_AVX512)
+  if constexpr (D > 0 && D % 64 == 0) {
+    const int gshift = vector_shift<KIND, D>(r);
+    if (gshift >= 0) {
+      constexpr int NV = D / 16;
+      for (int64_t i = 0; i < r.n; ++i) {
+        const int64_t idx = off + i;
+        float tot = 0.f;
+        for (int h = 0; h < t.g; ++h) tot += t.sc[h * t.N + idx];
+        t.pg[idx] = tot;
+        if (tot == 0.f) continue;
+        __m512 x[NV];
+        row_vec<KIND, D>(r.v, t.b, rh, i, gshift, x);
+        for (int h = 0; h < t.g; ++h) {
+          const __m512 p = _mm512_set1_ps(t.sc[h * t.N + idx]);
+          float* o = t.acc + h * D;
+          for (int v = 0; v < NV; ++v)
+            _mm512_storeu_ps(o + 16 * v, _mm512_fmadd_ps(p, x[v], _mm512_loadu_ps(o + 16 * v)));
+        }
+      }
+      return;
+    }
+  }
+#endif
   for (int64_t i = 0; i < r.n; ++i) {
     const int64_t idx = off + i;
     float tot = 0.f;
