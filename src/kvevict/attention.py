@@ -260,11 +260,11 @@ def _attend_fused(query, seg: _Segments, scale, window, softcap, wanted, observe
         real = seg.valid_new[:, -1].view(b, 1, 1)
         out, pg = out * real.view(b, 1, 1, 1), pg * real
     stats = {name: torch.zeros(b, hkv, n_past + 1, dtype=torch.float32, device=query.device)
-             for name in wanted if name != "last"}
+             for name in wanted if name != "last" and wanted != ("sum",)}
     if "knorm" in stats:
         stats["knorm"][..., n_past:] = seg.k_new.float().norm(dim=-1)
-    if wanted == ("sum",):
-        stats["sum"] += pg
+    if wanted == ("sum",):  # H2O: pg is the statistic itself (a fresh tensor)
+        stats["sum"] = pg
     elif stats:
         need_seen = "count" in stats or "hits" in stats or "hits_ema" in stats
         seen = _seen(hide_past, hide_new, None, 1, n_past, 0, 1, query.device) if need_seen else None

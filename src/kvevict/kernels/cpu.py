@@ -19,6 +19,7 @@ _DENSE_KIND = {torch.float32: 3, torch.float16: 4, torch.bfloat16: 5}
 # sums may be reassociated (vector reductions are a tree, not 16 dependent adds); not -ffast-math:
 # masked scores are -inf and must stay so
 _REASSOCIATE = ["-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+_NO_MASK = torch.empty(0, 0, 0, dtype=torch.bool)
 _VERSION = 2  # bump when the build flags change (the source is hashed by load_inline)
 
 
@@ -98,7 +99,7 @@ def decode_attention_cpu(q, runs, k_new, v_new, mask, scale, softcap=None):
         tensors += parts
         meta += [kind, r.group, r.n, r.heads]
     if mask is None:
-        mask_t = torch.empty(0, 0, 0, dtype=torch.bool)
+        mask_t = _NO_MASK
     else:
         mask_t = mask if mask.stride(-1) == 1 else mask.contiguous()
     qs = (q * scale).reshape(b, hq, d).float().contiguous()  # scaled in q's dtype first, as attend does
