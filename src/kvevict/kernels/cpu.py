@@ -7,6 +7,7 @@ reference (saying so once)."""
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from pathlib import Path
 
@@ -54,6 +55,9 @@ def load():
     src = Path(__file__).with_name("decode_cpu.cpp").read_text()
     folder = os.path.join(build_dir(), f"kvevict_decode_{isa}_v{_VERSION}")
     os.makedirs(folder, exist_ok=True)
+    if not any(f.endswith(".so") or f.endswith(".pyd") for f in os.listdir(folder)):
+        logging.getLogger("kvevict.kernels").info(
+            "kvevict: building the fused CPU decode kernel once into %s (about a minute)", folder)
     return cpp_extension.load_inline(
         name=f"kvevict_decode_{isa}_v{_VERSION}", cpp_sources=[src], functions=["decode"],
         extra_cflags=["-O3", "-fopenmp", *_REASSOCIATE, *flags], extra_ldflags=["-fopenmp"], build_directory=folder,
