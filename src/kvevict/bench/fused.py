@@ -61,7 +61,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     from .. import load_model
 
-    model = load_model(args.model)
+    model = load_model(args.model)[0]
     specs = [CacheSpec(s, args.budget) for s in args.storages.split(",")]
     paths = args.paths.split(",")
     bases = {s: prefill(model, s, args.context, args.steps + 2) for s in specs}
