@@ -1,5 +1,9 @@
 import os
 
+# the Triton kernel tests run in triton's CPU interpreter, which must be on before anything imports
+# triton (torch._dynamo, reached through transformers, does); TRITON_INTERPRET=0 tests on a GPU instead
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,

@@ -14,6 +14,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 import kvevict  # noqa: E402
+from kvevict.tier import pages  # noqa: E402
 from kvevict.generate import generate  # noqa: E402
 from kvevict.serve.server import ServerThread, build  # noqa: E402
 from tiny_chat_model import save_tiny_chat_model  # noqa: E402
@@ -245,7 +246,8 @@ def test_64_concurrent_requests_batched_none_lost_each_as_alone_memory_bounded(s
         assert answer.strip() == want.text, (text, policy, budget)
         assert usage.completion_tokens == want.new_tokens and usage.prompt_tokens == want.prompt_tokens
         if budget is not None:  # the memory bound: the budget, not the context
-            assert usage.kv_bytes == held_bytes(model, usage.kv_budget_tokens, policy)
+            fed = usage.prompt_tokens + usage.completion_tokens - 1  # the last token is never fed
+            assert usage.kv_bytes == held_bytes(model, pages(fed, usage.kv_budget_tokens), policy)
     assert len({a for a, _ in got}) > 8  # different prompts, different answers: nothing mixed up
     events = list(engine.log)[log0:]
     assert sum(e["event"] == "finish" for e in events) == 64

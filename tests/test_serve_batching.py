@@ -18,7 +18,8 @@ from kvevict.generate import generate  # noqa: E402
 from kvevict.serve.detokenize import TextStream  # noqa: E402
 from kvevict.serve.sampling import next_token, pick_tokens  # noqa: E402
 from kvevict.serve.server import ServerThread, build  # noqa: E402
-from test_serve import DEFAULTS, MODEL, _wait, chat, folder, metric, reference, token_bytes  # noqa: E402,F401
+from test_serve import (DEFAULTS, MODEL, _wait, chat, folder, held_bytes, metric, reference,  # noqa: E402,F401
+                        token_bytes)
 from tiny_chat_model import char_tokenizer  # noqa: E402
 
 LONG = dict(max_tokens=300, extra_body={"ignore_eos": True})
@@ -184,7 +185,7 @@ def test_default_budget_is_each_sequences_share_of_the_memory(folder, reference)
         engine.stop()
         assert engine.settings.budget == want
         # max_batch sequences at the default budget fit the memory
-        assert 4 * engine.budgeter.row_bytes("h2o", want, None, 0) <= memory or want == 64
+        assert 4 * engine.budgeter.row_bytes("h2o", want, None, want) <= memory or want == 64
 
 
 MIXED = [("tova", 12), ("recency", 16), ("h2o", 24), ("roco", 10), ("h2o", 0.5)]
@@ -225,8 +226,9 @@ def test_mixed_policies_and_budgets_share_one_batch_each_equal_its_answer_alone(
 
 
 def test_admission_counts_a_mixed_batch_at_its_widest_budget_and_union_of_statistics(reference):
-    """A row sharing a batch holds the batch's widest budget in every layer, with every row's
-    policy statistics per slot: the bound admission uses is exactly what the cache then holds."""
+    """A row sharing a batch holds, in every layer, the pages of the batch's longest row under its
+    widest budget, with every row's policy statistics per slot: the bound admission uses is exactly
+    what the cache then holds."""
     from kvevict.serve.batch import DecodeBatch
     from kvevict.serve.memory import Budgeter
 
@@ -237,17 +239,18 @@ def test_admission_counts_a_mixed_batch_at_its_widest_budget_and_union_of_statis
     with torch.no_grad():
         for i, (policy, budget, recent) in enumerate(rows):
             other, _ = DecodeBatch.prefill(model, list(range(1, 12 + 3 * i)), policy, budget, recent)
-            assert other.kv_bytes() == budgeter.batch_bytes([(policy, budget, recent, 0)])
+            assert other.kv_bytes() == budgeter.batch_bytes([(policy, budget, recent, 11 + 3 * i)])
             if batch is None:
                 batch = other
             else:
                 batch.join(other)
-            specs = [(p, b, r, 0) for p, b, r in rows[: i + 1]]
+            specs = [(p, b, r, 11 + 3 * j) for j, (p, b, r) in enumerate(rows[: i + 1])]
             assert batch.kv_bytes() == budgeter.batch_bytes(specs)
         batch.step([1, 2, 3, 4])
+        specs = [(p, b, r, n + 1) for p, b, r, n in specs]
         assert batch.kv_bytes() == budgeter.batch_bytes(specs)
         # more than each row alone: the small rows pay for the widest one
-        assert batch.kv_bytes() > sum(budgeter.row_bytes(p, b, r, 0) for p, b, r in rows)
+        assert batch.kv_bytes() > sum(budgeter.row_bytes(p, b, r, n) for p, b, r, n in specs)
         batch.keep([0, 2])  # the widest rows left: the storage narrows, their statistics go with them
         assert batch.kv_bytes() == budgeter.batch_bytes([specs[0], specs[2]])
         # Ada-KV rows (one slot pool per layer, a head id per slot) share a batch of their own
@@ -255,4 +258,37 @@ def test_admission_counts_a_mixed_batch_at_its_widest_budget_and_union_of_statis
         assert not batch.can_join(ada)
         other, _ = DecodeBatch.prefill(model, list(range(1, 9)), "ada-snapkv", 12, None)
         ada.join(other)
-        assert ada.kv_bytes() == budgeter.batch_bytes([("adakv", 8, None, 0), ("ada-snapkv", 12, None, 0)])
+        assert ada.kv_bytes() == budgeter.batch_bytes([("adakv", 8, None, 19), ("ada-snapkv", 12, None, 8)])
+
+
+def test_64_clients_mixing_short_chats_and_long_prompts_short_ones_hold_their_own_pages(folder, reference):
+    """Paged storage in the server: every request completes, the K/V held never passes kv_memory,
+    a short chat reserves only its own pages, and never shares a batch (a rectangle as wide as
+    its widest row) with a long prompt."""
+    from kvevict.serve.memory import SMALL
+    from kvevict.tier import PAGE, pages
+
+    model, _ = reference
+    per_slot = held_bytes(model, 1, "h2o") - held_bytes(model, 0, "h2o")
+    memory = 3 * 256 * per_slot + 20 * 64 * per_slot  # three long prompts at a time, or many chats
+    app, engine = build(folder, {**DEFAULTS, "budget": 256, "max_batch": 64, "kv_memory": memory})
+    asks = [("Tell me a story. " * 25 if i % 4 == 0 else f"Hi {i}, name a colour.") for i in range(64)]
+    with ServerThread(app) as srv:
+        async def main():
+            async with openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="t", max_retries=0, timeout=300) as ac:
+                return await asyncio.gather(*(ac.chat.completions.create(
+                    model=MODEL, messages=chat(text), max_tokens=8) for text in asks))
+        got = asyncio.run(main())
+        peak = metric(srv.url, "kvevict_kv_bytes_peak")
+    assert len(got) == 64 and all(r.usage.completion_tokens >= 1 for r in got)
+    assert peak <= memory
+    long_ids, short_ids = set(), set()
+    for text, r in zip(asks, got):
+        fed = r.usage.prompt_tokens + r.usage.completion_tokens - 1
+        assert r.usage.kv_bytes == held_bytes(model, pages(fed, 256), "h2o")
+        (long_ids if len(text) > 100 else short_ids).add(r.id.removeprefix("chatcmpl-"))
+        if len(text) < 100:  # a short chat: its own pages, far below the budget
+            assert pages(fed, 256) <= SMALL * PAGE < 256
+    joins = [e for e in engine.log if e["event"] == "join"]
+    assert all(not (set(e["ids"]) & long_ids and set(e["ids"]) & short_ids) for e in joins)
+    assert max(len(set(e["ids"]) & short_ids) for e in joins) > 3  # short chats decoded together

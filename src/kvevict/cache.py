@@ -1,9 +1,10 @@
 """A transformers ``Cache`` whose layers hold at most ``budget`` tokens per (sequence, KV head), or
 with adaptive policies (Ada-KV) ``kv_heads x budget`` per (sequence, layer), shared by the heads.
 
-Storage is preallocated at the budget and written by index: a token that arrives while the cache
-is full takes the slot of the token its policy evicts (no concatenation, no copy of the cache per
-step). Each (sequence, KV head) keeps its own set of tokens, in arbitrary slot order; each slot
+Storage grows in pages as a sequence does, never past the budget (``tier.PAGE``), and is written
+by index: a token that arrives while the cache is full takes the slot of the token its policy
+evicts (no concatenation, no copy of the cache per step). Sliding-window layers keep at most their
+window (``policies/window.py``). Each (sequence, KV head) keeps its own set of tokens, in arbitrary slot order; each slot
 remembers the token's position, so the keys stay rotated at their original positions. Rows of
 one batch may each have their own policy and budget (``kvevict.rows``, continuous batching).
 """
@@ -18,6 +19,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .attention import ATTN_NAME, PaddingInfo, _Segments, hand_off, register
 from .policies import Policy, make_policy
+from .policies.window import Windowed, window_recency
 from .rope import compact_positions, rope_inv_freq, shift_keys
 from .rows import Rows, shareable
 from .storage import DEFAULT_GROUP, Storage
@@ -52,9 +54,11 @@ class EvictingLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, policy: Policy, budget, layer_idx: int, inv_freq=None, storage: "Storage | None" = None):
+    def __init__(self, policy: Policy, budget, layer_idx: int, inv_freq=None, storage: "Storage | None" = None,
+                 window: int | None = None):
         super().__init__()
         self.policy = policy
+        self.window = window  # a sliding-window layer's ``sliding_window`` (None: global attention)
         self.inv_freq = inv_freq  # set: compact positions (keys re-rotated to their rank each step)
         self.budget_spec = budget
         self.layer_idx = layer_idx
@@ -73,19 +77,19 @@ class EvictingLayer(CacheLayerMixin):
     # -- transformers' layer protocol -------------------------------------------------------
     def lazy_initialization(self, key_states, value_states) -> None:
         b, h, m, dk = key_states.shape
-        self.budget = resolve_budget(self.budget_spec, m)
-        self.policy.check(self.budget)
+        self.budget, policy = self._windowed(resolve_budget(self.budget_spec, m))
+        policy.check(self.budget)
         self.dtype, self.device = key_states.dtype, key_states.device
         self.dims = (h, dk, value_states.shape[-1])
         st = self.storage
         check_group(st.group, dk, st.kv_bits)
         check_group(st.group, value_states.shape[-1], st.kv_bits)
         # adaptive (Ada-KV): one row of h x budget slots per sequence, shared by the h heads
-        self.shared = h if self.policy.adaptive and h > 1 else 1
+        self.shared = h if policy.adaptive and h > 1 else 1
         if self.shared > 256:
             raise ValueError(f"adaptive budgets record a slot's head in one byte: at most 256 KV heads, got {h}.")
         self.prompt_end = None  # (b, 1, 1) real prompt tokens per row, where the question ends
-        args = (b, h // self.shared, dk, value_states.shape[-1], self.dtype, self.device, self.policy.stats)
+        args = (b, h // self.shared, dk, value_states.shape[-1], self.dtype, self.device, policy.stats)
         self.tiers = [Tier(self.budget * self.shared, *args, bits=st.kv_bits, group=st.group, heads=self.shared)]
         if st.evicted_bits is not None:
             check_group(st.group, dk, st.evicted_bits)
@@ -94,11 +98,26 @@ class EvictingLayer(CacheLayerMixin):
                 low = resolve_budget(st.evicted_budget, self.prompt_len or m)
             else:  # room for the rest of the prompt; later tokens evict by the policy
                 low = max(1, (self.prompt_len or m) - self.budget)
-            self.tiers.append(Tier(low * self.shared, *args, bits=st.evicted_bits, group=st.group, heads=self.shared))
+            if self.window is not None:  # both tiers together never hold more than the window
+                low = min(low, self.window - 1 - self.budget)
+            if low > 0:
+                self.tiers.append(Tier(low * self.shared, *args, bits=st.evicted_bits, group=st.group,
+                                       heads=self.shared))
         self.n_real = torch.zeros(b, dtype=torch.long, device=self.device)
-        self.rows = Rows(self.policy, self.budget, b, self.device)  # every row: this policy and budget
+        self.rows = Rows(policy, self.budget, b, self.device)  # every row: this policy and budget
         self._expose()
         self.is_initialized = True
+
+    def _windowed(self, budget: int):
+        """This layer's budget and policy: a sliding layer keeps at most the W - 1 tokens the stock
+        cache keeps, by recency when the budget covers them (exact), else by its policy inside the
+        window (see policies/window.py)."""
+        if self.window is None:
+            return budget, self.policy
+        keep = self.window - 1
+        if budget >= keep:
+            return keep, window_recency(keep)
+        return budget, Windowed(self.policy, self.window)
 
     def _expose(self) -> None:
         """``keys`` / ``values``: the first tier's storage (floats, or packed uint8 codes when quantized)."""
@@ -140,7 +159,7 @@ class EvictingLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         prompt_len = self.prompt_len
-        self.__init__(self.policy, self.budget_spec, self.layer_idx, self.inv_freq, self.storage)
+        self.__init__(self.policy, self.budget_spec, self.layer_idx, self.inv_freq, self.storage, self.window)
         self.prompt_len = prompt_len
 
     def _map_batch(self, fn) -> None:
@@ -188,6 +207,9 @@ class EvictingLayer(CacheLayerMixin):
             width = max(mine.budget, their.budget)
             mine.widen(width, names)
             their.widen(width, names)
+            pages = max(mine.capacity, their.capacity)  # one rectangle: the fuller one's pages
+            mine.grow_to(pages)
+            their.grow_to(pages)
             if mine.caps is not None or their.caps is not None:  # both carry caps, so they concatenate
                 mine.caps, their.caps = mine.row_caps(), their.row_caps()
         if (self.prompt_end is None) != (other.prompt_end is None):  # a question's end: 0 for rows without one
@@ -201,9 +223,8 @@ class EvictingLayer(CacheLayerMixin):
         ends = [] if other.prompt_end is None else [other.prompt_end]
         rows = iter([*theirs, other.n_real, *ends, other.rows.kind])
         self._map_batch(lambda t: torch.cat([t, next(rows)]))
-        for mine, their in zip(self.tiers, other.tiers):
-            self._padded = self._padded or mine.filled != their.filled
-            mine.filled = max(mine.filled, their.filled)
+        # rows of different fills: slots below ``filled`` that a row has not used are empty, masked
+        self._padded = self._padded or any(len(set(t.fills)) > 1 for t in self.tiers)
         self._padded = self._padded or other._padded or any(t.caps is not None for t in self.tiers)
         self.seen = max(self.seen, other.seen)
         self.evicted = max(self.evicted, other.evicted)
@@ -303,6 +324,7 @@ class EvictingLayer(CacheLayerMixin):
         if gone is not None and (not self._padded or bool(gone["valid"].any())):
             self.tiers[1].insert(self.rows, gone, ctx, protected_newcomer=False, want_evicted=False)
         self.seen += m
+        self._expose()  # a tier that grew a page holds new tensors
 
     def _pooled(self, stats: dict, new: dict, n_past: int):
         """Shared tiers: each stored slot's statistics from its own head's row, and the new tokens
@@ -332,10 +354,13 @@ def _shifted(pieces: list, delta: torch.Tensor, inv_freq) -> list:
 class EvictingCache(Cache):
     """A list of ``EvictingLayer``, one per decoder layer, passed to ``generate`` as ``past_key_values``."""
 
-    def __init__(self, policy: Policy, budget, num_layers: int, inv_freq=None, storage: Storage | None = None):
+    def __init__(self, policy: Policy, budget, num_layers: int, inv_freq=None, storage: Storage | None = None,
+                 windows: list | None = None):
         budgets = layer_budgets(policy, budget, num_layers)
         self.storage = storage or Storage()
-        super().__init__(layers=[EvictingLayer(policy, b, i, inv_freq, self.storage) for i, b in enumerate(budgets)])
+        windows = windows or [None] * num_layers
+        super().__init__(layers=[EvictingLayer(policy, b, i, inv_freq, self.storage, w)
+                                 for i, (b, w) in enumerate(zip(budgets, windows))])
         self.policy = policy
 
     def set_prompt_length(self, n: int) -> None:
@@ -514,4 +539,23 @@ def make_cache(model, policy="h2o", budget=0.2, recent=None, compact=False, kv_b
     model.set_attn_implementation(ATTN_NAME)
     if model.config._attn_implementation != ATTN_NAME:
         raise ValueError(f"{type(model).__name__} refused attn_implementation={ATTN_NAME!r}; kvevict cannot hook it.")
-    return EvictingCache(pol, budget, num_layers, rope_inv_freq(model) if compact else None, storage)
+    return EvictingCache(pol, budget, num_layers, rope_inv_freq(model) if compact else None, storage,
+                         layer_windows(model))
+
+
+def layer_windows(model) -> list:
+    """Per decoder layer, its sliding window where transformers' stock cache would make it a
+    sliding-window layer (``layer_types``, or Mistral-style configs), else None."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    n = config.num_hidden_layers
+    try:  # the stock cache's own rule, so that kvevict slides exactly where DynamicCache does
+        from transformers.cache_utils import get_layer_types_and_kwargs
+
+        types, kwargs = get_layer_types_and_kwargs(config)
+        return [kw.get("sliding_window") if t == "sliding_attention" else None for t, kw in zip(types, kwargs)][:n]
+    except (ImportError, AttributeError):
+        types = getattr(config, "layer_types", None)
+        window = getattr(config, "sliding_window", None)
+        if types is None:
+            types = ["sliding_attention" if window is not None else "full_attention"] * n
+        return [window if t == "sliding_attention" else None for t in types[:n]]

@@ -1,7 +1,14 @@
-"""One tier of an eviction layer: ``budget`` slots per (sequence, KV head) holding keys and values
-(in a ``store``, full precision or packed) plus each token's position, validity and the policy's
-statistics. The slot machinery is written once, here: new tokens fill free slots, and once the
-tier is full they take the slots of the lowest-priority candidates, overwriting them in place.
+"""One tier of an eviction layer: up to ``budget`` slots per (sequence, KV head) holding keys and
+values (in a ``store``, full precision or packed) plus each token's position, validity and the
+policy's statistics. The slot machinery is written once, here: new tokens fill free slots, and once
+the tier is full they take the slots of the lowest-priority candidates, overwriting them in place.
+
+Storage grows in pages: the tier starts empty and allocates ``PAGE`` slots at a time as tokens
+arrive, never past its budget, so a short chat under a large budget holds only its own tokens
+(rounded up to a page), as the stock cache would. ``capacity`` is the allocated width;
+``budget`` the most it may grow to. Rows that leave a shared batch give their pages back
+(``fit``). Growth copies the tier once per page (amortised: a 2K-token tier copies 2K slots every
+``PAGE`` steps, against 2K slots read by attention every step).
 
 A layer has one tier, or two for mixed precision (MiKV, Yang et al. 2024, "No Token Left Behind"):
 the tokens the first tier evicts are demoted into a second, low-bit tier instead of being
@@ -23,23 +30,38 @@ from .store import expand_index, make_store, scatter, trailing
 # per-candidate metadata besides the key/value pair: position, validity, one entry per statistic
 _META = ("pos", "valid")
 
+# slots allocated at a time per (sequence, KV head); see docs/performance.md ("Paged storage")
+PAGE = 32
+
+
+def pages(n: int, budget: int) -> int:
+    """Slots to allocate for ``n`` tokens: whole pages, never past the budget."""
+    return min(budget, -(-n // PAGE) * PAGE)
+
 
 class Tier:
     def __init__(self, budget: int, b, h, dk, dv, dtype, device, stats: tuple, bits=None, group: int = 32,
                  heads: int = 1):
         self.budget, self.filled, self.heads = budget, 0, heads
+        self.capacity = 0  # slots allocated: pages, grown on demand up to ``budget``
+        # slots each row has used: a row writes its next tokens at its own fill, so rows that joined
+        # a batch at different lengths leave no holes (``fills`` on the host, ``fill`` its mirror);
+        # ``filled``, the most any row used, bounds what attention reads
+        self.fills = [0] * b
+        self.fill = torch.zeros(b, dtype=torch.long, device=device)
+        self._caps_host: list[int] | None = None  # ``caps`` on the host
         # rows of a shared batch may have smaller budgets than the tier is wide: ``caps`` (b,) each
         # row's own, slots past it unavailable (never written, never ranked); None: every row has budget
         self.caps: torch.Tensor | None = None
         self.min_cap = budget
         self._cols: dict = {}  # (cap, budget, candidates) -> the columns a cap group ranks
-        self.store = make_store(b, h, budget, dk, dv, dtype, device, bits, group)
+        self.store = make_store(b, h, 0, dk, dv, dtype, device, bits, group)
         if heads > 1:  # shared by the heads: whose each slot is
-            self.head = torch.zeros(b, h, budget, dtype=torch.uint8, device=device)
+            self.head = torch.zeros(b, h, 0, dtype=torch.uint8, device=device)
         # int32: positions below 2^31 tokens; at 2 bits an int64 would be an eighth of a slot
-        self.pos = torch.zeros(b, h, budget, dtype=torch.int32, device=device)
-        self.valid = torch.zeros(b, h, budget, dtype=torch.bool, device=device)
-        self.stats = {n: torch.zeros(b, h, budget, dtype=torch.float32, device=device) for n in stats}
+        self.pos = torch.zeros(b, h, 0, dtype=torch.int32, device=device)
+        self.valid = torch.zeros(b, h, 0, dtype=torch.bool, device=device)
+        self.stats = {n: torch.zeros(b, h, 0, dtype=torch.float32, device=device) for n in stats}
 
     def meta(self, name: str) -> torch.Tensor:
         return self.stats[name] if name in self.stats else getattr(self, name)
@@ -69,18 +91,26 @@ class Tier:
     def insert(self, policy: Policy, new: dict, ctx: dict, protected_newcomer: bool, want_evicted: bool):
         """Store ``new`` entries (keys "k", "v" and the metadata, each (b, h, m, ...)); return the
         entries that left (evicted candidates, valid first) when ``want_evicted``, else None."""
-        f, m, B = self.filled, new["pos"].shape[-1], self.budget
-        if f + m <= self.min_cap:
-            idx = torch.arange(f, f + m, device=self.pos.device).expand(*new["pos"].shape)
+        m = new["pos"].shape[-1]
+        caps = self._caps_host or [self.budget] * len(self.fills)
+        fills = [min(c, f + m) for f, c in zip(self.fills, caps)]  # every row takes its free slots first
+        self.reserve(max(fills, default=0))
+        gone = None
+        if all(f + m <= c for f, c in zip(self.fills, caps)):  # room everywhere: append at each row's fill
+            idx = (self.fill.view(-1, 1, 1) + torch.arange(m, device=self.pos.device)).expand(*new["pos"].shape)
             self._write(idx, new, None)
-            self.filled = f + m
-            return None
-        if m == 1:
+        elif m == 1:
+            # a row with room: its free slots rank -inf and the first (its fill) is taken
             gone = self._replace_one(policy, new, ctx, protected_newcomer, want_evicted)
-            # a capped row's free slots rank -inf, the first of them is taken: slot <= f
-            self.filled = min(B, f + 1)
-            return gone
-        return self._replace_many(policy, new, ctx, want_evicted)
+        else:
+            gone = self._replace_many(policy, new, ctx, want_evicted)
+        self._set_fills(fills)
+        return gone
+
+    def _set_fills(self, fills: list[int]) -> None:
+        self.fills = fills
+        self.fill = torch.tensor(fills, dtype=torch.long, device=self.pos.device)
+        self.filled = max(fills, default=0)
 
     def _priority(self, policy, new: dict | None, ctx: dict) -> torch.Tensor:
         """The policy's priority of every slot (and new entry). Slots past a row's cap are +inf:
@@ -93,9 +123,10 @@ class Tier:
         out = torch.full(c.pos.shape, float("inf"), device=c.pos.device)
         n = c.pos.shape[-1]
         for cap, idx, rows in self._cap_groups:
-            key = (cap, self.budget, n)
+            key = (cap, self.capacity, n)
             if key not in self._cols:  # a pure function of its key: built once per batch change, not per step
-                self._cols[key] = torch.cat([torch.arange(cap), torch.arange(self.budget, n)]).to(c.pos.device)
+                self._cols[key] = torch.cat([torch.arange(min(cap, self.capacity)),
+                                             torch.arange(self.capacity, n)]).to(c.pos.device)
             cols = self._cols[key]
             part = torch.full((len(rows), *c.pos.shape[1:]), float("inf"), device=c.pos.device)
             part[:, :, cols] = policy.priority(rows_of(c, idx, cols), rows)
@@ -115,7 +146,7 @@ class Tier:
 
     def _replace_one(self, policy, new, ctx, protected_newcomer, want_evicted):
         """Decoding: the new token takes the slot of the lowest-priority candidate."""
-        B = self.budget
+        B = self.capacity
         if protected_newcomer and policy.keeps_newest(ctx["budget"]) and policy.independent:
             # the newcomer is protected and cannot change the others' ranks: rank the slots only
             slot, take = self._priority(policy, None, ctx).argmin(-1, keepdim=True), None
@@ -131,8 +162,12 @@ class Tier:
     def _replace_many(self, policy, new, ctx, want_evicted):
         """Prefill chunks: evict the m lowest-priority of the B slots + m new tokens; the kept new
         tokens move into the evicted slots, pairwise, so storage is overwritten in place."""
-        B, m = self.budget, new["pos"].shape[-1]
+        B, m = self.capacity, new["pos"].shape[-1]
         prio = self._priority(policy, new, ctx)
+        # empty slots go first in slot order (topk breaks ties arbitrarily), so a row fills its
+        # slots in order and never writes past its fill
+        order = torch.arange(prio.shape[-1], device=prio.device, dtype=torch.float32)
+        prio = torch.where(prio == -float("inf"), order * 1e32 - 3e38, prio)
         out = prio.topk(m, dim=-1, largest=False).indices  # (b, h, m) evicted candidates
         gone = self._evicted(out, new) if want_evicted else None
         ev_slot = torch.zeros(prio.shape[0], prio.shape[1], B + m, dtype=torch.bool, device=prio.device)
@@ -145,13 +180,12 @@ class Tier:
         move = torch.arange(k, device=prio.device).view(1, 1, k) < n_moves  # (b, h, k)
         moved = {n: t.gather(2, expand_index(sources, t)) for n, t in new.items()}
         self._write(targets, moved, move)
-        self.filled = B
         return gone
 
     def _evicted(self, out, new: dict) -> dict:
         """The entries of evicted candidates ``out`` (indices into slots + new), valid ones first,
         cut to the most valid ones any (sequence, head) has."""
-        B = self.budget
+        B = self.capacity
         from_slot = out < B
         stored = self._read(out.clamp(max=B - 1))
         fresh = {n: t.gather(2, expand_index((out - B).clamp(min=0), t)) for n, t in new.items()}
@@ -162,13 +196,18 @@ class Tier:
         return {n: t.gather(2, expand_index(order, t)) for n, t in got.items()}
 
     def map_batch(self, fn) -> None:
+        """Apply ``fn`` to every per-row tensor (slots, then each row's fill and cap); ``fit`` after."""
+        self._map_slots(fn)
+        self.fill = fn(self.fill)
+        if self.caps is not None:
+            self.caps = fn(self.caps)
+
+    def _map_slots(self, fn) -> None:
         self.store.map_batch(fn)
         for name in self.names():
             if name not in self.stats:
                 setattr(self, name, fn(getattr(self, name)))
         self.stats = {n: fn(t) for n, t in self.stats.items()}
-        if self.caps is not None:
-            self.caps = fn(self.caps)
 
     def row_caps(self) -> torch.Tensor:
         """(b,) each row's own number of slots."""
@@ -176,44 +215,63 @@ class Tier:
             return self.caps
         return torch.full((self.pos.shape[0],), self.budget, dtype=torch.long, device=self.pos.device)
 
+    def reserve(self, n: int) -> None:
+        """Allocate the pages ``n`` tokens need (never past the budget); the new slots are empty."""
+        self.grow_to(pages(n, self.budget))
+
+    def grow_to(self, n: int) -> None:
+        if n > self.capacity:
+            self._resize(n)
+
     def widen(self, budget: int, stats: tuple) -> None:
-        """Grow to ``budget`` slots (the new ones empty) and carry every statistic in ``stats``, so
-        rows of another tier can be appended; each row keeps its own cap."""
+        """Take rows of up to ``budget`` slots and carry every statistic in ``stats``, so rows of
+        another tier can be appended; each row keeps its own cap. No slot is allocated here: the
+        pages come as the rows grow into them."""
         if stats != tuple(self.stats):
             b, h, n = self.pos.shape
             self.stats = {s: self.stats.get(s, torch.zeros(b, h, n, device=self.pos.device)) for s in stats}
         if budget > self.budget:
             self.caps = self.row_caps()
-            self._resize(budget)
+            self.budget = budget
 
     def fit(self) -> None:
-        """After rows joined or left: as wide as the widest row's cap (a row writes only below its
-        cap, so nothing kept is cut), and no caps once every row has the full width."""
+        """After rows joined or left: pages no row uses any more are given back, the budget is the
+        widest row's cap (a row writes only below its cap, so nothing kept is cut), and no caps
+        once every row has the full width."""
+        self._set_fills(self.fill.tolist())  # one host read per batch change, none per step
+        self._caps_host = None
+        keep = pages(self.filled, self.budget)
+        if keep < self.capacity:  # rows that left held the last pages
+            self._resize(keep)
         if self.caps is None:
             return
         widest = int(self.caps.max()) if self.caps.numel() else self.budget
         if widest < self.budget:
-            self._resize(widest)
+            self.budget = widest
+            if self.capacity > widest:
+                self._resize(widest)
         self.min_cap = int(self.caps.min()) if self.caps.numel() else self.budget
         if self.min_cap >= self.budget:
             self.caps, self.min_cap = None, self.budget
             return
-        caps = self.caps.tolist()  # one host read per batch change, none per step
+        caps = self._caps_host = self.caps.tolist()  # one host read per batch change, none per step
         self._cols = {}
         self._cap_groups = [(cap, torch.tensor(rows, device=self.caps.device), rows) for cap in sorted(set(caps))
                             for rows in [[i for i, c in enumerate(caps) if c == cap]]]
 
     def _resize(self, n: int) -> None:
-        extra = n - self.budget
+        """Reallocate every per-slot tensor to ``n`` slots (cut, or padded with empty slots)."""
+        extra = n - self.capacity
 
         def fn(t):
             if extra < 0:
-                return t[:, :, :n]
+                return t[:, :, :n].clone()  # a view would keep the whole old storage alive
             return torch.cat([t, t.new_zeros(*t.shape[:2], extra, *t.shape[3:])], dim=2)
 
-        caps, self.caps = self.caps, None  # per row, not per slot: map_batch leaves it alone
-        self.map_batch(fn)
-        self.caps, self.budget, self.filled = caps, n, min(self.filled, n)
+        self._map_slots(fn)
+        self.capacity = n
+        if self.filled > n:  # cut below a row's fill (the budget shrank to the widest cap)
+            self._set_fills([min(f, n) for f in self.fills])
 
     def nbytes(self) -> int:
         """Every byte this tier holds: keys and values (codes, steps, zeros), positions, validity, statistics."""

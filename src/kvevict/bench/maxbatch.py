@@ -11,10 +11,15 @@ from .stats import summary
 
 def per_sequence_bytes(bases: BaseCaches, spec: CacheSpec, context: int, decode_tokens: int) -> int:
     """Cache state one sequence needs until the end of the timed steps: the stock cache grows by
-    one token per step; kvevict's storage is preallocated at its budget."""
+    one token per step; kvevict's budgeted storage is already full at its budget after the fill,
+    and without eviction it grows a page at a time (counted here as a token at a time, + 1 page)."""
     held = state_bytes(bases.get(spec, context))
     if spec.kind == STOCK:
         held += decode_tokens * model_kv_bytes_per_token(bases.model.config)
+    elif not spec.is_policy:
+        from ..tier import PAGE
+
+        held += (decode_tokens + PAGE) * model_kv_bytes_per_token(bases.model.config)
     return held
 
 

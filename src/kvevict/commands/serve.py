@@ -17,10 +17,13 @@ def add_arguments(p):
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-name", default=None, help="model id clients ask for (default: --model)")
-    p.add_argument("--max-batch", type=int, default=16, help="most sequences decoded at once")
+    p.add_argument("--max-batch", type=int, default=256, help="most sequences running at once (how many fit "
+                   "is --kv-memory's to say: a short chat holds only its own pages)")
+    p.add_argument("--budget-share", type=int, default=16, help="the default budget is the share of "
+                   "--kv-memory that this many sequences (at most --max-batch) can hold at once")
     p.add_argument("--kv-memory", default="2GiB", metavar="SIZE",
                    help="K/V bytes the server may hold (e.g. 512MiB, 2GiB); requests that do not fit wait. "
-                        "The default --budget 'auto' gives each sequence kv-memory / max-batch")
+                        "The default --budget 'auto' gives each sequence kv-memory / min(max-batch, budget-share)")
     p.add_argument("--min-budget", type=int, default=64,
                    help="a fractional kv_budget keeps at least this many tokens")
     p.add_argument("--budget-round", type=int, default=1,
@@ -44,12 +47,13 @@ def settings_from_args(args) -> dict:
 
     if budget is not None:
         check_budget(budget)
-    for name in ("max_batch", "max_tokens", "max_tokens_limit", "replicas", "budget_round", "min_budget"):
+    for name in ("max_batch", "budget_share", "max_tokens", "max_tokens_limit", "replicas", "budget_round",
+                 "min_budget"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
     return dict(model_id=args.served_name or args.model, policy="full" if policy == "none" else policy,
                 budget=budget, recent=args.recent, max_tokens=args.max_tokens,
-                max_tokens_limit=args.max_tokens_limit, max_batch=args.max_batch,
+                max_tokens_limit=args.max_tokens_limit, max_batch=args.max_batch, budget_share=args.budget_share,
                 kv_memory=parse_bytes(args.kv_memory), min_budget=args.min_budget, budget_round=args.budget_round)
 
 

@@ -98,11 +98,13 @@ class Engine:
 
     def default_budget(self) -> int:
         """Tokens per layer and KV head one sequence may keep: its share of ``kv_memory`` when
-        ``max_batch`` sequences run (a multiple of 64, at least ``min_budget``, at most the context).
-        The share is counted in the default policy's own bytes per slot, its state included."""
+        ``min(max_batch, budget_share)`` sequences hold it (a multiple of 64, at least
+        ``min_budget``, at most the context). The share is counted in the default policy's own
+        bytes per slot, its state included. Shorter sequences hold only their own pages, so many
+        more than that run at once."""
         s = self.settings
         per_token, rest = self.budgeter.per_token(s.policy)
-        share = (s.kv_memory // s.max_batch - rest) // per_token
+        share = (s.kv_memory // min(s.max_batch, s.budget_share) - rest) // per_token
         return max(s.min_budget, min(self.context, share // 64 * 64))
 
     # -- the event loop's side ------------------------------------------------------------------
@@ -123,7 +125,7 @@ class Engine:
 
     def reserve_bytes(self, req: GenRequest) -> int:
         """The most K/V bytes ``req`` holds; a BadRequest when that alone exceeds ``kv_memory``."""
-        if req.policy != "full" and req.policy not in self.budgeter.slots:
+        if req.policy != "full" and req.policy not in self.budgeter.slots_of:
             raise BadRequest(f"kv_policy {req.policy!r} cannot serve requests.", "kv_policy")
         need = self.budgeter.row_bytes(req.policy, req.budget_tokens, req.recent,
                                        len(req.prompt_ids) + req.max_tokens)
@@ -168,7 +170,7 @@ class Engine:
         batches = [[r.handle.spec for r in run.rows] for run in self._running]
         for h in extra:
             for specs in batches:
-                if _joins(specs, h.spec):
+                if _joins(specs, h.spec, self.budgeter.width_bucket):
                     specs.append(h.spec)
                     break
             else:
@@ -221,7 +223,8 @@ class Engine:
         if self._advance([row], logits):
             return  # it ended at its first token
         for run in self._running:
-            if _joins([r.handle.spec for r in run.rows], h.spec) and run.batch.can_join(batch):
+            if (_joins([r.handle.spec for r in run.rows], h.spec, self.budgeter.width_bucket)
+                    and run.batch.can_join(batch)):
                 run.batch.join(batch)
                 run.rows.append(row)
                 self._log_join(req, run)
@@ -333,14 +336,17 @@ class Engine:
         m.peak("kvevict_kv_bytes_peak", held)
 
 
-def _joins(specs: list[tuple], spec: tuple) -> bool:
+def _joins(specs: list[tuple], spec: tuple, bucket) -> bool:
     """Whether a row of ``spec`` (policy, budget_tokens, recent, length) can join a batch of rows
     ``specs``: full-cache rows share a DynamicCache, budgeted rows of policies that can share one
-    forward (``rows.shareable``) an EvictingCache."""
+    forward (``rows.shareable``) an EvictingCache, when their widths are in one ``bucket`` (a
+    short chat does not take a long prompt's width)."""
     if not specs or (specs[0][0] == "full") != (spec[0] == "full"):
         return False
     if spec[0] == "full":
         return True
+    if bucket(spec) != bucket(specs[0]):
+        return False
     return shareable([spec_policy(p, recent) for p, _, recent, _ in (*specs, spec)])
 
 

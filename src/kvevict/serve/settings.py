@@ -12,13 +12,17 @@ class Settings:
     model_id: str  # the name /v1/models lists and requests must ask for
     policy: str = "h2o"  # default kv_policy ("full" = no eviction)
     # default kv_budget: int tokens per layer & KV head, a fraction of the prompt, or None = the
-    # server's per-sequence share of kv_memory (kv_memory / max_batch), so that a sequence is evicted
-    # only when it outgrows the memory the server gives it; short chats are kept whole
+    # server's per-sequence share of kv_memory (kv_memory / min(max_batch, budget_share)), so that a
+    # sequence is evicted only when it outgrows the memory the server gives it; short chats are kept
+    # whole, and hold only their own pages (storage grows as a sequence does)
     budget: int | float | None = None
     recent: int | None = None  # default recent window (None: the policy's default)
     max_tokens: int = 128  # when a request gives no max_tokens
     max_tokens_limit: int = 4096  # the most a request may ask for
-    max_batch: int = 16  # sequences decoded together
+    # sequences running at once (vLLM's max_num_seqs default): how many fit is kv_memory's to say,
+    # since short chats hold only their own pages
+    max_batch: int = 256
+    budget_share: int = 16  # the default budget lets this many sequences hold it at once
     kv_memory: int = 2 * GiB  # K/V bytes the server may hold at once; requests that do not fit wait
     min_budget: int = 64  # a fractional budget keeps at least this many tokens (never a handful)
     # A float budget resolves to a token count per prompt; rounding it up to a multiple of

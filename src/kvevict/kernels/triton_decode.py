@@ -1,0 +1,225 @@
+"""The ``"triton"`` backend of ``kvevict.kernels.decode_attention``: fused split-K decode attention
+(FlashDecoding, Dao et al. 2023) that reads kvevict's stored runs as they are -- packed int8 / int4
+/ int2 codes with their fp16 zero and step, or dense fp16 / model-dtype keys -- and dequantizes in
+registers (x_hat = zero + step * code), so no dequantized copy of the cache is ever written.
+
+For one new query per sequence, over the runs in order followed by the new key:
+
+    s_hi = scale * q_h . k_i  (fp32 accumulate; c * tanh(s / c) with a softcap; -inf where masked)
+    out_h = sum_i softmax_i(s_h) v_i,    pg_i = sum_{h in the KV group} softmax_i(s_h)
+
+The programs are in ``triton_kernels.py``: per run one launch of ``_split_kernel`` (a program per
+(sequence, KV head, split of the keys): online-softmax partials and the raw scores), then
+``_combine`` (merges the splits: out, and each head's final max and normalizer) and
+``_group_probs`` (pg from the saved scores).
+
+Registering it (the one line ``kvevict/kernels/__init__.py`` needs; this module imports without
+triton, ``available()`` says whether the backend can run)::
+
+    from .triton_decode import register as _register_triton; _register_triton(BACKENDS)
+
+which sets ``BACKENDS["triton"] = decode_attention_triton``. Runs on CUDA tensors, and on CPU
+tensors only under triton's interpreter (``TRITON_INTERPRET=1`` set before triton is first
+imported; what the tests use). Returns ``NotImplemented`` (the dispatcher then uses the torch
+reference) for CPU tensors outside the interpreter, and for query dtypes other than fp16 / bf16 /
+fp32. Bad input raises ValueError.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+PACKED = (8, 4, 2)
+DENSE = (16, 32)
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def available() -> tuple[bool, str]:
+    """(True, "") when triton imports, else (False, why): what the dispatcher logs on fallback."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        return False, f"triton is not installed ({e}); pip install 'kvevict[triton]'"
+    return True, ""
+
+
+def interpreting() -> bool:
+    """Whether triton runs its programs in the CPU interpreter: TRITON_INTERPRET=1, and set before
+    triton was first imported (its own library functions are interpreted only then)."""
+    if os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on", "yes"):
+        return False
+    try:
+        import triton.language as tl
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:
+        return False
+    return isinstance(tl.zeros, InterpretedFunction)
+
+
+def register(registry: dict) -> None:
+    """Add this backend to the dispatcher's registry under "triton"."""
+    registry["triton"] = decode_attention_triton
+
+
+def decode_attention_triton(q, runs, k_new, v_new, mask, scale, softcap=None, *, split=None):
+    """q (b, hq, 1, d) unscaled; runs: ``kvevict.kernels.runs.Run`` objects (read by field: bits,
+    group, k, v, n); k_new, v_new (b, hkv, 1, d|dv) in q's dtype; mask (b, hkv|1, n_total) bool
+    over the stored slots (True = visible) or None; the new key is always visible.
+    Returns (out (b, hq, 1, dv) in q's dtype, pg (b, hkv, n_total + 1) float32).
+    ``split``: keys per program (a multiple of the key tile; None picks one from the GPU's size)."""
+    ok, why = available()
+    if not ok:
+        raise ModuleNotFoundError(why)
+    if not (q.is_cuda or interpreting()) or q.dtype not in _DTYPES:
+        return NotImplemented
+    b, hq, hkv, d, dv, n_total = _check(q, runs, k_new, v_new, mask)
+    from . import triton_kernels as tk  # imports triton
+
+    g = hq // hkv
+    gp = max(16, _pow2(g))  # tl.dot needs at least 16 rows: the group's heads padded
+    d_p, dv_p = max(16, _pow2(d)), max(16, _pow2(dv))
+    block_n = _block(split, 64 if max(d_p, dv_p) <= 128 else 32)
+    every = [(r.bits, r.group, r.k, r.v, r.n) for r in runs if r.n > 0]
+    every.append((32, 1, (k_new,), (v_new,), 1))  # the new key: a dense run of one, always visible
+    split = _split(split, block_n, b * hkv, sum(r[-1] for r in every), q.device)
+    splits = [math.ceil(n / split) for *_, n in every]
+    n_splits = sum(splits)
+
+    dev, f32 = q.device, torch.float32
+    nt1 = n_total + 1
+    scores = torch.empty(b * hkv, g, nt1, dtype=f32, device=dev)
+    m_part = torch.empty(b * hkv, n_splits, g, dtype=f32, device=dev)
+    l_part = torch.empty_like(m_part)
+    acc_part = torch.empty(b * hkv, n_splits, g, dv, dtype=f32, device=dev)
+    out = torch.empty(b, hq, 1, dv, dtype=q.dtype, device=dev)
+    m_fin = torch.empty(b * hkv, g, dtype=f32, device=dev)
+    l_fin = torch.empty_like(m_fin)
+    pg = torch.empty(b, hkv, nt1, dtype=f32, device=dev)
+    cdt = {torch.float16: tk.tl.float16, torch.bfloat16: tk.tl.bfloat16, torch.float32: tk.tl.float32}[q.dtype]
+    emu = not q.is_cuda  # the interpreter: see _rnd and _operand in triton_kernels
+    m = mask.view(torch.uint8) if mask is not None else scores  # bool read as bytes; a dummy when None
+    m_strides = (m.stride(0), m.stride(1) if m.shape[1] > 1 else 0, m.stride(2)) if mask is not None else (0, 0, 0)
+
+    key_off = split_off = 0
+    for (bits, group, kt, vt, n), ns in zip(every, splits):
+        is_new = split_off + ns == n_splits
+        tk._split_kernel[(b * hkv, ns)](
+            q, q.stride(0), q.stride(1), q.stride(3),
+            *_operand(kt), *_operand(vt),
+            m, *m_strides,
+            scores, m_part, l_part, acc_part,
+            n, key_off, split_off, split, n_splits, nt1, float(scale), float(softcap or 1.0),
+            HKV=hkv, G=g, GP=gp, D=d, D_P=d_p, DV=dv, DV_P=dv_p,
+            BITS=bits, GROUP=group if bits in PACKED else 1, BLOCK_N=block_n,
+            HAS_MASK=mask is not None and not is_new, SOFTCAP=softcap is not None, CDT=cdt, EMU=emu,
+            GROUPED_K=_grouped(bits, group, d), GROUPED_V=_grouped(bits, group, dv),
+        )
+        key_off += n
+        split_off += ns
+    gr = max(2, _pow2(g))
+    tk._combine[(b * hkv,)](m_part, l_part, acc_part, out, out.stride(0), out.stride(1), out.stride(3),
+                            m_fin, l_fin, n_splits, HKV=hkv, G=g, GP=gr, DV=dv, DV_P=dv_p,
+                            CDT=cdt, EMU=emu)
+    block = 256
+    tk._group_probs[(b * hkv, triton_cdiv(nt1, block))](scores, m_fin, l_fin, pg, nt1, G=g, GP=gr, BLOCK=block)
+    return out, pg
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def _grouped(bits: int, group: int, d: int) -> bool:
+    """Whether a packed tile can be read group by group (``_tile``'s fast path): power-of-two head
+    dim and group, each group inside one of the 8 / bits byte parts of a token."""
+    pow2 = lambda x: x & (x - 1) == 0  # noqa: E731
+    return bits in PACKED and pow2(d) and pow2(group) and (d * bits // 8) % group == 0
+
+
+def _block(split, block_n: int) -> int:
+    """Keys per tile: ``block_n``, or the largest power of two >= 16 below it dividing ``split``."""
+    if split is None:
+        return block_n
+    if isinstance(split, bool) or not isinstance(split, int) or split < 16 or split % 16:
+        raise ValueError(f"split must be a positive multiple of 16 (keys per program), got {split!r}.")
+    while split % block_n:
+        block_n //= 2
+    return block_n
+
+
+def _split(split, block_n: int, programs: int, n_keys: int, device) -> int:
+    """Keys per split: the caller's, or enough splits for ~8 programs per multiprocessor."""
+    if split is not None:
+        return split
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    want = max(1, (8 * sms) // max(1, programs))
+    return max(4 * block_n, triton_cdiv(triton_cdiv(n_keys, want), block_n) * block_n)
+
+
+def _operand(t: tuple) -> tuple:
+    """(codes, zero, step) pointers then their (b, h, n, d) strides; a head stride of 0 for a pooled
+    (one-head) run; dense runs pass their keys three times (zero and step are never read)."""
+    ts = t if len(t) == 3 else (t[0], t[0], t[0])
+    strides = []
+    for x in ts:
+        strides += [x.stride(0), x.stride(1) if x.shape[1] > 1 else 0, x.stride(2), x.stride(3)]
+    return (*ts, *strides)
+
+
+def _check(q, runs, k_new, v_new, mask):
+    """Shapes, dtypes and devices against the interface; ValueError saying what to change."""
+    if q.dim() != 4 or q.shape[2] != 1:
+        raise ValueError(f"q must be (batch, query heads, 1, head_dim) for one decode step, got {tuple(q.shape)}.")
+    b, hq, _, d = q.shape
+    if k_new.dim() != 4 or k_new.shape[0] != b or k_new.shape[2] != 1 or k_new.shape[3] != d:
+        raise ValueError(f"k_new must be ({b}, kv heads, 1, {d}), got {tuple(k_new.shape)}.")
+    hkv = k_new.shape[1]
+    if hq % hkv:
+        raise ValueError(f"the {hq} query heads must be a multiple of the {hkv} KV heads (GQA).")
+    if v_new.dim() != 4 or tuple(v_new.shape[:3]) != (b, hkv, 1):
+        raise ValueError(f"v_new must be ({b}, {hkv}, 1, head_dim_v), got {tuple(v_new.shape)}.")
+    dv = v_new.shape[3]
+    for name, t in (("k_new", k_new), ("v_new", v_new)):
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{name} must be {q.dtype} on {q.device} like q, got {t.dtype} on {t.device}.")
+    n_total = 0
+    for i, r in enumerate(runs):
+        if r.bits not in PACKED + DENSE:
+            raise ValueError(f"runs[{i}].bits must be one of {PACKED + DENSE}, got {r.bits!r}.")
+        if r.n < 0:
+            raise ValueError(f"runs[{i}].n must be >= 0, got {r.n}.")
+        parts = 3 if r.bits in PACKED else 1
+        for side, t, width in (("k", r.k, d), ("v", r.v, dv)):
+            if len(t) != parts:
+                raise ValueError(f"runs[{i}].{side} must hold {parts} tensor(s) for bits={r.bits}, got {len(t)}.")
+            if r.bits in PACKED:
+                if not isinstance(r.group, int) or r.group <= 0 or width % r.group or (width * r.bits) % 8:
+                    raise ValueError(f"runs[{i}].group={r.group!r} must divide the head dimension {width} "
+                                     f"(and {width} * {r.bits} bits must fill whole bytes).")
+                shapes = [(width * r.bits // 8, torch.uint8), (width // r.group, torch.float16),
+                          (width // r.group, torch.float16)]
+            else:
+                shapes = [(width, torch.float16 if r.bits == 16 else None)]
+            for x, (last, dtype) in zip(t, shapes):
+                if (x.dim() != 4 or x.shape[0] != b or x.shape[1] not in (hkv, 1) or x.shape[2] < r.n
+                        or x.shape[3] != last or x.device != q.device):
+                    raise ValueError(f"runs[{i}].{side} tensors must be ({b}, {hkv} or 1, >= {r.n}, {last}) on "
+                                     f"{q.device}, got {tuple(x.shape)} on {x.device}.")
+                if dtype is not None and x.dtype != dtype:
+                    raise ValueError(f"runs[{i}].{side} (bits={r.bits}) must be {dtype}, got {x.dtype}.")
+                if dtype is None and x.dtype not in _DTYPES:
+                    raise ValueError(f"runs[{i}].{side} (bits=32) must be a float dtype, got {x.dtype}.")
+        n_total += r.n
+    if mask is not None:
+        if (mask.dtype != torch.bool or mask.dim() != 3 or mask.shape[0] != b or mask.shape[1] not in (hkv, 1)
+                or mask.shape[2] != n_total or mask.device != q.device):
+            raise ValueError(f"mask must be bool ({b}, {hkv} or 1, {n_total}) on {q.device} over the stored slots, "
+                             f"got {mask.dtype} {tuple(mask.shape)} on {mask.device}.")
+    return b, hq, hkv, d, dv, n_total

@@ -1,0 +1,225 @@
+"""The Triton decode-attention backend against plain torch (dequantize, then SDPA / softmax), run on
+the CPU in triton's interpreter (TRITON_INTERPRET=1, set before triton is first imported).
+
+Tolerances, absolute: out 2e-5 in fp32 (the kernel and the reference differ only in summation
+order: split-K partials against one softmax), 1e-2 in bf16 / fp16 (outputs up to ~3 round to 4e-3
+and 5e-4, and the kernel rounds each split's probabilities, the reference the final ones); pg 2e-5
+in every dtype (the kernel rounds dequantized keys and the scaled query exactly as torch does,
+so both take fp32 scores from the same operands)."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="triton is not installed (pip install 'kvevict[triton]')")
+
+from kvevict.kernels.triton_decode import decode_attention_triton, interpreting, register  # noqa: E402
+from kvevict.store import dequantize, quantize  # noqa: E402
+
+try:
+    from kvevict.kernels.runs import Run
+except ImportError:  # until kernel-cpu's runs.py is merged: the same fields, per the agreed interface
+    from dataclasses import dataclass
+
+    @dataclass
+    class Run:
+        bits: int
+        group: int
+        k: tuple
+        v: tuple
+        n: int
+
+
+# on the CPU in the interpreter; on a GPU (TRITON_INTERPRET=0 and CUDA) compiled, the same checks
+DEVICE = "cpu" if interpreting() else "cuda"
+pytestmark = [
+    pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),
+                       reason="triton's interpreter is off (TRITON_INTERPRET must be 1 before triton is first "
+                              "imported; tests/conftest.py sets it) and there is no GPU to compile for"),
+    # 3.2 and 3.5 (measured) fail in the interpreter on a loop over runtime bounds with numpy 2
+    pytest.mark.skipif(DEVICE == "cpu" and tuple(map(int, triton.__version__.split(".")[:2])) < (3, 9),
+                       reason=f"triton {triton.__version__}'s interpreter cannot run the kernel; needs >= 3.9"),
+]
+
+
+def make_run(b, h, n, d, bits, group, dtype, gen, spare=0):
+    """A run of n slots (viewed out of n + spare stored slots, as a tier hands them over) and its
+    keys / values dequantized in fp32 for the reference."""
+    k = torch.randn(b, h, n + spare, d, generator=gen) * 2
+    v = torch.randn(b, h, n + spare, d, generator=gen)
+    if bits in (8, 4, 2):
+        kq, vq = quantize(k, bits, group), quantize(v, bits, group)
+        run = Run(bits, group, tuple(t.to(DEVICE)[:, :, :n] for t in kq), tuple(t.to(DEVICE)[:, :, :n] for t in vq), n)
+        deq = [dequantize(*(t[:, :, :n] for t in x), bits, group, dtype).float() for x in (kq, vq)]
+        return run, deq[0], deq[1]
+    store = torch.float16 if bits == 16 else dtype
+    ks, vs = k.to(store), v.to(store)
+    run = Run(bits, group, (ks.to(DEVICE)[:, :, :n],), (vs.to(DEVICE)[:, :, :n],), n)
+    return run, ks[:, :, :n].to(dtype).float(), vs[:, :, :n].to(dtype).float()
+
+
+def call(q, runs, k_new, v_new, mask, *args, **kwargs):
+    """The kernel on DEVICE (runs are made there), its results back on the CPU."""
+    to = [x.to(DEVICE) if x is not None else None for x in (q, k_new, v_new, mask)]
+    out, pg = decode_attention_triton(to[0], runs, to[1], to[2], to[3], *args, **kwargs)
+    return out.cpu(), pg.cpu()
+
+
+def reference(q, keys, values, k_new, v_new, mask, scale, softcap=None):
+    """Plain torch over dequantized keys: (out (b, hq, 1, d), pg (b, hkv, n + 1), out via SDPA or None)."""
+    b, hq, _, d = q.shape
+    hkv = k_new.shape[1]
+    g = hq // hkv
+    k = [x.expand(-1, hkv, -1, -1) for x in keys] + [k_new.float()]  # a pooled run is seen by every head
+    v = [x.expand(-1, hkv, -1, -1) for x in values] + [v_new.float()]
+    k, v = torch.cat(k, 2).repeat_interleave(g, 1), torch.cat(v, 2).repeat_interleave(g, 1)
+    n = k.shape[2] - 1
+    seen = torch.ones(b, hkv, n + 1, dtype=torch.bool)
+    if mask is not None:
+        seen[..., :n] = mask
+    seen = seen.repeat_interleave(g, 1)[:, :, None]
+    qs = (q * scale).float()
+    s = qs @ k.transpose(-1, -2)
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    p = s.masked_fill(~seen, float("-inf")).softmax(-1)
+    sdpa = None
+    if softcap is None:
+        sdpa = torch.nn.functional.scaled_dot_product_attention(q.float(), k, v, attn_mask=seen, scale=scale)
+    return p @ v, p.view(b, hkv, g, n + 1).sum(2), sdpa
+
+
+CASES = {  # name: (tiers as (bits, group, n, pooled), d, hkv, g, masked, softcap, dtype)
+    "int8-d64-g1": ([(8, 32, 70, False)], 64, 2, 1, True, None, torch.float32),
+    "int4-d64-g3": ([(4, 32, 70, False)], 64, 2, 3, True, None, torch.float32),
+    "int4-d256-g3": ([(4, 64, 40, False)], 256, 1, 3, True, None, torch.float32),
+    "int2-d64-g3": ([(2, 16, 50, False)], 64, 2, 3, False, None, torch.float32),
+    # a group across two byte parts (64 > 32 bytes of int4 codes): the kernel's per-channel path
+    "int4-group-spans-parts": ([(4, 64, 50, False)], 64, 2, 3, True, None, torch.bfloat16),
+    "fp16-d64-g3": ([(16, 32, 50, False)], 64, 2, 3, True, None, torch.float32),
+    "dense-d256-g1": ([(32, 32, 40, False)], 256, 2, 1, False, None, torch.float32),
+    "two-tiers-int8-int4": ([(8, 32, 45, False), (4, 32, 60, False)], 64, 2, 3, True, None, torch.float32),
+    "pooled-h1-int4": ([(4, 32, 40, False), (4, 32, 50, True)], 64, 2, 3, True, None, torch.float32),
+    "softcap-int4": ([(4, 32, 70, False)], 64, 2, 3, True, 5.0, torch.float32),
+    "bf16-int4-two-tiers": ([(16, 32, 30, False), (4, 32, 70, False)], 64, 2, 3, True, None, torch.bfloat16),
+    "fp16-int8-pooled": ([(8, 32, 40, True)], 64, 2, 3, True, None, torch.float16),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_torch(name):
+    tiers, d, hkv, g, masked, softcap, dtype = CASES[name]
+    gen = torch.Generator().manual_seed(sum(map(ord, name)))
+    b = 2
+    runs, keys, values = [], [], []
+    for i, (bits, group, n, pooled) in enumerate(tiers):
+        run, k, v = make_run(b, 1 if pooled else hkv, n, d, bits, group, dtype, gen, spare=3 * i)
+        runs.append(run)
+        keys.append(k)
+        values.append(v)
+    n_total = sum(r.n for r in runs)
+    q = torch.randn(b, hkv * g, 1, d, generator=gen).to(dtype)
+    k_new = torch.randn(b, hkv, 1, d, generator=gen).to(dtype)
+    v_new = torch.randn(b, hkv, 1, d, generator=gen).to(dtype)
+    mask = None
+    if masked:  # a pooled tier's mask says which head sees which slot; one sequence sees no stored key
+        mask = torch.rand(b, hkv, n_total, generator=gen) > 0.4
+        mask[1, 0] = False
+    scale = d ** -0.5
+    # split 32 < n: several splits per run, and a run that ends inside a key tile
+    out, pg = call(q, runs, k_new, v_new, mask, scale, softcap, split=32)
+    ref_out, ref_pg, sdpa = reference(q, keys, values, k_new, v_new, mask, scale, softcap)
+    tol = 2e-5 if dtype == torch.float32 else 1e-2
+    assert out.dtype == dtype and out.shape == (b, hkv * g, 1, d)
+    assert pg.dtype == torch.float32 and pg.shape == (b, hkv, n_total + 1)
+    torch.testing.assert_close(out.float(), ref_out, atol=tol, rtol=0)
+    torch.testing.assert_close(pg, ref_pg, atol=2e-5, rtol=0)
+    if sdpa is not None:
+        torch.testing.assert_close(out.float(), sdpa, atol=tol, rtol=0)
+    if mask is not None:  # masked keys get exactly nothing; a fully masked row puts all on the new key
+        assert (pg[..., :n_total][~mask.expand(b, hkv, n_total)] == 0).all()
+        torch.testing.assert_close(pg[1, 0, -1], torch.tensor(float(g)))
+
+
+def test_head_dim_not_power_of_two_and_no_runs():
+    gen = torch.Generator().manual_seed(1)
+    b, hkv, g, d = 1, 2, 2, 80
+    run, k, v = make_run(b, hkv, 33, d, 4, 16, torch.float32, gen)
+    q = torch.randn(b, hkv * g, 1, d, generator=gen)
+    kn, vn = torch.randn(2, b, hkv, 1, d, generator=gen)
+    out, pg = call(q, [run], kn, vn, None, 0.1)
+    ref_out, ref_pg, _ = reference(q, [k], [v], kn, vn, None, 0.1)
+    torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=0)
+    torch.testing.assert_close(pg, ref_pg, atol=2e-5, rtol=0)
+    out, pg = call(q, [], kn, vn, None, 0.1)  # only the new key: out is its value
+    torch.testing.assert_close(out, vn.repeat_interleave(g, 1), atol=1e-6, rtol=0)
+    assert (pg == g).all()
+
+
+def test_bad_input_says_what_to_change():
+    gen = torch.Generator().manual_seed(2)
+    run, _, _ = make_run(1, 2, 20, 64, 4, 32, torch.float32, gen)
+    q, kn, vn = (torch.randn(1, h, 1, 64, device=DEVICE) for h in (4, 2, 2))
+    with pytest.raises(ValueError, match="mask must be bool"):
+        decode_attention_triton(q, [run], kn, vn, torch.ones(1, 2, 19, dtype=torch.bool, device=DEVICE), 0.1)
+    with pytest.raises(ValueError, match="multiple of the 2 KV heads"):
+        decode_attention_triton(torch.randn(1, 3, 1, 64, device=DEVICE), [run], kn, vn, None, 0.1)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        decode_attention_triton(q, [Run(3, 32, run.k, run.v, 20)], kn, vn, None, 0.1)
+    with pytest.raises(ValueError, match="split must be"):
+        decode_attention_triton(q, [run], kn, vn, None, 0.1, split=40)
+    with pytest.raises(ValueError, match=r"runs\[0\].k tensors must be"):
+        decode_attention_triton(q, [Run(4, 32, run.k, run.v, 21)], kn, vn, None, 0.1)
+    with pytest.raises(ValueError, match="group=24 must divide"):
+        decode_attention_triton(q, [Run(4, 24, run.k, run.v, 20)], kn, vn, None, 0.1)
+    # a dtype the kernel has no path for: the dispatcher falls back to the reference
+    assert decode_attention_triton(q.double(), [run], kn.double(), vn.double(), None, 0.1) is NotImplemented
+
+
+def test_register():
+    registry = {}
+    register(registry)
+    assert registry == {"triton": decode_attention_triton}
+
+
+_COMPILE = """
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kvevict.kernels import triton_kernels as tk
+
+def build(fn, const, ptrs):
+    # unit channel strides: the JIT specializes ints equal to 1 the same way
+    const = {**const, **{n: 1 for n in fn.arg_names if n.endswith("_d") and n.startswith("s")}}
+    sig = {n: "constexpr" if n in const else ptrs.get(n, "fp32" if n in ("scale", "softcap") else "i32")
+           for n in fn.arg_names}
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32))
+
+bf = "*bf16"
+k = build(tk._split_kernel, dict(HKV=8, G=4, GP=16, D=128, D_P=128, DV=128, DV_P=128, BITS=4, GROUP=32, BLOCK_N=64,
+          HAS_MASK=True, SOFTCAP=True, CDT=tl.bfloat16, EMU=False, GROUPED_K=True, GROUPED_V=True),
+          dict(q_ptr=bf, kc_ptr="*u8", vc_ptr="*u8", kz_ptr="*fp16", ks_ptr="*fp16", vz_ptr="*fp16", vs_ptr="*fp16",
+               mask_ptr="*u8", score_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32"))
+assert "mma" in k.asm["ptx"], "the scores should run on tensor cores"
+build(tk._combine, dict(HKV=8, G=4, GP=4, DV=128, DV_P=128, CDT=tl.bfloat16, EMU=False),
+      dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr=bf, mfin_ptr="*fp32", lfin_ptr="*fp32"))
+build(tk._group_probs, dict(G=4, GP=4, BLOCK=256),
+      dict(score_ptr="*fp32", mfin_ptr="*fp32", lfin_ptr="*fp32", pg_ptr="*fp32"))
+print("compiled")
+"""
+
+
+def test_compiles_for_an_h100_without_one():
+    """The compiled path (which the interpreter never takes) builds to an sm_90 binary: triton's
+    wheel carries ptxas, so no GPU is needed. In a fresh process, the interpreter off."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(__import__("kvevict").__file__)),
+                                         env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
