@@ -40,7 +40,6 @@ class Backend:
 
 
 BACKENDS: dict[str, Backend] = {}
-_OPTIONAL = {"triton": "triton_decode"}  # modules that register a backend when they import
 _logged: set = set()
 
 
@@ -64,10 +63,21 @@ register_backend("torch", decode_attention_reference, lambda: (True, ""), "any")
 register_backend("cpu", _cpu_fn, _cpu_available, "cpu")
 
 
+def _load_triton() -> None:
+    """The triton backend, from ``triton_decode`` (which imports without triton installed)."""
+    mod = importlib.import_module(".triton_decode", __name__)
+    got: dict = {}
+    mod.register(got)  # its own registration: {"triton": fn}
+    register_backend("triton", got["triton"], mod.available, "cuda")
+
+
+_OPTIONAL = {"triton": _load_triton}  # backends whose module is imported when first asked for
+
+
 def _backend(name: str) -> Backend | None:
     if name not in BACKENDS and name in _OPTIONAL:
         try:
-            importlib.import_module(f".{_OPTIONAL[name]}", __name__)
+            _OPTIONAL[name]()
         except ImportError:
             pass
     return BACKENDS.get(name)
@@ -96,7 +106,7 @@ def resolve_backend(device_type: str = "cpu", backend: str | None = None) -> str
         if b is None:
             reasons.append(f"{name}: not installed")
             continue
-        if b.device not in ("any", device_type):
+        if wanted == "auto" and b.device not in ("any", device_type):  # asked for by name: it may decline
             reasons.append(f"{name}: runs on {b.device}, the queries are on {device_type}")
             continue
         ok, why = b.available()
