@@ -27,6 +27,8 @@ from typing import Callable
 
 import torch
 
+from .kernels.runs import Run
+
 BITS = (16, 8, 4, 2)  # 32: the model's own dtype (DenseStore), spelled kv_bits=None
 CHUNK = 2048  # slots dequantized at once when attention reads a packed store
 
@@ -108,8 +110,6 @@ class DenseStore:
 
     def run(self, n: int):
         """Slots [0, n) as stored, for a fused decode kernel (views, no copy)."""
-        from .kernels.runs import Run  # here: the kernels' reference imports this module
-
         return Run(self.bits or 32, 0, (self.keys[:, :, :n],), (self.values[:, :, :n],), n)
 
     def map_batch(self, fn) -> None:
@@ -207,8 +207,6 @@ class PackedStore:
 
     def run(self, n: int):
         """Slots [0, n) as stored (packed codes, zeros, steps), for a fused decode kernel: views, no copy."""
-        from .kernels.runs import Run  # here: the kernels' reference imports this module
-
         return Run(self.bits, self.group, tuple(t[:, :, :n] for t in self.k.tensors()),
                    tuple(t[:, :, :n] for t in self.v.tensors()), n)
 
