@@ -32,9 +32,19 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from .input_checks import check_mask_length, check_positions_follow
+from .kernels import decode_attention, resolve_backend
 from .store import Piece
 
 ATTN_NAME = "kvevict"
+
+# statistics a fused decode kernel's pg cannot give (they need each head's probabilities or the keys)
+_FUSED_CANNOT = {"max", "expected", "blocks"}
+
+
+def fused_backend(query) -> str:
+    """The decode-attention backend for these queries (``kvevict.kernels``; "torch": attend's own path)."""
+    return resolve_backend(query.device.type)
+
 
 # Scores held per query chunk (floats): 2**21 fp32 = 8 MiB, small enough to stay in cache.
 _CHUNK_ELEMENTS = 1 << 21
@@ -103,6 +113,7 @@ class _Segments:
     v_new: torch.Tensor
     pos_new: torch.Tensor  # (b|1, q) positions of the new tokens
     valid_new: torch.Tensor | None  # (b, q) bool, None = all real
+    runs: list | None = None  # the same past as kvevict.kernels.Run, as stored (decode: fused kernels)
 
 
 def _generic_segments(key, value, q_len, info: PaddingInfo | None) -> _Segments:
@@ -168,6 +179,8 @@ def attend(query, seg: _Segments, scale, window, softcap, wanted=(), observe=0, 
     b, hq, q, d = query.shape
     hkv = seg.k_new.shape[1]
     g = hq // hkv
+    if q == 1 and seg.runs is not None and not _FUSED_CANNOT & set(wanted) and fused_backend(query) != "torch":
+        return _attend_fused(query, seg, scale, window, softcap, wanted, observe, gamma)
     n_past = sum(p.n for p in seg.pieces)
     n_all = n_past + q
     dev = query.device
@@ -234,6 +247,36 @@ def attend(query, seg: _Segments, scale, window, softcap, wanted=(), observe=0, 
     if "expected" in stats:
         stats["expected"] += _expected_attention(qs, seg, observe or q)
     return out.view(b, hq, q, d).transpose(1, 2).contiguous(), stats
+
+
+def _attend_fused(query, seg: _Segments, scale, window, softcap, wanted, observe, gamma):
+    """``attend`` for one query over the layer's runs read as stored (``kvevict.kernels``): the
+    kernel returns the output and pg, each key's probability summed over its KV group, from which
+    the same statistics follow as in ``attend``."""
+    b, hq, _, d = query.shape
+    hkv = seg.k_new.shape[1]
+    n_past = sum(r.n for r in seg.runs)
+    hide_past, hide_new, _ = _hidden(seg, 0, 1, window, torch.arange(1, device=query.device))
+    mask = None
+    if hide_past is not None:  # (b|1, hkv|1, 1, 1, n_past) -> (b, hkv|1, n_past)
+        mask = (~hide_past).reshape(hide_past.shape[0], hide_past.shape[1], n_past).expand(b, -1, -1)
+    out, pg = decode_attention(query, seg.runs, seg.k_new, seg.v_new, mask, scale, softcap)
+    if seg.valid_new is not None:  # a padding query counts for nothing (attend: its probabilities are 0)
+        real = seg.valid_new[:, -1].view(b, 1, 1)
+        out, pg = out * real.view(b, 1, 1, 1), pg * real
+    stats = {name: torch.zeros(b, hkv, n_past + 1, dtype=torch.float32, device=query.device)
+             for name in wanted if name != "last" and wanted != ("sum",)}
+    if "knorm" in stats:
+        stats["knorm"][..., n_past:] = seg.k_new.float().norm(dim=-1)
+    if wanted == ("sum",):  # H2O: pg is the statistic itself (a fresh tensor)
+        stats["sum"] = pg
+    elif stats:
+        need_seen = "count" in stats or "hits" in stats or "hits_ema" in stats
+        seen = _seen(hide_past, hide_new, None, 1, n_past, 0, 1, query.device) if need_seen else None
+        _accumulate(stats, pg.unsqueeze(2), seen, seg.valid_new, 0, 1, 1, hq // hkv, observe, gamma)
+    if "last" in wanted:
+        stats["last"] = pg
+    return out.transpose(1, 2).contiguous(), stats
 
 
 def _expected_attention(qs, seg: _Segments, w: int):

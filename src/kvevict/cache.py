@@ -293,9 +293,11 @@ class EvictingLayer(CacheLayerMixin):
             compact = compact_positions(pos_past, valid_past) + shift
             pieces = _shifted(pieces, compact - pos_past, self.inv_freq)
             pos_past = compact
+        # decoding reads the tiers as stored (fused kernels); re-rotated keys exist only as pieces
+        runs = [t.store.run(t.filled) for t in self.tiers] if q_len == 1 and self.inv_freq is None else None
         return _Segments(
             pieces=pieces, pos_past=pos_past, valid_past=valid_past if self._padded or self.shared > 1 else None,
-            k_new=k_new, v_new=v_new, pos_new=pos_new, valid_new=valid_new,
+            k_new=k_new, v_new=v_new, pos_new=pos_new, valid_new=valid_new, runs=runs,
         )
 
     def absorb(self, stats: dict, valid_new, pos_new) -> None:

@@ -27,6 +27,8 @@ from typing import Callable
 
 import torch
 
+from .kernels.runs import Run
+
 BITS = (16, 8, 4, 2)  # 32: the model's own dtype (DenseStore), spelled kv_bits=None
 CHUNK = 2048  # slots dequantized at once when attention reads a packed store
 
@@ -105,6 +107,10 @@ class DenseStore:
             return [Piece(n, lambda: k, lambda: v)]
         return [Piece(e - s, lambda s=s, e=e: k[:, :, s:e].to(self.compute_dtype),
                       lambda s=s, e=e: v[:, :, s:e].to(self.compute_dtype)) for s, e in _spans(n)]
+
+    def run(self, n: int):
+        """Slots [0, n) as stored, for a fused decode kernel (views, no copy)."""
+        return Run(self.bits or 32, 0, (self.keys[:, :, :n],), (self.values[:, :, :n],), n)
 
     def map_batch(self, fn) -> None:
         self.keys, self.values = fn(self.keys), fn(self.values)
@@ -198,6 +204,11 @@ class PackedStore:
             return Piece(e - s, lambda: self._deq(self.k, sl), lambda: self._deq(self.v, sl))
 
         return [piece(s, e) for s, e in _spans(n)]
+
+    def run(self, n: int):
+        """Slots [0, n) as stored (packed codes, zeros, steps), for a fused decode kernel: views, no copy."""
+        return Run(self.bits, self.group, tuple(t[:, :, :n] for t in self.k.tensors()),
+                   tuple(t[:, :, :n] for t in self.v.tensors()), n)
 
     def map_batch(self, fn) -> None:
         for part in (self.k, self.v):

@@ -1,0 +1,131 @@
+"""Fused decode attention over the cache's storage as stored (packed codes read in place), one
+function with several backends.
+
+``decode_attention(q, runs, k_new, v_new, mask, scale, softcap=None, backend=None)``: one new
+query per sequence attends over the stored ``runs`` (in order) followed by its own key; returns
+(out (b, hq, 1, d) in q's dtype, pg (b, hkv, n_total + 1) float32: each key's probability summed
+over the query heads of its KV group). The semantics are ``reference.decode_attention_reference``.
+
+Backends: ``"torch"`` (the reference, always there), ``"cpu"`` (compiled at first use, fused: no
+dequantized copy of the cache), ``"triton"`` (GPU, registered by ``triton_decode`` when present).
+Selection: ``backend=``, else ``$KVEVICT_KERNEL`` (torch | cpu | triton | auto), else auto: triton
+for CUDA queries when it imports, cpu when the compiled extension builds, else torch. The first
+call logs one line saying which path runs, and why when a wanted compiled path is missing. A
+backend may return NotImplemented for inputs it does not handle; the reference then runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+from .reference import decode_attention_reference
+from .runs import Run
+
+__all__ = ["Run", "decode_attention", "decode_attention_reference", "register_backend", "resolve_backend",
+           "BACKENDS"]
+
+log = logging.getLogger("kvevict.kernels")
+ENV = "KVEVICT_KERNEL"
+
+
+@dataclass
+class Backend:
+    fn: Callable  # (q, runs, k_new, v_new, mask, scale, softcap) -> (out, pg) | NotImplemented
+    available: Callable[[], tuple[bool, str]]  # () -> (usable here, why not)
+    device: str  # "cpu" or "cuda": the queries auto picks it for
+
+
+BACKENDS: dict[str, Backend] = {}
+_logged: set = set()
+
+
+def register_backend(name: str, fn: Callable, available: Callable[[], tuple[bool, str]], device: str) -> None:
+    BACKENDS[name] = Backend(fn, available, device)
+
+
+def _cpu_fn(*args):
+    from .cpu import decode_attention_cpu
+
+    return decode_attention_cpu(*args)
+
+
+def _cpu_available():
+    from .cpu import available
+
+    return available()
+
+
+register_backend("torch", decode_attention_reference, lambda: (True, ""), "any")
+register_backend("cpu", _cpu_fn, _cpu_available, "cpu")
+
+
+def _load_triton() -> None:
+    """The triton backend, from ``triton_decode`` (which imports without triton installed)."""
+    mod = importlib.import_module(".triton_decode", __name__)
+    got: dict = {}
+    mod.register(got)  # its own registration: {"triton": fn}
+    register_backend("triton", got["triton"], mod.available, "cuda")
+
+
+_OPTIONAL = {"triton": _load_triton}  # backends whose module is imported when first asked for
+
+
+def _backend(name: str) -> Backend | None:
+    if name not in BACKENDS and name in _OPTIONAL:
+        try:
+            _OPTIONAL[name]()
+        except ImportError:
+            pass
+    return BACKENDS.get(name)
+
+
+def _say(key, level, line) -> None:
+    if key not in _logged:
+        _logged.add(key)
+        log.log(level, line)
+
+
+def resolve_backend(device_type: str = "cpu", backend: str | None = None) -> str:
+    """The backend that will run for queries on ``device_type`` (logged once per outcome)."""
+    wanted = (backend or os.environ.get(ENV) or "auto").lower()
+    choices = ("auto", "torch", *BACKENDS, *_OPTIONAL)
+    if wanted not in choices:
+        raise ValueError(f"kernel backend {wanted!r} is unknown; {ENV} (or backend=) must be one of "
+                         f"{', '.join(dict.fromkeys(choices))}.")
+    if wanted == "torch":
+        _say("torch", logging.INFO, "kvevict decode attention: torch reference (chosen)")
+        return "torch"
+    order = [wanted] if wanted != "auto" else ["triton", "cpu"]
+    reasons = []
+    for name in order:
+        b = _backend(name)
+        if b is None:
+            reasons.append(f"{name}: not installed")
+            continue
+        if wanted == "auto" and b.device not in ("any", device_type):  # asked for by name: it may decline
+            reasons.append(f"{name}: runs on {b.device}, the queries are on {device_type}")
+            continue
+        ok, why = b.available()
+        if ok:
+            _say(name, logging.INFO, f"kvevict decode attention: {name} fused kernel")
+            return name
+        reasons.append(f"{name}: {why}")
+    level = logging.WARNING if wanted != "auto" else logging.INFO
+    _say(("fallback", wanted), level,
+         f"kvevict decode attention: torch reference ({ENV}={wanted}: {'; '.join(reasons)})")
+    return "torch"
+
+
+def decode_attention(q, runs: list, k_new, v_new, mask, scale, softcap=None, backend=None):
+    """See the module doc. mask: (b, hkv|1, n_total) bool over the stored slots (True = visible)
+    or None; the new key is always visible."""
+    name = resolve_backend(q.device.type, backend)
+    if name != "torch":
+        got = BACKENDS[name].fn(q, runs, k_new, v_new, mask, scale, softcap)
+        if got is not NotImplemented:
+            return got
+    return decode_attention_reference(q, runs, k_new, v_new, mask, scale, softcap)

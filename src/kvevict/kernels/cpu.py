@@ -1,0 +1,111 @@
+"""The compiled CPU backend: ``decode_cpu.cpp`` built at first use with torch's
+``cpp_extension.load_inline`` (-O3, the widest vector ISA the running CPU has, threads from torch's
+own pool over (sequence, KV head)). Installing kvevict never needs a compiler: when the build
+fails, or there is no compiler, ``load`` raises and the dispatcher falls back to the torch
+reference (saying so once)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from .runs import Run
+
+_KIND = {8: 0, 4: 1, 2: 2}
+_DENSE_KIND = {torch.float32: 3, torch.float16: 4, torch.bfloat16: 5}
+# sums may be reassociated (vector reductions are a tree, not 16 dependent adds); not -ffast-math:
+# masked scores are -inf and must stay so
+_REASSOCIATE = ["-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+_NO_MASK = torch.empty(0, 0, 0, dtype=torch.bool)
+_VERSION = 2  # bump when the build flags change (the source is hashed by load_inline)
+
+
+def _isa_flags() -> tuple[str, list[str]]:
+    """Compiler flags for the vector ISA the CPU running this process has (torch's own runtime
+    check), so the build never uses an instruction this machine lacks."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap.startswith("AVX512"):
+        return "avx512", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
+                          "-mprefer-vector-width=512"]
+    if cap == "AVX2":
+        return "avx2", ["-mavx2", "-mfma", "-mf16c"]
+    return "generic", []
+
+
+def build_dir() -> str:
+    """Where the extension is built: $TORCH_EXTENSIONS_DIR, else the kvevict cache folder."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return os.environ["TORCH_EXTENSIONS_DIR"]
+    from ..fetch import cache_dir
+
+    return str(cache_dir("torch_extensions"))
+
+
+@functools.lru_cache(maxsize=1)
+def load():
+    """The compiled module (built once per machine ISA, then loaded from the build folder).
+    Raises whatever the build raised when it cannot be built."""
+    from torch.utils import cpp_extension
+
+    isa, flags = _isa_flags()
+    src = Path(__file__).with_name("decode_cpu.cpp").read_text()
+    folder = os.path.join(build_dir(), f"kvevict_decode_{isa}_v{_VERSION}")
+    os.makedirs(folder, exist_ok=True)
+    if not any(f.endswith(".so") or f.endswith(".pyd") for f in os.listdir(folder)):
+        logging.getLogger("kvevict.kernels").info(
+            "kvevict: building the fused CPU decode kernel once into %s (about a minute)", folder)
+    return cpp_extension.load_inline(
+        name=f"kvevict_decode_{isa}_v{_VERSION}", cpp_sources=[src], functions=["decode"],
+        extra_cflags=["-O3", "-fopenmp", *_REASSOCIATE, *flags], extra_ldflags=["-fopenmp"], build_directory=folder,
+        verbose=False)
+
+
+def available() -> tuple[bool, str]:
+    """(whether the compiled kernel can run here, why not)."""
+    try:
+        load()
+    except Exception as err:  # no compiler, failed build, missing headers: all mean "use torch"
+        return False, f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}"
+    return True, ""
+
+
+def _part(run: Run, part: tuple) -> list:
+    if run.packed:
+        return list(part)
+    return [part[0]] * 3  # dense: zero and step unused
+
+
+def decode_attention_cpu(q, runs, k_new, v_new, mask, scale, softcap=None):
+    """The fused kernel; NotImplemented for what it does not handle (the reference then runs)."""
+    b, hq, _, d = q.shape
+    hkv, dv = k_new.shape[1], v_new.shape[-1]
+    new = Run(32, 0, (k_new,), (v_new,), 1)
+    if (q.device.type != "cpu" or dv != d or hq % hkv or q.dtype not in _DENSE_KIND
+            or k_new.dtype not in _DENSE_KIND):
+        return NotImplemented
+    tensors, meta = [], []
+    for r in [*runs, new]:
+        if r.n == 0:
+            continue
+        if r.packed:
+            kind = _KIND[r.bits]
+        elif r.k[0].dtype in _DENSE_KIND:
+            kind = _DENSE_KIND[r.k[0].dtype]
+        else:
+            return NotImplemented
+        parts = _part(r, r.k) + _part(r, r.v)
+        if any(t.stride(-1) != 1 or t.device.type != "cpu" for t in parts):
+            return NotImplemented
+        tensors += parts
+        meta += [kind, r.group, r.n, r.heads]
+    if mask is None:
+        mask_t = _NO_MASK
+    else:
+        mask_t = mask if mask.stride(-1) == 1 else mask.contiguous()
+    qs = (q * scale).reshape(b, hq, d).float().contiguous()  # scaled in q's dtype first, as attend does
+    out, pg = load().decode(qs, tensors, meta, mask_t, float(softcap or 0.0), hkv, dv)
+    return out.to(q.dtype).view(b, hq, 1, dv), pg

@@ -1,0 +1,55 @@
+"""The spec of fused decode attention, in plain torch: dequantize one chunk at a time, then
+multiply (exactly what ``kvevict.attention.attend`` does for one query).
+
+One query per sequence attends over the stored runs, in order, followed by its own key:
+
+    s_i = (scale * q) . k_hat_i     (fp32 accumulate; k_hat = zero + step * code for packed runs)
+    s_i = tanh(s_i / c) * c          (softcap c, when given)
+    p = softmax(s) over the visible keys (masked keys: -inf),   out = sum_i p_i v_hat_i
+    pg_i = sum over the query heads of key i's KV group of p_i   (GQA: query head j uses KV head j // g)
+"""
+
+from __future__ import annotations
+
+import torch
+
+CHUNK = 2048  # slots dequantized at once, as kvevict.store reads a packed store
+
+
+def _chunks(run, part: tuple, dtype):
+    """(start, end, keys-or-values of slots [start, end) in ``dtype``) over the run."""
+    from ..store import dequantize  # the store's own layout; imported here: store imports Run
+
+    for s in range(0, run.n, CHUNK):
+        e = min(run.n, s + CHUNK)
+        if run.packed:
+            codes, zero, step = (t[:, :, s:e] for t in part)
+            yield s, e, dequantize(codes, zero, step, run.bits, run.group, dtype)
+        else:
+            yield s, e, part[0][:, :, s:e].to(dtype)
+
+
+def decode_attention_reference(q, runs, k_new, v_new, mask, scale, softcap=None):
+    """Returns (out (b, hq, 1, d) in q's dtype, pg (b, hkv, n_total + 1) float32); see the module doc."""
+    b, hq, _, d = q.shape
+    hkv = k_new.shape[1]
+    g = hq // hkv
+    dtype = q.dtype
+    qs = (q * scale).reshape(b, hkv, g, d)  # scaling the query rows, as attend does
+    parts = [torch.matmul(qs, keys.transpose(-1, -2)) for r in runs for _, _, keys in _chunks(r, r.k, dtype)]
+    parts.append(torch.matmul(qs, k_new.reshape(b, hkv, 1, d).transpose(-1, -2)))
+    scores = torch.cat(parts, dim=-1).float()  # (b, hkv, g, n_total + 1)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    n_total = scores.shape[-1] - 1
+    if mask is not None:
+        scores[..., :n_total].masked_fill_(~mask[:, :, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    pc = probs.to(dtype)
+    out = torch.matmul(pc[..., n_total:], v_new.reshape(b, hkv, 1, -1))
+    off = 0
+    for r in runs:
+        for s, e, values in _chunks(r, r.v, dtype):
+            out = out + torch.matmul(pc[..., off + s: off + e], values)
+        off += r.n
+    return out.reshape(b, hq, 1, -1), probs.sum(2)
