@@ -1,0 +1,20 @@
+"""kvevict as an lm-evaluation-harness model (``--model kvevict``; extras ``kvevict[lmeval]``).
+
+lm-eval 0.4.13 finds outside models only in its registry (it reads no entry-point group), so the
+model registers when this package is imported: ``kvevict lm-eval ...`` and ``python -m
+kvevict.lmeval ...`` import it, then run lm-eval's own command line with the remaining arguments.
+From Python: ``import kvevict.lmeval`` before ``lm_eval.simple_evaluate(model="kvevict", ...)``.
+"""
+
+from __future__ import annotations
+
+
+def register():
+    """Register ``kvevict`` in lm-eval's model registry (idempotent); returns the model class."""
+    try:
+        import lm_eval.models  # noqa: F401  lm-eval's own models first: it imports them only into an empty registry
+    except ImportError:
+        raise ValueError("the lm-eval integration needs lm-evaluation-harness: pip install 'kvevict[lmeval]'.") from None
+    from .model import KvevictLM
+
+    return KvevictLM
