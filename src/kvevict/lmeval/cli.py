@@ -7,7 +7,6 @@ from __future__ import annotations
 import sys
 
 
-
 def size(n: float) -> str:
     """Bytes in the unit that shows them: 3.4 KiB, 12.0 MiB."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
@@ -29,6 +28,47 @@ def bytes_lines(info: dict) -> list[str]:
     return lines
 
 
+def given_model_args(argv: list[str]) -> tuple[str | None, dict]:
+    """(--model, --model_args as a dict) as lm-eval will read them: ``k=v,k2=v2`` pieces (several
+    may follow the flag) or one JSON object."""
+    import json
+
+    from lm_eval.utils import simple_parse_args_string
+
+    model, pieces = None, []
+    for i, arg in enumerate(argv):
+        if arg == "--model" and i + 1 < len(argv):
+            model = argv[i + 1]
+        elif arg.startswith("--model="):
+            model = arg.split("=", 1)[1]
+        elif arg == "--model_args":
+            j = i + 1
+            while j < len(argv) and not argv[j].startswith("--"):
+                pieces.append(argv[j])
+                j += 1
+        elif arg.startswith("--model_args="):
+            pieces.append(arg.split("=", 1)[1])
+    out = {}
+    for piece in pieces:
+        try:
+            out.update(json.loads(piece) if piece.lstrip().startswith("{") else simple_parse_args_string(piece))
+        except ValueError:
+            return model, {}  # lm-eval will say what is wrong with it
+    return model, out
+
+
+def check_first(argv: list[str]) -> None:
+    """Bad ``--model_args`` for ``--model kvevict`` fail before lm-eval indexes its thousands of
+    tasks (tens of seconds) and the model loads."""
+    from ..models import check_model
+    from .args import parse_settings
+
+    model, args = given_model_args(argv)
+    if model == "kvevict":
+        settings = parse_settings(args)
+        check_model(settings.pretrained)
+
+
 def main(argv=None) -> int:
     """Run ``lm-eval`` with ``argv`` (default: this process's arguments); returns its exit status."""
     from . import register
@@ -43,6 +83,11 @@ def main(argv=None) -> int:
     from . import model
 
     argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        check_first(argv)
+    except ValueError as err:
+        print(f"kvevict lm-eval: error: {err}", file=sys.stderr)
+        return 2
     first = len(model.LAST)
     saved = sys.argv
     sys.argv = ["lm-eval", *argv]  # lm-eval's parser reads sys.argv itself
