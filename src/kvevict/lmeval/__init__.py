@@ -1,9 +1,10 @@
 """kvevict as an lm-evaluation-harness model (``--model kvevict``; extras ``kvevict[lmeval]``).
 
-lm-eval 0.4.13 finds outside models only in its registry (it reads no entry-point group), so the
-model registers when this package is imported: ``kvevict lm-eval ...`` and ``python -m
-kvevict.lmeval ...`` import it, then run lm-eval's own command line with the remaining arguments.
-From Python: ``import kvevict.lmeval`` before ``lm_eval.simple_evaluate(model="kvevict", ...)``.
+lm-eval 0.4.13 finds outside models only in its registry (``lm_eval.api.registry``; it reads no
+entry-point group), so the model must be registered in the process that runs lm-eval:
+``kvevict lm-eval ...`` and ``python -m kvevict.lmeval ...`` call ``register()``, then run
+lm-eval's own command line with the remaining arguments. From Python: ``kvevict.lmeval.register()``
+before ``lm_eval.simple_evaluate(model="kvevict", model_args=...)``.
 """
 
 from __future__ import annotations
