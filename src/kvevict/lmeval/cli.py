@@ -18,8 +18,9 @@ def size(n: float) -> str:
 def bytes_lines(info: dict) -> list[str]:
     """One line per request type: mean and max bytes held per request against the full cache's."""
     s = info["kvevict"]
-    how = f"memory={s['memory']}" if s.get("memory") is not None else f"budget={s['budget']}"
-    lines = [f"kvevict KV cache: policy={s['policy']} {how}, threads={s['threads']}"]
+    how = ("" if s["policy"] == "full" else f" memory={s['memory']}" if s.get("memory") is not None
+           else f" budget={s['budget']}")
+    lines = [f"kvevict KV cache: policy={s['policy']}{how}, threads={s['threads']}"]
     for kind, b in s["bytes"].items():
         share = f"{b['kv_share']:.1%}" if b["kv_share"] is not None else "-"
         lines.append(f"  {kind}: {b['requests']} requests, held mean {size(b['kv_bytes_mean'])} "
