@@ -13,7 +13,8 @@ from __future__ import annotations
 def register():
     """Register ``kvevict`` in lm-eval's model registry (idempotent); returns the model class."""
     try:
-        import lm_eval.models  # noqa: F401  lm-eval's own models first: it imports them only into an empty registry
+        # lm-eval's own models first: lm-eval imports them only into an empty registry
+        import lm_eval.models  # noqa: F401
     except ImportError:
         raise ValueError("the lm-eval integration needs lm-evaluation-harness: pip install 'kvevict[lmeval]'.") from None
     from .model import KvevictLM

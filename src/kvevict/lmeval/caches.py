@@ -49,8 +49,9 @@ def held_bytes(cache) -> tuple[int, int]:
 
 @dataclass
 class ByteLog:
-    """Per request: its share of its batch's cache (the batch's bytes over its rows, left padding
-    included), taken when the batch's last token has gone through the cache."""
+    """Per request (per window for ``loglikelihood_rolling``): its share of its batch's cache (the
+    batch's bytes over its rows, left padding included), taken when the batch's last token has gone
+    through the cache."""
 
     kv: dict = field(default_factory=dict)  # request type -> [bytes per request]
     full: dict = field(default_factory=dict)

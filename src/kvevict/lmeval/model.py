@@ -58,7 +58,8 @@ class KvevictLM(TemplateLM):
         self.model, self.tokenizer = load_model(s.pretrained, dtype=DTYPES[s.dtype], device=device)
         self._device = torch.device(device)
         self._rank, self._world_size = 0, 1
-        config = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
+        config = self.model.config
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self._max_length = s.max_length or getattr(config, "max_position_embeddings", None) or 2048
         self.bytes = ByteLog()
         LAST.append(self)
