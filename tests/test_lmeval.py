@@ -85,6 +85,15 @@ def test_a_small_budget_evicts_the_context_as_continuation_scoring_does(folder, 
     assert b["kv_share"] < 1.0 and b["kv_bytes_max"] < b["full_kv_bytes_max"]
 
 
+def test_a_memory_budget_holds_at_most_that_share_of_the_bytes(folder, stock):
+    lm = KvevictLM(pretrained=folder, memory=0.2, batch_size=2)
+    got = lm.loglikelihood(_ll(PAIRS), disable_tqdm=True)
+    model, tok = stock
+    assert any(abs(lp - _stock_logprob(model, *_encode(tok, c, x))[0]) > 1e-4 for (c, x), (lp, _) in zip(PAIRS, got))
+    b = lm.get_model_info()["kvevict"]["bytes"]["loglikelihood"]
+    assert 0.05 < b["kv_share"] <= 0.2
+
+
 def test_kvzip_is_recorded_on_each_context(folder):
     lm = KvevictLM(pretrained=folder, policy="kvzip-pool", budget=12, batch_size=4)  # one request per batch
     got = lm.loglikelihood(_ll(PAIRS[:3]), disable_tqdm=True)
