@@ -98,14 +98,14 @@ class KvevictLM(TemplateLM):
         """Index batches, longest first (lm-eval's order for padding), one request per batch for a
         policy that records its prompt (kvzip)."""
         size = 1 if needs_prompt(self.settings.policy) else self.settings.batch_size
-        order = sorted(range(len(items)), key=lambda i: -length(items[i]))
+        order = sorted(range(len(items)), key=lambda i: length(items[i]), reverse=True)
         return [order[i:i + size] for i in range(0, len(order), size)]
 
     def _score(self, pairs: list[tuple[list[int], list[int]]], kind: str, step: int, whole_is_prompt: bool,
                disable_tqdm: bool) -> list[tuple[float, bool]]:
         out = [None] * len(pairs)
         pad = self.tokenizer.pad_token_id
-        batches = self._batches(pairs, lambda p: len(p[0]) + len(p[1]))
+        batches = self._batches(pairs, lambda p: (len(p[0]), len(p[1])))  # contexts of a batch: alike lengths
         for batch in tqdm(batches, desc=f"kvevict {kind}", disable=disable_tqdm):
             ctx, mask = left_pad([pairs[i][0] for i in batch], pad)
             conts = [pairs[i][1] for i in batch]
