@@ -28,6 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    wrapped = {m.NAME: m for m in _modules() if getattr(m, "PASSTHROUGH", False)}
+    if argv and argv[0] in wrapped:  # a wrapped command line (lm-eval) parses its own arguments
+        return wrapped[argv[0]].run_argv(argv[1:]) or 0
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
