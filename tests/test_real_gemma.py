@@ -7,6 +7,7 @@ import torch
 from transformers import DynamicCache
 
 import kvevict
+from kvevict.tier import PAGE
 from kvevict.data.essays import haystack
 from kvevict.generate import dynamic_kv_bytes
 
@@ -46,4 +47,9 @@ def test_covering_budget_equals_the_stock_cache_past_the_window(gemma_model):
     # the stock cache keeps only the window (511 tokens) in the 15 sliding layers
     n = ids.shape[1] + steps.shape[1]
     assert dynamic_kv_bytes(stock) == (3 * n + 15 * 511) * 2 * 256 * 4
-    assert cache.full_kv_bytes() == 18 * n * 2 * 256 * 4
+    # kvevict's denominator: that stock cache at 16 bits; what it holds: the same tokens, each layer's
+    # storage rounded up to a page, plus each slot's position and validity (recency keeps no statistic
+    # in the sliding layers; H2O one float in the global ones) and a count per row
+    assert cache.full_kv_bytes() == (3 * n + 15 * 511) * 2 * 256 * 2
+    book = (15 * 511 + 3 * (n + PAGE)) * 5 + 3 * (n + PAGE) * 4 + 18 * 8
+    assert dynamic_kv_bytes(stock) < cache.kv_bytes() <= dynamic_kv_bytes(stock) + 3 * (PAGE - 1) * 2 * 256 * 4 + book
