@@ -53,7 +53,6 @@ class Tier:
         # rows of a shared batch may have smaller budgets than the tier is wide: ``caps`` (b,) each
         # row's own, slots past it unavailable (never written, never ranked); None: every row has budget
         self.caps: torch.Tensor | None = None
-        self.min_cap = budget
         self._cols: dict = {}  # (cap, budget, candidates) -> the columns a cap group ranks
         self.store = make_store(b, h, 0, dk, dv, dtype, device, bits, group)
         if heads > 1:  # shared by the heads: whose each slot is
@@ -104,7 +103,8 @@ class Tier:
             gone = self._replace_one(policy, new, ctx, protected_newcomer, want_evicted)
         else:
             gone = self._replace_many(policy, new, ctx, want_evicted)
-        self._set_fills(fills)
+        if fills != self.fills:  # a full cache decoding (the steady state) changes nothing here
+            self._set_fills(fills)
         return gone
 
     def _set_fills(self, fills: list[int]) -> None:
@@ -250,9 +250,8 @@ class Tier:
             self.budget = widest
             if self.capacity > widest:
                 self._resize(widest)
-        self.min_cap = int(self.caps.min()) if self.caps.numel() else self.budget
-        if self.min_cap >= self.budget:
-            self.caps, self.min_cap = None, self.budget
+        if (int(self.caps.min()) if self.caps.numel() else self.budget) >= self.budget:
+            self.caps = None
             return
         caps = self._caps_host = self.caps.tolist()  # one host read per batch change, none per step
         self._cols = {}

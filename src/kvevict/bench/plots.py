@@ -31,10 +31,7 @@ def throughput_vs_context(records: list[dict], path: Path) -> Path:
         ax.set_ylabel("decode tokens / s")
         ax.grid(True, which="both", alpha=0.3)
     axes[0][-1].legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def memory_vs_context(records: list[dict], path: Path) -> Path:
@@ -51,10 +48,7 @@ def memory_vs_context(records: list[dict], path: Path) -> Path:
     ax.set_title("KV cache memory per sequence")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def matrix_steps(records: list[dict], path: Path) -> Path:
@@ -76,6 +70,10 @@ def matrix_steps(records: list[dict], path: Path) -> Path:
         ax.set_ylabel("ms per decode step (dotted: bandwidth floor)")
         ax.grid(True, which="both", alpha=0.3)
     axes[0][-1].legend(fontsize=6, loc="best")
+    return _save(plt, fig, path)
+
+
+def _save(plt, fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
