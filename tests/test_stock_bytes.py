@@ -13,6 +13,7 @@ from kvevict.generate import dynamic_kv_bytes, generate
 from kvevict.memory import MIN_TOKENS, PromptShare, plan_for_model
 from kvevict.policies import make_policy
 from kvevict.stock import stock_windows, stock_kv_bytes
+from kvevict.storage import Storage
 
 SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=512)
@@ -110,8 +111,20 @@ def test_a_memory_budget_picks_a_streaming_policy_or_a_prompt_scoring_one(tmp_pa
     assert generate(model, tok, text, max_new_tokens=4).policy == "h2o"  # no memory: the token budget's default
     # kvzip-pool pools its budget over layers and heads: the label says the mean a layer and head keeps
     kept, seen = (int(x) for x in known.storage.split(", ")[1].removesuffix(" tokens").split(" of "))
-    assert known.storage.startswith("int4, ") and seen == known.prompt_tokens + known.new_tokens - 1
+    assert known.storage.startswith("int8, ") and seen == known.prompt_tokens + known.new_tokens - 1
     assert kept <= seen and abs(kept - known.budget) <= 1
+
+
+@pytest.mark.parametrize("memory", [0.05, 0.2, 0.4])
+def test_a_prompt_scoring_policy_evicts_at_int8_where_a_streaming_one_goes_to_int4(memory):
+    from kvevict.memory import plan
+
+    r8 = Storage(kv_bits=8).slot_bytes(64, 64, 4, 0) / 256  # an int8 slot over a 16-bit token
+    stream, scored = plan(memory, 64, 64, 4, 1), plan(memory, 64, 64, 4, 0, scores_prompt=True)
+    assert scored.storage == Storage(kv_bits=8) and float(scored.budget) == pytest.approx(memory / r8)
+    assert stream.storage.kv_bits == (4 if memory < 0.35 else 8) and 4 in (stream.storage.kv_bits,
+                                                                            stream.storage.evicted_bits)
+    assert plan(0.8, 64, 64, 4, 0, scores_prompt=True) == plan(0.8, 64, 64, 4, 0)  # from r8 up: the same
 
 
 def test_a_fractional_memory_budget_never_cuts_a_short_prompt():

@@ -498,7 +498,8 @@ def _head_dim(model) -> int | None:
 
 
 def make_cache(model, policy=None, budget=0.2, recent=None, compact=False, kv_bits=None, group=None,
-               evicted_bits=None, evicted_budget=None, memory=None, question=None, **policy_params) -> EvictingCache:
+               evicted_bits=None, evicted_budget=None, memory=None, question=None, plan=None,
+               **policy_params) -> EvictingCache:
     """A cache for ``model.generate(..., past_key_values=cache)`` that keeps at most ``budget``
     tokens per layer and KV head, evicting with ``policy``.
 
@@ -518,6 +519,9 @@ def make_cache(model, policy=None, budget=0.2, recent=None, compact=False, kv_bi
     ``budget`` and the storage options with the split of tokens kept x bits per token measured best
     (``kvevict.memory.plan``): the recommended way to bound a cache. A fraction keeps at least
     ``kvevict.memory.MIN_TOKENS`` tokens per layer and KV head, so a short prompt is never cut.
+    plan: with a fractional ``memory``, the plan file ``kvevict calibrate`` wrote for this model (a
+    path); None (default) uses the model's calibrated plan when one is in kvevict's cache, else the
+    built-in rule; False always the built-in rule.
     question: the prompt's last N tokens are its question: never evicted, and the observation
     window of the policies that have one (SnapKV, expected attention). Honest only when the whole
     question is in the prompt at prefill (kvevict.generate.question_tokens counts it).
@@ -547,7 +551,7 @@ def make_cache(model, policy=None, budget=0.2, recent=None, compact=False, kv_bi
     if memory is not None:
         from .memory import plan_for_model
 
-        p = plan_for_model(model, memory, pol, group)
+        p = plan_for_model(model, memory, pol, group, plan_file=plan)
         storage, known = p.storage, getattr(pol, "prompt_tokens", None)
         if known and hasattr(p.budget, "storage_for"):  # a recorded prompt (kvzip): its storage now
             storage = p.budget.storage_for(known, storage)

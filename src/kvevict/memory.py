@@ -13,7 +13,13 @@ r4 the bytes of an int8 and an int4 slot over a 16-bit token's (0.60 and 0.35 at
     f chosen so the two tiers fill the memory: f r8 + (1 - f) r4 = memory;
   - below r4, evict with the policy and keep int4 for the tokens kept (memory / r4 of them). 2-bit
     storage (for every token, or for the demoted ones) costs +1 to +3 nats per token, or more than
-    evicting: never chosen.
+    evicting: never chosen;
+  - a policy that ranks the whole prompt before decoding (``kvzip-pool``) evicts below r8 and keeps
+    int8 (memory / r8 of the tokens), never int4: on RULER's essay needle at 4K (SmolLM2) every
+    token at int4 loses the digits after the first where int8 keeps them, and kvzip-pool at 20% of
+    a 16-bit cache found the needle in 3 of 3 samples over int8 (33% of the tokens) against 0 of 3
+    over int4 (57%) (docs/ruler.md). Per-token int4 keys blur the sharp attention a copied needle
+    needs; a streaming policy, which cannot rank the prompt, gains more from keeping more tokens.
 
 A fractional budget never cuts a short prompt: it keeps at least ``MIN_TOKENS`` tokens per layer
 and KV head (as the server's ``--min-budget`` does for token budgets), so a short chat is stored
@@ -26,7 +32,8 @@ Which policy a budget picks when none is named (``pick_policy``): a prompt-scori
 ``kvevict generate``, the demo), a streaming one (``h2o``) when it is not (a cache handed to
 ``model.generate``, chunked prefill, streams, the server's running batches). At 20% of the 16-bit
 stock cache on SmolLM2, ``kvzip-pool`` over int4 found the access codes the full cache found (10/12
-at 1.2K tokens, 6/6 at 3.5K) where H2O over int4 found 4/12 and 2/6 (issue 20).
+at 1.2K tokens, 6/6 at 3.5K) where H2O over int4 found 4/12 and 2/6 (issue 20); RULER at 4K:
+docs/ruler.md.
 
 Per slot and KV head: ``Storage.slot_bytes`` (codes, fp16 zero and step per group, int32 position,
 bool validity, the policy's fp32 statistics).
@@ -135,13 +142,18 @@ class Plan:
 
 
 def plan(memory, head_dim_k: int, head_dim_v: int, dtype_bytes: int, n_stats: int, layers_heads: int = 1,
-         group: int = DEFAULT_GROUP, slot_extra: int = 0, windows=None, floor: int = MIN_TOKENS) -> Plan:
+         group: int = DEFAULT_GROUP, slot_extra: int = 0, windows=None, floor: int = MIN_TOKENS,
+         scores_prompt: bool = False, kind: str | None = None) -> Plan:
     """The storage and token budget for ``memory`` (see the module's rule), as a share of a 16-bit
     stock cache whatever ``dtype_bytes`` (the model's, for storage kept in it). ``layers_heads``:
     layers x KV heads, to turn bytes per sequence into slots per (layer, KV head); ``slot_extra``:
     bytes a slot carries besides ``Storage.slot_bytes`` (Ada-KV's 1-byte head id); ``windows``: per
     layer the tokens a stock cache keeps at most (``kvevict.stock.stock_windows``), None for a
-    model without sliding layers; ``floor``: the fewest tokens a fractional budget keeps."""
+    model without sliding layers; ``floor``: the fewest tokens a fractional budget keeps;
+    ``scores_prompt``: the policy ranks the whole prompt before decoding (kvzip): below r8 it evicts
+    and keeps int8, never int4 (see the module's rule); ``kind``: spend a fractional budget this way
+    instead of by the rule ("fp16", "int8", "int4": evict and keep those bits; "int8+int4": every
+    token, in two tiers), as a calibrated plan file says (``kvevict.calibrate``)."""
     memory = parse_memory(memory)
     full = (head_dim_k + head_dim_v) * STOCK_BYTES  # one 16-bit token of the stock cache, per KV head
     windows = tuple(windows or ())
@@ -159,27 +171,35 @@ def plan(memory, head_dim_k: int, head_dim_v: int, dtype_bytes: int, n_stats: in
             raise ValueError(f"{memory} bytes hold less than one 4-bit token per layer and KV head "
                              f"({layers_heads * slot(4):.0f} bytes); give more memory.")
         return Plan(tokens, Storage(kv_bits=4, group=group))
-    ratio = {bits: slot(bits) / full for bits in (8, 4)}
+    ratio = {bits: slot(bits) / full for bits in (16, 8, 4)}
 
     short = None if dtype_bytes == STOCK_BYTES else 16  # a short prompt: 16 bits, the model's own if it has them
 
     def share(value, bits, lone=True):
         return PromptShare(min(1.0, value), memory, ratio[bits], windows if lone else (), floor, short)
 
-    if memory >= ratio[8]:
-        return Plan(share(memory / ratio[8], 8), Storage(kv_bits=8, group=group))
-    if memory >= ratio[4]:
+    if kind is None:
+        kind = "int8" if memory >= ratio[8] or scores_prompt else "int8+int4" if memory >= ratio[4] else "int4"
+    if kind == "int8+int4" and not ratio[4] <= memory < ratio[8]:  # no two tiers fit: the nearer single one
+        kind = "int8" if memory >= ratio[8] else "int4"
+    if kind == "int8+int4":
         # every token: the policy's top f at int8, the rest demoted to int4; f r8 + (1 - f) r4 = memory
         f = (memory - ratio[4]) / (ratio[8] - ratio[4])
         if f * 1000 < 1:
             return Plan(share(1.0, 4), Storage(kv_bits=4, group=group))
         return Plan(share(f, 8, lone=False), Storage(kv_bits=8, group=group, evicted_bits=4, evicted_budget=1.0 - f))
-    return Plan(share(memory / ratio[4], 4), Storage(kv_bits=4, group=group))
+    bits = {"fp16": 16, "int8": 8, "int4": 4}.get(kind)
+    if bits is None:
+        raise ValueError(f"unknown kind of storage {kind!r} in a memory plan: fp16, int8, int4 or int8+int4.")
+    return Plan(share(memory / ratio[bits], bits), Storage(kv_bits=bits, group=group))
 
 
-def plan_for_model(model, memory, policy, group: int = DEFAULT_GROUP, floor: int = MIN_TOKENS) -> Plan:
+def plan_for_model(model, memory, policy, group: int = DEFAULT_GROUP, floor: int = MIN_TOKENS,
+                   plan_file=None) -> Plan:
     """``plan`` with the model's shape: head dimension, dtype, layers x KV heads, sliding windows,
-    the policy's statistics."""
+    the policy's statistics. ``plan_file``: a plan ``kvevict calibrate`` wrote (a path), None for
+    the model's own calibrated plan when it has one (``kvevict.calibrate.default_path``), False for
+    the built-in rule. A plan applies to fractional budgets and to the policy it was calibrated with."""
     from .cache import _head_dim
 
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -189,5 +209,22 @@ def plan_for_model(model, memory, policy, group: int = DEFAULT_GROUP, floor: int
     layers_heads = config.num_hidden_layers * (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     head_id = 1 if getattr(policy, "adaptive", False) else 0  # a pooled slot says whose head it is (Tier.head)
     windows = stock_windows(config)
+    kind = _calibrated_kind(model, memory, policy, plan_file)
     return plan(memory, d, d, model.dtype.itemsize, len(policy.stats), layers_heads, group, head_id,
-                windows if any(w is not None for w in windows) else None, floor)
+                windows if any(w is not None for w in windows) else None, floor,
+                scores_prompt=bool(getattr(policy, "needs_prompt", False)), kind=kind)
+
+
+def _calibrated_kind(model, memory, policy, plan_file) -> str | None:
+    """The kind of storage a calibrated plan gives this budget and policy; None: the built-in rule."""
+    from . import calibrate
+
+    if plan_file is False or not isinstance(parse_memory(memory), float):
+        return None
+    path = calibrate.default_path(model) if plan_file is None else plan_file
+    if plan_file is None and not path.exists():
+        return None
+    data = calibrate.load(path, model)
+    if data["policy"] != policy.name or getattr(policy, "needs_prompt", False):
+        return None
+    return calibrate.nearest(data, parse_memory(memory))["storage"]

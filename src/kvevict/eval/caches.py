@@ -70,6 +70,10 @@ def policy_names(requested: str | list[str], known: dict) -> list[str]:
         return split_spec(spec)[0] if "/" in spec else spec
 
     def known_name(b):
+        if b == "mem":  # a memory budget, the policy picked by the plan (generation tasks)
+            return True
+        if b.startswith("mem-"):  # a memory budget for a named policy
+            b = b[len("mem-"):]
         return b == FULL or b in known or (b.startswith(ADAPTIVE) and b[len(ADAPTIVE):] in known)
 
     bad = [p for p in items if not known_name(base(p))]

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -63,11 +65,11 @@ class GenerationTask(Task):
         order = sorted(cells, key=lambda c: c[0] != FULL)  # the reference first
         if self.uses_reference and ref_text is None and order[0][0] != FULL:
             order = [(FULL, None)] + order
-        out = {}
+        out, recorded = {}, {}
+        prompt = sample.data["messages"] if "messages" in sample.data else self.prompt(sample)
         for cell in order:
             policy, budget = cell
-            res = generate(model, tokenizer, sample.data["messages"] if "messages" in sample.data
-                           else self.prompt(sample), policy, budget, self.max_new(sample, tokenizer))
+            res = _generate_cell(model, tokenizer, prompt, policy, budget, self.max_new(sample, tokenizer), recorded)
             if policy == FULL:
                 ref_text = res.text
             out[cell] = {"scores": self.score(sample, res.text, ref_text), "output": res.text,
@@ -76,3 +78,36 @@ class GenerationTask(Task):
             if cell in cells:
                 self._done(cell, out[cell])
         return {c: r for c, r in out.items() if c in cells}
+
+
+def _generate_cell(model, tokenizer, prompt, policy, budget, max_new, recorded: dict):
+    """One cell's answer. ``mem`` / ``mem-NAME`` cells give ``budget`` as a memory budget (a share of
+    a 16-bit stock cache: ``generate(memory=budget)``, the policy picked or NAME). A policy that
+    scores the prompt in a pass of its own (kvzip) records it once per sample in ``recorded``, shared
+    by the cells of that sample (its scores do not depend on the budget); each cell's time still
+    includes the recording."""
+    from ...memory import pick_policy
+    from ...policies import policy_class
+
+    memory = None
+    if memory_spec(policy):
+        memory, policy = budget, policy[len(MEMORY) + 1:] or pick_policy(prompt_known=True)
+    found = policy_class(policy)
+    if found is None or not getattr(found[0], "needs_prompt", False):
+        return generate(model, tokenizer, prompt, policy, budget, max_new, memory=memory)
+    if policy not in recorded:
+        from ...generate import encode_chat
+
+        t0 = time.perf_counter()
+        recorded[policy] = (found[0].record(model, tokenizer, encode_chat(tokenizer, prompt), **found[1]),
+                            time.perf_counter() - t0)
+    rec, seconds = recorded[policy]
+    res = generate(model, tokenizer, prompt, rec, budget, max_new, memory=memory)
+    return dataclasses.replace(res, policy=policy, seconds=res.seconds + seconds)
+
+
+MEMORY = "mem"  # a cell spec: "mem" (policy picked by the memory plan) or "mem-NAME", budget = memory share
+
+
+def memory_spec(policy) -> bool:
+    return isinstance(policy, str) and (policy == MEMORY or policy.startswith(MEMORY + "-"))

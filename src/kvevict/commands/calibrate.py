@@ -1,0 +1,43 @@
+"""kvevict calibrate: measure a model's own rule for memory budgets and write the plan memory= uses."""
+
+from __future__ import annotations
+
+from ._common import setup_threads
+
+NAME = "calibrate"
+HELP = "measure which storage each memory budget should use on this model, and write the plan memory= uses"
+
+
+def add_arguments(p):
+    p.add_argument("--model", default="smollm2-135m", help="known name (smollm2-135m, gemma3-270m) or a local HF folder")
+    p.add_argument("--memory", default="0.2,0.1,0.05", help="comma-separated memory shares of a 16-bit stock cache")
+    p.add_argument("--policy", default="h2o", help="the streaming policy the plan is for (default h2o)")
+    p.add_argument("--tokens", type=int, default=512, help="tokens per calibration window")
+    p.add_argument("--windows", type=int, default=2, help="calibration windows (and as many held out)")
+    p.add_argument("--chunk", type=int, default=32, help="tokens per streaming step")
+    p.add_argument("--out", help="plan file to write (default: the model's plan in kvevict's cache, which memory= reads)")
+    p.add_argument("--threads", type=int, help="torch threads (default: $OMP_NUM_THREADS, else half the cores)")
+
+
+def run(args):
+    from ..calibrate import calibrate, default_path, save
+    from ..memory import parse_memory
+
+    memories = []
+    for item in (x.strip() for x in args.memory.split(",") if x.strip()):
+        m = parse_memory(item if not item.replace(".", "", 1).isdigit() else float(item))
+        if not isinstance(m, float):
+            raise ValueError(f"--memory takes shares of a 16-bit stock cache (0.2, 20%), got {item!r}.")
+        memories.append(m)
+    if not memories:
+        raise ValueError("--memory needs at least one share, e.g. 0.2,0.1.")
+    if args.tokens < 64 or args.windows < 1 or args.chunk < 1:
+        raise ValueError("--tokens must be >= 64, --windows >= 1 and --chunk >= 1.")
+    from ..models import load_model
+
+    setup_threads(args)
+    model, tok = load_model(args.model)
+    plan = calibrate(model, tok, memories, args.policy, args.tokens, args.windows, args.windows, args.chunk)
+    path = save(plan, args.out or default_path(model))
+    print(f"wrote {path}" + ("" if args.out else " (memory= uses it for this model; plan=False ignores it)"))
+    return 0

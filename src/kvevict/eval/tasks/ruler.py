@@ -1,0 +1,45 @@
+"""RULER's needle-in-a-haystack tasks (``ruler-niah_single_1``, ...), their samples made by
+lm-eval's own generator (``kvevict.data.ruler``), prompted as lm-eval prompts them (the raw text and
+the answer's start, no chat template) and scored by RULER's ``string_match_all``. In the eval grid
+they run beside kvpress's presses on the same samples (``--peer kvpress``)."""
+
+from __future__ import annotations
+
+from ...data.ruler import TASKS as RULER_TASKS
+from ...data.ruler import ruler_samples, string_match_all
+from .base import GenerationTask, Sample
+
+
+class RulerTask(GenerationTask):
+    """Samples cycle over ``lengths`` (max_seq_length, prompt + 128 tokens); n per length."""
+
+    subtask = ""
+    metrics = {"score": "mean"}
+    primary = "score"
+    # lm-eval lets RULER generate 128 tokens with no stop string; the answer comes first (after the
+    # gen_prefix "The special magic number for X ... is"), so 32 suffice for one value, 64 for four
+    max_new_tokens = 32
+
+    def __init__(self, lengths=(4096,)):
+        self.lengths = tuple(lengths)
+
+    def samples(self, tokenizer, n):
+        per = [ruler_samples(self.subtask, tokenizer, length, -(-n // len(self.lengths))) for length in self.lengths]
+        out = []
+        for i in range(n):
+            length = self.lengths[i % len(self.lengths)]
+            s = per[i % len(self.lengths)][i // len(self.lengths)]
+            out.append(Sample(id=f"{length}-{i}", data={"messages": s["input"] + " " + s["gen_prefix"],
+                                                        "answers": list(s["outputs"]), "length": length}))
+        return out
+
+    def max_new(self, sample, tokenizer) -> int:
+        return self.max_new_tokens * (2 if len(sample.data["answers"]) > 1 else 1)
+
+    def score(self, sample, text, reference_text):
+        return {"score": string_match_all(text, sample.data["answers"])}
+
+
+def ruler_task_classes() -> list[type[RulerTask]]:
+    """One class per RULER NIAH task, named ``ruler-<lm-eval task name>``."""
+    return [type(f"Ruler_{name}", (RulerTask,), {"name": f"ruler-{name}", "subtask": name}) for name in RULER_TASKS]

@@ -1,0 +1,79 @@
+"""kvevict calibrate: the plan it measures, the file it writes, and memory= reading it."""
+
+import json
+
+import pytest
+from conftest import tiny_model
+from eval_helpers import tiny_tokenizer
+
+import kvevict
+from kvevict.calibrate import calibrate, candidates, default_path, load, save, signature
+from kvevict.cli import main
+from kvevict.memory import plan
+
+
+@pytest.fixture(scope="module")
+def calibrated():
+    model, tok = tiny_model("llama-gqa"), tiny_tokenizer()
+    return model, calibrate(model, tok, (0.5, 0.2), tokens=96, windows=1, heldout=1, log=lambda m: None)
+
+
+def test_candidates_spend_the_bytes_as_the_rule_does():
+    got = dict(candidates(0.5, 64, 4, 1))
+    assert set(got) == {"fp16", "int8", "int4", "int8+int4"}  # 0.5 lies between an int4 and an int8 slot
+    for label, share in got.items():
+        assert share == pytest.approx(float(plan(0.5, 64, 64, 4, 1, floor=1, kind=label).budget))
+    assert got["int8"] < got["int4"] <= 1.0 and got["fp16"] < got["int8"]
+    assert "int8+int4" not in dict(candidates(0.2, 64, 4, 1))  # below an int4 slot: no two tiers fit
+
+
+def test_calibration_picks_the_lowest_nll_and_scores_the_rule_held_out(calibrated):
+    model, p = calibrated
+    assert p["signature"] == signature(model) and p["policy"] == "h2o"
+    assert [c["memory"] for c in p["choices"]] == [0.5, 0.2]
+    for c in p["choices"]:
+        best = min(c["candidates"], key=lambda k: c["candidates"][k]["nll"])
+        assert c["storage"] == best and c["nll"] == c["candidates"][best]["nll"]
+        assert c["builtin"] == plan(c["memory"], 8, 8, 4, 1, group=8, floor=1).storage.label
+        assert (c["heldout_nll"] == c["builtin_heldout_nll"]) == (c["storage"] == c["builtin"])
+
+
+def test_memory_uses_a_plan_file_and_its_kind_of_storage(calibrated, tmp_path):
+    model, p = calibrated
+    forced = dict(p, choices=[dict(c, storage="fp16") for c in p["choices"]])
+    path = save(forced, tmp_path / "plan.json")
+    assert load(path, model) == json.loads(path.read_text())
+    cache = kvevict.make_cache(model, "h2o", memory=0.45, plan=path)  # the nearest entry: 0.5
+    assert cache.storage.kv_bits == 16 and cache.storage.evicted_bits is None
+    rule = kvevict.make_cache(model, "h2o", memory=0.45, plan=False)
+    assert (rule.storage.kv_bits, rule.storage.evicted_bits) != (16, None)
+    # the plan is for h2o: another policy keeps the built-in rule
+    assert kvevict.make_cache(model, "tova", memory=0.45, plan=path).storage == \
+        kvevict.make_cache(model, "tova", memory=0.45, plan=False).storage
+
+
+def test_the_model_s_own_plan_is_found_in_the_cache(calibrated, tmp_path, monkeypatch):
+    model, p = calibrated
+    monkeypatch.setenv("KVEVICT_CACHE", str(tmp_path))
+    assert kvevict.make_cache(model, "h2o", memory=0.2).storage.kv_bits != 16  # no plan yet: the rule
+    save(dict(p, choices=[dict(c, storage="fp16") for c in p["choices"]]), default_path(model))
+    assert str(default_path(model)).startswith(str(tmp_path))
+    assert kvevict.make_cache(model, "h2o", memory=0.2).storage.kv_bits == 16
+    assert kvevict.make_cache(model, "h2o", memory=0.2, plan=False).storage.kv_bits != 16
+
+
+def test_a_bad_or_stale_plan_says_to_calibrate(calibrated, tmp_path):
+    model, p = calibrated
+    with pytest.raises(ValueError, match="no plan file .*kvevict calibrate"):
+        kvevict.make_cache(model, "h2o", memory=0.2, plan=tmp_path / "missing.json")
+    (tmp_path / "junk.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not a kvevict plan file.*kvevict calibrate"):
+        kvevict.make_cache(model, "h2o", memory=0.2, plan=tmp_path / "junk.json")
+    other = save(p, tmp_path / "other.json")
+    with pytest.raises(ValueError, match="calibrated for another model.*kvevict calibrate"):
+        kvevict.make_cache(tiny_model("llama-mha"), "h2o", memory=0.2, plan=other)
+
+
+def test_cli_refuses_a_memory_in_bytes(capsys):
+    assert main(["calibrate", "--memory", "64MiB"]) == 2
+    assert "shares of a 16-bit stock cache" in capsys.readouterr().err

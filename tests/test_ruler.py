@@ -1,0 +1,94 @@
+"""RULER's needle tasks made offline by lm-eval's generator, and the eval grid's memory cells."""
+
+import json
+
+import pytest
+from conftest import tiny_model
+from eval_helpers import tiny_tokenizer
+
+from kvevict.data.ruler import TASKS, TOKENS_TO_GENERATE, punkt_ready, ruler_samples, string_match_all
+from kvevict.eval.runner import run_grid
+from kvevict.eval.tasks import TASKS as EVAL_TASKS
+from kvevict.eval.tasks import task_names
+from kvevict.eval.tasks.base import _generate_cell
+from kvevict.generate import generate
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.mark.parametrize("task", ["niah_single_1", "niah_multikey_2", "niah_single_2", "niah_multivalue"])
+def test_samples_fit_hold_their_needles_and_repeat(tok, task):
+    length = 4096 if TASKS[task]["type_haystack"] == "essay" else 512
+    got = ruler_samples(task, tok, length, 3)
+    assert len(got) == 3 and got == ruler_samples(task, tok, length, 3)  # seeded
+    assert got != ruler_samples(task, tok, length, 3, seed=7)
+    for s in got:
+        assert len(tok(s["input"] + " " + " ".join(s["outputs"])).input_ids) + TOKENS_TO_GENERATE <= length
+        for answer in s["outputs"]:
+            assert f"is: {answer}." in s["input"]  # "One of the special magic numbers for KEY is: VALUE."
+        assert s["gen_prefix"].startswith("The special magic")
+    assert len(got[0]["outputs"]) == TASKS[task].get("num_needle_v", 1) * TASKS[task].get("num_needle_q", 1)
+
+
+def test_essay_haystack_is_the_shipped_essays_split_offline(tok):
+    import nltk
+
+    from kvevict.data.essays import essays
+
+    punkt_ready()
+    assert len(nltk.sent_tokenize("It rained. The fair went on.")) == 2  # no download was needed
+    s = ruler_samples("niah_single_2", tok, 4096, 1)[0]
+    first_words = " ".join(" ".join(essays()).split()[:12])
+    assert first_words in s["input"]
+
+
+def test_string_match_all_is_the_share_of_answers_found():
+    assert string_match_all("The numbers are 123 and 456.", ["123", "456"]) == 1.0
+    assert string_match_all("only 123", ["123", "456"]) == 0.5
+    assert string_match_all("UUID ABC-def", ["abc-DEF"]) == 1.0
+    assert string_match_all("nothing", ["1"]) == 0.0
+
+
+def test_ruler_tasks_are_named_and_not_in_all():
+    assert "ruler-niah_single_1" in EVAL_TASKS and task_names("ruler-niah_multikey_1") == ["ruler-niah_multikey_1"]
+    assert not any(t.startswith("ruler-") for t in task_names("all"))
+
+
+def test_memory_cells_equal_generate_with_memory_and_kvzip_is_recorded_once(tok, monkeypatch):
+    from kvevict.policies.kvzip import KVzip
+
+    model = tiny_model("llama-gqa")
+    prompt = ruler_samples("niah_single_1", tok, 512, 1)[0]
+    prompt = prompt["input"] + " " + prompt["gen_prefix"]
+    calls = []
+    original = KVzip.record.__func__
+    monkeypatch.setattr(KVzip, "record", classmethod(lambda cls, *a, **k: calls.append(1) or original(cls, *a, **k)))
+    recorded = {}
+    for share in (0.2, 0.1):
+        got = _generate_cell(model, tok, prompt, "mem", share, 8, recorded)
+        want = generate(model, tok, prompt, None, 0.2, 8, memory=share)  # records again: its own pass
+        assert (got.text, got.kv_bytes, got.full_kv_bytes) == (want.text, want.kv_bytes, want.full_kv_bytes)
+        assert got.policy == "kvzip-pool" and got.seconds >= recorded["kvzip-pool"][1]
+    assert len(calls) == 2 + 1  # the cells shared one recording; each generate() made its own
+    named = _generate_cell(model, tok, prompt, "mem-h2o", 0.2, 8, {})
+    want = generate(model, tok, prompt, "h2o", 0.2, 8, memory=0.2)
+    assert (named.text, named.kv_bytes) == (want.text, want.kv_bytes)
+    assert named.kv_bytes < named.full_kv_bytes
+
+
+def test_grid_runs_a_ruler_task_with_memory_cells(tmp_path, tok):
+    class Tiny(EVAL_TASKS["ruler-niah_single_1"]):
+        max_new_tokens = 4
+
+    model = tiny_model("llama-gqa")
+    run_grid(model, tok, [Tiny(lengths=(512,))], ["mem", "mem-h2o"], [0.2], 2, tmp_path, "tiny", log=lambda m: None)
+    recs = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    assert sorted((r["policy"], r["sample"]) for r in recs) == sorted(
+        (p, s) for p in ("full", "mem", "mem-h2o") for s in ("512-0", "512-1"))
+    for r in recs:
+        assert 0.0 <= r["scores"]["score"] <= 1.0 and r["task"] == "ruler-niah_single_1"
+        if r["policy"] != "full":
+            assert r["kv_bytes"] < r["full_kv_bytes"]
