@@ -3,6 +3,10 @@ import os
 # the Triton kernel tests run in triton's CPU interpreter, which must be on before anything imports
 # triton (torch._dynamo, reached through transformers, does); TRITON_INTERPRET=0 tests on a GPU instead
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# plans a user calibrated (kvevict calibrate) change what memory= picks: the tests see none of them
+import tempfile  # noqa: E402
+
+os.environ["KVEVICT_PLANS"] = tempfile.mkdtemp(prefix="kvevict-plans-")
 
 import pytest
 import torch

@@ -87,6 +87,17 @@ def test_rows_pair_each_cell_with_the_full_cache_on_shared_samples():
     assert {r["policy"]: r for r in rows(old, legacy_dtype_bytes=2)}["h2o"]["bytes"] == pytest.approx(0.2)
 
 
+def test_a_kvpress_cell_counts_its_kept_prompt_tokens_at_16_bits():
+    recs = []
+    for s, prompt in enumerate((1000, 2000)):
+        recs.append({"task": "t", "policy": "full", "budget": None, "sample": str(s), "scores": {"em": 1},
+                     "prompt_tokens": prompt, "kv_bytes": 4 * prompt, "full_kv_bytes": 2 * prompt})
+        recs.append({"task": "t", "policy": "kvpress-snapkv", "budget": 0.2, "sample": str(s), "scores": {"em": s},
+                     "kv_tokens": prompt // 5 + s * prompt // 10})
+    (got,) = rows(recs)
+    assert got["bytes"] == pytest.approx((0.2 + 0.3) / 2) and got["diff"] == pytest.approx(-0.5)
+
+
 def test_new_records_say_their_bytes_are_against_a_16_bit_stock_cache(tmp_path):
     from kvevict.eval import records
 

@@ -54,7 +54,7 @@ def test_memory_uses_a_plan_file_and_its_kind_of_storage(calibrated, tmp_path):
 
 def test_the_model_s_own_plan_is_found_in_the_cache(calibrated, tmp_path, monkeypatch):
     model, p = calibrated
-    monkeypatch.setenv("KVEVICT_CACHE", str(tmp_path))
+    monkeypatch.setenv("KVEVICT_PLANS", str(tmp_path))
     assert kvevict.make_cache(model, "h2o", memory=0.2).storage.kv_bits != 16  # no plan yet: the rule
     save(dict(p, choices=[dict(c, storage="fp16") for c in p["choices"]]), default_path(model))
     assert str(default_path(model)).startswith(str(tmp_path))

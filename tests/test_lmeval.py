@@ -233,3 +233,21 @@ def test_python_m_checks_model_args_before_lm_eval_starts(folder, tmp_path):
     assert run.returncode == 2, run.stderr[-2000:]
     assert "kvevict lm-eval: error: unknown model_args bogus" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_a_memory_budget_picks_the_policy_per_request_type(folder):
+    from kvevict.lmeval.args import parse_settings
+    from kvevict.lmeval.cli import bytes_lines
+
+    s = parse_settings({"pretrained": folder, "memory": 0.2})
+    assert s.policy is None
+    assert [s.policy_for(k) for k in ("generate_until", "loglikelihood", "loglikelihood_rolling")] == \
+        ["kvzip-pool", "kvzip-pool", "h2o"]  # the whole context known before decoding, or streamed
+    assert parse_settings({"pretrained": folder, "memory": 0.2, "batch_size": 4}).policy_for("loglikelihood") == "h2o"
+    assert parse_settings({"pretrained": folder}).policy_for("generate_until") == "h2o"  # a token budget
+    assert parse_settings({"pretrained": folder, "memory": 0.2, "policy": "tova"}).policy_for("loglikelihood") == "tova"
+    lm = KvevictLM(pretrained=folder, memory=0.2)
+    lm.loglikelihood(_ll(PAIRS[:1]), disable_tqdm=True)
+    info = lm.get_model_info()
+    assert info["kvevict"]["policies"] == {"loglikelihood": "kvzip-pool"}
+    assert bytes_lines(info)[1].startswith("  loglikelihood [kvzip-pool]: 1 requests")

@@ -49,11 +49,18 @@ def signature_id(sig: dict) -> str:
     return f"{name}-{hashlib.sha256(json.dumps(sig, sort_keys=True).encode()).hexdigest()[:12]}"
 
 
+PLANS_ENV = "KVEVICT_PLANS"  # the folder of calibrated plans (default: plans/ in kvevict's cache)
+
+
 def default_path(model) -> Path:
-    """Where ``kvevict calibrate`` writes a model's plan and ``memory=`` looks for it."""
+    """Where ``kvevict calibrate`` writes a model's plan and ``memory=`` looks for it:
+    ``$KVEVICT_PLANS`` or ``~/.cache/kvevict/plans``, one file per model signature."""
+    import os
+
     from .fetch import cache_dir
 
-    return cache_dir("plans") / f"{signature_id(signature(model))}.json"
+    folder = Path(os.environ[PLANS_ENV]) if os.environ.get(PLANS_ENV) else cache_dir("plans")
+    return folder / f"{signature_id(signature(model))}.json"
 
 
 def candidates(memory: float, head_dim: int, dtype_bytes: int, n_stats: int, group: int = DEFAULT_GROUP) -> list:

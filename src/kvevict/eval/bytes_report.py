@@ -33,11 +33,18 @@ def stock_share(rec: dict, legacy_dtype_bytes: int = 4) -> float:
 
 
 def byte_shares(recs: list[dict], legacy_dtype_bytes: int = 4) -> dict:
-    """{(task, policy, budget): mean share of a 16-bit stock cache} over the records that carry both."""
+    """{(task, policy, budget): mean share of a 16-bit stock cache} over the records that carry both.
+    A kvpress record (``kv_tokens``: the prompt tokens its press kept) counts as those tokens in 16
+    bits over the prompt the full cache's record of the same sample saw: what kvpress holds on a
+    GPU in bf16 (on the CPU it runs in fp32, twice that)."""
     acc: dict = {}
+    prompts = {(r["task"], r["sample"]): r.get("prompt_tokens") for r in recs if r["policy"] == FULL}
     for r in recs:
         if r.get("kv_bytes") and r.get("full_kv_bytes"):
             acc.setdefault((r["task"], r["policy"], r["budget"]), []).append(stock_share(r, legacy_dtype_bytes))
+        elif r.get("kv_tokens") and prompts.get((r["task"], r["sample"])):
+            acc.setdefault((r["task"], r["policy"], r["budget"]), []).append(
+                r["kv_tokens"] / prompts[(r["task"], r["sample"])])
     return {k: sum(v) / len(v) for k, v in acc.items()}
 
 

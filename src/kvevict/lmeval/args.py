@@ -18,7 +18,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 @dataclass
 class Settings:
     pretrained: str = "smollm2-135m"  # a kvevict known name or a local Hugging Face folder
-    policy: str = "h2o"  # an eviction policy, or "full" for the stock cache (the reference)
+    policy: str | None = None  # an eviction policy, "full" for the stock cache; None: see policy_for
     budget: object = 0.2  # tokens kept per layer and KV head (int) or a fraction of the prompt (float)
     memory: object = None  # a budget in bytes instead (0.2, "20%", "64MiB"); see kvevict.memory
     kv_bits: int | None = None
@@ -42,6 +42,20 @@ class Settings:
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         return out
+
+    def policy_for(self, kind: str) -> str:
+        """The policy requests of type ``kind`` run: the one named, else the one the memory budget
+        picks (``kvevict.memory.pick_policy``): ``kvzip-pool`` where a request's whole context is
+        known before the cache decodes (``generate_until`` and ``loglikelihood``, one request per
+        batch, full prefill), ``h2o`` where text streams in (``loglikelihood_rolling``) or no memory
+        budget is given."""
+        if self.policy is not None:
+            return self.policy
+        from ..memory import pick_policy
+
+        known = (self.memory is not None and kind != "loglikelihood_rolling" and self.batch_size == 1
+                 and self.prefill == "full")
+        return pick_policy(prompt_known=known)
 
     def describe(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("device", "max_batch_size")}
@@ -85,8 +99,8 @@ def parse_settings(kwargs: dict) -> Settings:
     from ..prefill import check_mode
 
     kwargs = dict(kwargs)
-    policy = str(kwargs.get("policy", Settings.policy)).lower()
-    allowed_policy = _policy_fields(policy)
+    policy = str(kwargs["policy"]).lower() if kwargs.get("policy") is not None else None
+    allowed_policy = _policy_fields(policy or "h2o")
     unknown = sorted(k for k in kwargs if k not in OWN and k not in allowed_policy)
     if unknown:
         extra = f"; parameters of policy {policy!r}: {', '.join(allowed_policy)}" if allowed_policy else ""

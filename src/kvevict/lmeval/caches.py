@@ -20,15 +20,16 @@ def needs_prompt(policy: str) -> bool:
     return found is not None and getattr(found[0], "needs_prompt", False)
 
 
-def new_cache(model, tokenizer, settings, prompt=None):
+def new_cache(model, tokenizer, settings, kind: str, prompt=None):
     """The stock DynamicCache for ``policy=full`` (SDPA attention), else ``make_cache`` with the
-    settings. A policy that scores its prompt first (kvzip, kvzip-pool) is recorded on ``prompt``
-    (1, p), unpadded, as ``kvevict.generate`` does before decoding."""
+    settings and the policy requests of type ``kind`` run (``Settings.policy_for``). A policy that
+    scores its prompt first (kvzip, kvzip-pool) is recorded on ``prompt`` (1, p), unpadded, as
+    ``kvevict.generate`` does before decoding."""
     if settings.policy == "full":
         model.set_attn_implementation("sdpa")
         return DynamicCache(config=model.config)
     params = settings.cache_params()
-    policy = settings.policy
+    policy = settings.policy_for(kind)
     if needs_prompt(policy):
         if prompt is None or prompt.shape[0] != 1:
             raise ValueError(f"{policy} records one unpadded prompt per cache; run it with batch_size=1.")

@@ -91,13 +91,14 @@ class KvevictLM(TemplateLM):
 
     def get_model_info(self) -> dict:
         """lm-eval adds this to its results' ``config``: the settings and the bytes held."""
-        return {"kvevict": {**self.settings.describe(), "threads": self.threads, "bytes": self.bytes.summary()}}
+        return {"kvevict": {**self.settings.describe(), "threads": self.threads, "bytes": self.bytes.summary(),
+                            "policies": {kind: self.settings.policy_for(kind) for kind in self.bytes.kv}}}
 
     # -- batching ---------------------------------------------------------------------------
-    def _batches(self, items: list, length):
+    def _batches(self, items: list, length, kind: str):
         """Index batches, longest first (lm-eval's order for padding), one request per batch for a
         policy that records its prompt (kvzip)."""
-        size = 1 if needs_prompt(self.settings.policy) else self.settings.batch_size
+        size = 1 if needs_prompt(self.settings.policy_for(kind)) else self.settings.batch_size
         order = sorted(range(len(items)), key=lambda i: length(items[i]), reverse=True)
         return [order[i:i + size] for i in range(0, len(order), size)]
 
@@ -105,11 +106,11 @@ class KvevictLM(TemplateLM):
                disable_tqdm: bool) -> list[tuple[float, bool]]:
         out = [None] * len(pairs)
         pad = self.tokenizer.pad_token_id
-        batches = self._batches(pairs, lambda p: (len(p[0]), len(p[1])))  # contexts of a batch: alike lengths
+        batches = self._batches(pairs, lambda p: (len(p[0]), len(p[1])), kind)  # contexts of a batch: alike lengths
         for batch in tqdm(batches, desc=f"kvevict {kind}", disable=disable_tqdm):
             ctx, mask = left_pad([pairs[i][0] for i in batch], pad)
             conts = [pairs[i][1] for i in batch]
-            cache = new_cache(self.model, self.tokenizer, self.settings, prompt=ctx if len(batch) == 1 else None)
+            cache = new_cache(self.model, self.tokenizer, self.settings, kind, prompt=ctx if len(batch) == 1 else None)
             whole = ctx.shape[1] + max(map(len, conts)) if whole_is_prompt else None
             last = feed_context(self.model, cache, ctx, mask, self.settings.prefill, self.settings.stride, whole)
             for i, res in zip(batch, score_continuations(self.model, cache, last, mask, conts, pad, step)):
@@ -154,13 +155,14 @@ class KvevictLM(TemplateLM):
             groups.setdefault(repr((until, max_new, sorted(kw.items()))), []).append(i)
         batches = []
         for idx in groups.values():
-            batches += [[idx[j] for j in b] for b in self._batches([items[i] for i in idx], lambda it: len(it[0]))]
+            batches += [[idx[j] for j in b] for b in self._batches([items[i] for i in idx], lambda it: len(it[0]),
+                                                                   "generate_until")]
         s = self.settings
         for batch in tqdm(batches, desc="kvevict generate_until", disable=disable_tqdm):
             prompts = [items[i][0] for i in batch]
             _, until, max_new, kw = items[batch[0]]
             prompt = torch.tensor(prompts) if len(batch) == 1 else None
-            cache = new_cache(self.model, self.tokenizer, s, prompt=prompt)
+            cache = new_cache(self.model, self.tokenizer, s, "generate_until", prompt=prompt)
             texts = generate_batch(self.model, self.tokenizer, cache, prompts, until, max_new, kw, s.prefill, s.stride)
             for i, text in zip(batch, texts):
                 out[i] = text
