@@ -16,10 +16,11 @@ r4 the bytes of an int8 and an int4 slot over a 16-bit token's (0.60 and 0.35 at
     evicting: never chosen;
   - a policy that ranks the whole prompt before decoding (``kvzip-pool``) evicts below r8 and keeps
     int8 (memory / r8 of the tokens), never int4: on RULER's essay needle at 4K (SmolLM2) every
-    token at int4 loses the digits after the first where int8 keeps them, and kvzip-pool at 20% of
-    a 16-bit cache found the needle in 3 of 3 samples over int8 (33% of the tokens) against 0 of 3
-    over int4 (57%) (docs/ruler.md). Per-token int4 keys blur the sharp attention a copied needle
-    needs; a streaming policy, which cannot rank the prompt, gains more from keeping more tokens.
+    token at int4 answered only the needle's first digit where every token at int8 answered it
+    whole, and on the first 3 samples kvzip-pool at 20% of a 16-bit cache found 3 over int8 (33% of
+    the tokens), at 10% 2 over int8 against 1 over int4 (docs/ruler.md). Per-token int4 keys blur
+    the sharp attention a copied needle needs; a streaming policy, which cannot rank the prompt,
+    gains more from keeping more tokens.
 
 A fractional budget never cuts a short prompt: it keeps at least ``MIN_TOKENS`` tokens per layer
 and KV head (as the server's ``--min-budget`` does for token budgets), so a short chat is stored
