@@ -92,3 +92,13 @@ def test_grid_runs_a_ruler_task_with_memory_cells(tmp_path, tok):
         assert 0.0 <= r["scores"]["score"] <= 1.0 and r["task"] == "ruler-niah_single_1"
         if r["policy"] != "full":
             assert r["kv_bytes"] < r["full_kv_bytes"]
+
+
+def test_punkt_is_trained_into_a_fresh_cache(tmp_path, monkeypatch):
+    import nltk
+
+    monkeypatch.setenv("KVEVICT_CACHE", str(tmp_path))
+    monkeypatch.setattr(nltk.data, "path", list(nltk.data.path))
+    root = punkt_ready.__wrapped__()  # not the memoized call: this cache is new
+    assert root == str(tmp_path / "nltk_data") and nltk.data.path[0] == root
+    assert (tmp_path / "nltk_data" / "tokenizers" / "punkt_tab" / "english" / "sent_starters.txt").exists()

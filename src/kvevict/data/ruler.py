@@ -45,14 +45,14 @@ def punkt_ready() -> str:
     from .essays import essays
 
     root = str(cache_dir("nltk_data"))
+    if root not in nltk.data.path:  # first: nltk writes only below a folder on its data path
+        nltk.data.path.insert(0, root)
     lang = os.path.join(root, "tokenizers", "punkt_tab", "english")
     if not os.path.exists(os.path.join(lang, "sent_starters.txt")):
         trainer = PunktTrainer()
         trainer.train(" ".join(essays()), finalize=True)
-        os.makedirs(lang, mode=0o700, exist_ok=True)  # nltk writes only into a private folder
+        os.makedirs(lang, mode=0o700, exist_ok=True)  # and only into a private folder
         save_punkt_params(trainer.get_params(), dir=lang)
-    if root not in nltk.data.path:
-        nltk.data.path.insert(0, root)
     return root
 
 
