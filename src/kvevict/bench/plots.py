@@ -22,14 +22,8 @@ def throughput_vs_context(records: list[dict], path: Path) -> Path:
     fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4.2), squeeze=False)
     for ax, b in zip(axes[0], batches):
         for label, pts in _series(records, b, lambda r: r["tokens_per_s"]).items():
-            ax.plot([c for c, _ in pts], [v for _, v in pts], marker="o", label=label,
-                    linewidth=2.5 if label == "stock" else 1.2, color="black" if label == "stock" else None)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(f"batch {b}")
-        ax.set_xlabel("context (tokens)")
-        ax.set_ylabel("decode tokens / s")
-        ax.grid(True, which="both", alpha=0.3)
+            _line(ax, label, [c for c, _ in pts], [v for _, v in pts])
+        _log_axes(ax, f"batch {b}", "decode tokens / s")
     axes[0][-1].legend(fontsize=7, loc="best")
     return _save(plt, fig, path)
 
@@ -39,14 +33,8 @@ def memory_vs_context(records: list[dict], path: Path) -> Path:
     b = min(r["batch"] for r in records)
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for label, pts in _series(records, b, lambda r: r["state_bytes"] / r["batch"] / 2**20).items():
-        ax.plot([c for c, _ in pts], [v for _, v in pts], marker="o", label=label,
-                linewidth=2.5 if label == "stock" else 1.2, color="black" if label == "stock" else None)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("context (tokens)")
-    ax.set_ylabel("cache state per sequence (MiB)")
-    ax.set_title("KV cache memory per sequence")
-    ax.grid(True, which="both", alpha=0.3)
+        _line(ax, label, [c for c, _ in pts], [v for _, v in pts])
+    _log_axes(ax, "KV cache memory per sequence", "cache state per sequence (MiB)")
     ax.legend(fontsize=7)
     return _save(plt, fig, path)
 
@@ -60,17 +48,28 @@ def matrix_steps(records: list[dict], path: Path) -> Path:
         sub = [r for r in records if (r["threads"], r["batch"]) == (t, b)]
         for label in dict.fromkeys(r["cache"] for r in sub):
             pts = sorted((r["context"], r["step_s"]["median"] * 1e3, r["floor_s"] * 1e3) for r in sub if r["cache"] == label)
-            line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label,
-                            linewidth=2.5 if label == "stock" else 1.2, color="black" if label == "stock" else None)
+            line = _line(ax, label, [p[0] for p in pts], [p[1] for p in pts])
             ax.plot([p[0] for p in pts], [p[2] for p in pts], linestyle=":", color=line.get_color(), linewidth=0.8)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(f"batch {b}, {t} thread(s)")
-        ax.set_xlabel("context (tokens)")
-        ax.set_ylabel("ms per decode step (dotted: bandwidth floor)")
-        ax.grid(True, which="both", alpha=0.3)
+        _log_axes(ax, f"batch {b}, {t} thread(s)", "ms per decode step (dotted: bandwidth floor)")
     axes[0][-1].legend(fontsize=6, loc="best")
     return _save(plt, fig, path)
+
+
+def _line(ax, label: str, xs, ys):
+    """One cache's curve; the stock cache's drawn thick and black, the baseline every other is read against."""
+    line, = ax.plot(xs, ys, marker="o", label=label, linewidth=2.5 if label == "stock" else 1.2,
+                    color="black" if label == "stock" else None)
+    return line
+
+
+def _log_axes(ax, title: str, ylabel: str) -> None:
+    """Context on a log2 axis against a log y axis, with a grid."""
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_title(title)
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)
 
 
 def _save(plt, fig, path: Path) -> Path:

@@ -25,7 +25,7 @@ def run(args):
 
     memories = []
     for item in (x.strip() for x in args.memory.split(",") if x.strip()):
-        m = parse_memory(item if not item.replace(".", "", 1).isdigit() else float(item))
+        m = parse_memory(item)
         if not isinstance(m, float):
             raise ValueError(f"--memory takes shares of a 16-bit stock cache (0.2, 20%), got {item!r}.")
         memories.append(m)
