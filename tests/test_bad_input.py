@@ -15,7 +15,7 @@ from kvevict.generate import generate
 
 
 def _greedy(model, ids, cache, n=4, mask=None):
-    return model.generate(ids, attention_mask=torch.ones_like(ids) if mask is None else mask, past_key_values=cache,
+    return model.generate(ids, attention_mask=torch.ones_like(ids) if mask is None else mask, cache=cache,
                           do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
 
 
@@ -36,7 +36,7 @@ def test_empty_prompt_is_a_value_error_from_model_generate_and_forward():
     with pytest.raises(ValueError, match="prompt is empty"):
         _greedy(model, empty, kvevict.make_cache(model, "h2o", 8))
     with torch.no_grad(), pytest.raises(ValueError, match="prompt is empty"):
-        model(empty, past_key_values=kvevict.make_cache(model, "h2o", 8))
+        model(empty, cache=kvevict.make_cache(model, "h2o", 8))
 
 
 # (2) a used cache given a new prompt --------------------------------------------------------------
@@ -87,9 +87,9 @@ def test_a_mask_that_does_not_cover_the_cache_is_a_value_error():
     cache = kvevict.make_cache(model, "h2o", 64)
     ids = torch.randint(1, 128, (1, 10))
     with torch.no_grad():
-        model(ids, attention_mask=torch.ones_like(ids), past_key_values=cache)
+        model(ids, attention_mask=torch.ones_like(ids), cache=cache)
         with pytest.raises(ValueError, match="covers 1 tokens but the cache has seen 10 and this call adds 1"):
-            model(ids[:, :1], attention_mask=torch.ones(1, 1, dtype=torch.long), past_key_values=cache)
+            model(ids[:, :1], attention_mask=torch.ones(1, 1, dtype=torch.long), cache=cache)
 
 
 # (3) past the model's positions -------------------------------------------------------------------

@@ -115,7 +115,7 @@ def test_prefilled_caches_are_in_decode_state():
         use_attention(model, spec)
         c = expand(base, 3)
         for _ in range(steps):
-            model(torch.ones(3, 1, dtype=torch.long), past_key_values=c, use_cache=True)
+            model(torch.ones(3, 1, dtype=torch.long), cache=c, use_cache=True)
         evicted = c.layers[0].evicted
         # the no-eviction cache never evicts; the budgeted one is full, so every step evicts one token
         assert evicted == (0 if spec.kind == NO_EVICTION else steps)

@@ -19,7 +19,7 @@ def test_decode_steps_and_page_size_restored(tmp_path):
         tier.PAGE = size
         c = pages.make_cache(model, "h2o", 100)
         with torch.no_grad():
-            model(torch.randint(0, 128, (1, 20)), past_key_values=c, use_cache=True)
+            model(torch.randint(0, 128, (1, 20)), cache=c, use_cache=True)
         cache_pages.append(c.layers[0].tiers[0].capacity)
     tier.PAGE = before
     assert cache_pages == [24, 100]  # three pages of 8, or the whole budget at once

@@ -33,7 +33,7 @@ def test_full_with_a_storage_keeps_every_token_quantized():
     seq = torch.randint(0, 128, (1, 30))
     cache = new_cache(model, "full/int8", None, sequence=seq)
     with torch.no_grad():
-        model(seq, past_key_values=cache)
+        model(seq, cache=cache)
     layer = cache.layers[0]
     assert layer.keys.dtype == torch.uint8 and layer.budget == 30 and layer.evicted == 0
     with pytest.raises(ValueError, match="keeps every token"):

@@ -64,7 +64,7 @@ def test_rows_join_with_packed_and_two_tier_storage(storage):
     def start(p):
         cache = kvevict.make_cache(model, "h2o", 8, **storage)
         with torch.no_grad():
-            logits = model(torch.tensor([p]), past_key_values=cache, use_cache=True).logits[:, -1]
+            logits = model(torch.tensor([p]), cache=cache, use_cache=True).logits[:, -1]
         return DecodeBatch(model, cache, torch.ones(1, len(p), dtype=torch.long), torch.tensor([len(p)])), logits
 
     def alone(p):
@@ -103,7 +103,7 @@ def _start(model, prompt, policy, budget, **kw):
 
     cache = kvevict.make_cache(model, policy, budget, **kw)
     with torch.no_grad():
-        logits = model(torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = model(torch.tensor([prompt]), cache=cache, use_cache=True).logits[:, -1]
     return DecodeBatch(model, cache, torch.ones(1, len(prompt), dtype=torch.long), torch.tensor([len(prompt)])), logits
 
 

@@ -37,8 +37,8 @@ def test_compact_mode_without_eviction_is_exact():
     cache = kvevict.make_cache(model, "h2o", budget=32, compact=True)
     with torch.no_grad():
         for part in [ids] + [steps[:, i:i + 1] for i in range(3)]:
-            assert (model(part, past_key_values=ref_cache).logits
-                    - model(part, past_key_values=cache).logits).abs().max() < 1e-4
+            assert (model(part, cache=ref_cache).logits
+                    - model(part, cache=cache).logits).abs().max() < 1e-4
 
 
 def test_compact_mode_keeps_distances_within_the_cache_far_past_the_context():
@@ -48,11 +48,11 @@ def test_compact_mode_keeps_distances_within_the_cache_far_past_the_context():
     plain = kvevict.make_cache(model, "recency", budget=budget)
     token = torch.randint(0, 128, (1, 1))
     with torch.no_grad():
-        model(torch.randint(0, 128, (1, 40)), past_key_values=cache)
-        model(torch.randint(0, 128, (1, 40)), past_key_values=plain)
+        model(torch.randint(0, 128, (1, 40)), cache=cache)
+        model(torch.randint(0, 128, (1, 40)), cache=plain)
         for _ in range(600):  # past the context length
-            out = model(token, past_key_values=cache).logits
-            model(token, past_key_values=plain)
+            out = model(token, cache=cache).logits
+            model(token, cache=plain)
     assert torch.isfinite(out).all()
     layer = cache.layers[0]
     assert layer.pos.max().item() == 639
@@ -81,12 +81,12 @@ def test_compact_stream_far_past_the_context_equals_the_kept_tokens_at_positions
     plain = kvevict.make_cache(model, "recency", budget=budget, sinks=sinks)
     with torch.no_grad():
         for s in range(0, 1499, 50):
-            model(ids[:, s:min(1499, s + 50)], past_key_values=cache)
-            model(ids[:, s:min(1499, s + 50)], past_key_values=plain)
-        got = model(ids[:, 1499:], past_key_values=cache).logits[0, -1]
-        far = model(ids[:, 1499:], past_key_values=plain).logits[0, -1]
+            model(ids[:, s:min(1499, s + 50)], cache=cache)
+            model(ids[:, s:min(1499, s + 50)], cache=plain)
+        got = model(ids[:, 1499:], cache=cache).logits[0, -1]
+        far = model(ids[:, 1499:], cache=plain).logits[0, -1]
         kept = torch.cat([ids[:, :sinks], ids[:, 1499 - (budget - sinks):]], 1)  # sinks + the newest
         model.set_attn_implementation("sdpa")
-        want = model(kept, past_key_values=DynamicCache(config=model.config)).logits[0, -1]
+        want = model(kept, cache=DynamicCache(config=model.config)).logits[0, -1]
     assert (got - want).abs().max() < 1e-4
     assert (far - want).abs().max() > 1e-3  # without compaction the distances are up to 1,499 (seeded: 2.5e-3)

@@ -11,7 +11,7 @@ from h2o_reference import H2OReference
 
 def _logits(model, ids, cache, mask=None):
     with torch.no_grad():
-        return model(ids, attention_mask=mask, past_key_values=cache).logits
+        return model(ids, attention_mask=mask, cache=cache).logits
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -36,7 +36,7 @@ def test_real_eviction_matches_masked_eager_reference(arch):
     torch.manual_seed(2)
     prompt = torch.randint(0, 128, (2, 20))
     cache = kvevict.make_cache(model, "h2o", budget=budget, recent=recent)
-    got = model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache,
+    got = model.generate(prompt, attention_mask=torch.ones_like(prompt), cache=cache,
                          max_new_tokens=new, min_new_tokens=new, do_sample=False)
     ref = H2OReference(budget, recent)
     model.set_attn_implementation(ref.NAME)
@@ -95,10 +95,10 @@ def test_left_padded_batch_equals_each_prompt_alone(budget):
         ids[i, width - len(p):] = p
         mask[i, width - len(p):] = 1
     gen = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
-    batched = model.generate(ids, attention_mask=mask, past_key_values=kvevict.make_cache(model, "h2o", budget=budget), **gen)
+    batched = model.generate(ids, attention_mask=mask, cache=kvevict.make_cache(model, "h2o", budget=budget), **gen)
     for i, p in enumerate(prompts):
         alone = model.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                               past_key_values=kvevict.make_cache(model, "h2o", budget=budget), **gen)
+                               cache=kvevict.make_cache(model, "h2o", budget=budget), **gen)
         assert torch.equal(batched[i, width:], alone[0, len(p):]), f"sequence {i}"
 
 
@@ -158,7 +158,7 @@ def test_model_that_cannot_be_hooked_is_refused():
         kvevict.make_cache(Legacy(), "h2o", budget=8)
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).eval()
     cache = kvevict.make_cache(gpt2, "h2o", budget=8)  # GPT-2 does route through the interface
-    gpt2(torch.randint(0, 64, (1, 20)), past_key_values=cache)
+    gpt2(torch.randint(0, 64, (1, 20)), cache=cache)
     assert cache.kv_bytes() == 8 * 2 * (16 * 2 * 4 + 4 + 1 + 4) + 8  # slots x heads x (K, V, pos, valid, sum) + n_real
 
 
@@ -168,7 +168,7 @@ def test_a_rejected_attention_call_leaves_the_cache_usable():
     ids = torch.randint(0, 128, (1, 12))
     bad_mask = torch.zeros(1, 1, 12, 12)  # a prepared 4-D mask is refused with a clear message
     with pytest.raises(ValueError, match="2-D attention_mask"):
-        model(ids, attention_mask=bad_mask, past_key_values=cache)
+        model(ids, attention_mask=bad_mask, cache=cache)
     fresh = kvevict.make_cache(model, "h2o", budget=8)
     _logits(model, ids, fresh)  # no stale state from the refused call
     assert fresh.get_seq_length() == 12

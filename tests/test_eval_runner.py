@@ -58,7 +58,7 @@ def test_streaming_records_the_oracle_on_the_streamed_text():
     # the same as streaming by hand through a cache whose oracle was recorded on these ids
     cache = make_cache(model, Oracle.record(model, ids), 12)
     with torch.no_grad():
-        want = [model(ids[:, s:min(59, s + 8)], past_key_values=cache).logits[0] for s in range(0, 59, 8)]
+        want = [model(ids[:, s:min(59, s + 8)], cache=cache).logits[0] for s in range(0, 59, 8)]
     want = torch.cat(want).log_softmax(-1).gather(1, ids[0, 1:, None]).neg().squeeze(1)
     assert sc[("oracle", 12)].nll == pytest.approx(want.tolist(), abs=1e-4)
     assert max(sc[("oracle", 12)].kl[20:]) > 1e-4  # it did evict

@@ -27,10 +27,10 @@ def _logits(model, cache, ids, mask, steps):
     """Prompt forward, then one forward per decode token; every row's logits at every step."""
     out = []
     with torch.no_grad():
-        out.append(model(ids, attention_mask=mask, past_key_values=cache).logits)
+        out.append(model(ids, attention_mask=mask, cache=cache).logits)
         for i in range(steps.shape[1]):
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
-            out.append(model(steps[:, i:i + 1], attention_mask=mask, past_key_values=cache).logits)
+            out.append(model(steps[:, i:i + 1], attention_mask=mask, cache=cache).logits)
     return out
 
 
@@ -63,8 +63,8 @@ def test_covering_budget_generates_the_stock_tokens():
     kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=2 * WINDOW, min_new_tokens=2 * WINDOW,
               pad_token_id=0)
     model.set_attn_implementation("sdpa")
-    ref = model.generate(ids, past_key_values=DynamicCache(config=model.config), **kw)
-    got = model.generate(ids, past_key_values=kvevict.make_cache(model, "tova", 5 * WINDOW), **kw)
+    ref = model.generate(ids, cache=DynamicCache(config=model.config), **kw)
+    got = model.generate(ids, cache=kvevict.make_cache(model, "tova", 5 * WINDOW), **kw)
     assert torch.equal(ref, got)
 
 
@@ -73,7 +73,7 @@ def test_a_small_budget_stays_within_it_on_every_layer():
     ids = torch.randint(1, 128, (1, 4 * WINDOW))
     cache = kvevict.make_cache(model, "h2o", 6)
     with torch.no_grad():
-        model.generate(ids, past_key_values=cache, do_sample=False, max_new_tokens=4, pad_token_id=0)
+        model.generate(ids, cache=cache, do_sample=False, max_new_tokens=4, pad_token_id=0)
     assert all(layer.filled == 6 for layer in cache.layers)
 
 

@@ -196,12 +196,12 @@ def _decode(model, cache, ids, mask, steps):
     """Greedy tokens, the last logits and every tier's kept positions after ``steps`` steps."""
     toks = []
     with torch.no_grad():
-        out = model(ids, attention_mask=mask, past_key_values=cache)
+        out = model(ids, attention_mask=mask, cache=cache)
         for _ in range(steps):
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
             toks.append(nxt)
             mask = torch.cat([mask, torch.ones_like(nxt)], 1)
-            out = model(nxt, attention_mask=mask, past_key_values=cache)
+            out = model(nxt, attention_mask=mask, cache=cache)
     kept = [[torch.where(t.valid, t.pos, -1).sort(-1).values for t in layer.tiers] for layer in cache.layers]
     return torch.cat(toks, 1), out.logits[:, -1], kept
 

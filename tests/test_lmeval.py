@@ -113,11 +113,11 @@ def test_kvzip_is_recorded_on_each_context(folder):
         c, x = torch.tensor([c]), torch.tensor([x])
         cache = new_cache(lm.model, "kvzip-pool", 12, prompt=c, tokenizer=lm.tokenizer)
         with torch.no_grad():
-            logits = lm.model(c, past_key_values=cache).logits[0, -1]
+            logits = lm.model(c, cache=cache).logits[0, -1]
             want = 0.0
             for i in range(x.shape[1]):
                 want += torch.log_softmax(logits.float(), -1)[x[0, i]].item()
-                logits = lm.model(x[:, i:i + 1], past_key_values=cache).logits[0, -1]
+                logits = lm.model(x[:, i:i + 1], cache=cache).logits[0, -1]
         assert lp == pytest.approx(want, abs=1e-4)
 
 

@@ -17,7 +17,7 @@ NEW = 16
 def _readme_call(model, tok, text, cache):
     """The README's example: the chat template's ids into ``model.generate`` with ``cache``."""
     ids = encode_chat(tok, [{"role": "user", "content": text}])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, do_sample=False,
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, do_sample=False,
                          max_new_tokens=NEW, pad_token_id=tok.pad_token_id)
     return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
 
@@ -46,7 +46,7 @@ def test_a_bf16_copy_keeps_short_chats_whole_and_answers_the_readme_question():
     for text in CHATS[1:]:
         cache = kvevict.make_cache(model, memory=0.2)
         ids = encode_chat(tok, [{"role": "user", "content": text}])
-        model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, do_sample=False,
+        model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, do_sample=False,
                        max_new_tokens=2, pad_token_id=tok.pad_token_id)
         layer = cache.layers[0]  # the prompt and the answer kept whole, in the model's own 16 bits
         assert layer.evicted == 0 and layer.storage.kv_bits is None and layer.keys.dtype == torch.bfloat16, text

@@ -34,8 +34,8 @@ def test_bytes_are_exact_at_every_length_and_within_a_page_of_the_stock_cache(bu
         cache = kvevict.make_cache(model, "h2o", budget, kv_bits=kv_bits, group=8)
         stock = DynamicCache(config=model.config)
         with torch.no_grad():
-            out = model(ids, past_key_values=cache, use_cache=True)
-            model(ids, past_key_values=stock, use_cache=True)
+            out = model(ids, cache=cache, use_cache=True)
+            model(ids, cache=stock, use_cache=True)
             for step in range(40):
                 tokens = prompt + step
                 held = cache.kv_bytes()
@@ -46,15 +46,15 @@ def test_bytes_are_exact_at_every_length_and_within_a_page_of_the_stock_cache(bu
                 book = 3 * 2 * H * (tokens + PAGE - 1) * per_slot_book + 3 * 2 * 8
                 assert held <= _stock_bytes(stock) + page + book
                 nxt = out.logits[:, -1:].argmax(-1)
-                out = model(nxt, past_key_values=cache, use_cache=True)
-                model(nxt, past_key_values=stock, use_cache=True)
+                out = model(nxt, cache=cache, use_cache=True)
+                model(nxt, cache=stock, use_cache=True)
 
 
 def test_a_short_chat_under_a_large_budget_holds_its_own_pages_only():
     model = tiny_model("llama-gqa")
     cache = kvevict.make_cache(model, "h2o", 1024)
     with torch.no_grad():
-        model(torch.randint(0, 128, (1, 20)), past_key_values=cache, use_cache=True)
+        model(torch.randint(0, 128, (1, 20)), cache=cache, use_cache=True)
     assert all(t.capacity == PAGE for layer in cache.layers for t in layer.tiers)
     assert all(layer.budget == 1024 for layer in cache.layers)
 
@@ -63,8 +63,8 @@ def test_pages_are_allocated_on_growth_and_given_back_when_a_row_leaves():
     model = tiny_model("llama-gqa")
     long_, short = (kvevict.make_cache(model, "h2o", 512) for _ in range(2))
     with torch.no_grad():
-        model(torch.randint(0, 128, (1, 3 * PAGE + 5)), past_key_values=long_, use_cache=True)
-        model(torch.randint(0, 128, (1, 7)), past_key_values=short, use_cache=True)
+        model(torch.randint(0, 128, (1, 3 * PAGE + 5)), cache=long_, use_cache=True)
+        model(torch.randint(0, 128, (1, 7)), cache=short, use_cache=True)
     assert long_.layers[0].tiers[0].capacity == 4 * PAGE and short.layers[0].tiers[0].capacity == PAGE
     long_.append_rows(short)  # one rectangle: the longer row's pages
     assert long_.layers[0].tiers[0].capacity == 4 * PAGE
@@ -77,6 +77,6 @@ def test_mixed_precision_tiers_grow_in_pages_too():
     model = tiny_model("llama-gqa")
     cache = kvevict.make_cache(model, "h2o", 16, kv_bits=8, evicted_bits=4, evicted_budget=1000, group=8)
     with torch.no_grad():
-        model(torch.randint(0, 128, (1, 50)), past_key_values=cache, use_cache=True)
+        model(torch.randint(0, 128, (1, 50)), cache=cache, use_cache=True)
     hi, lo = cache.layers[0].tiers
     assert (hi.capacity, lo.capacity) == (16, pages(50 - 16, 1000)) == (16, PAGE * 2)

@@ -127,7 +127,7 @@ def test_every_policy_and_prefill_mode_on_a_padded_gqa_batch(name, mode, stride)
     params = {} if name in ("tova", "pyramidkv", "oracle") else {"recent": 4}
     cache = kvevict.make_cache(model, _policy(name, model, ids, mask), budget=budget, **params)
     kvevict.prefill(model, cache, ids, mask, mode=mode, stride=stride)
-    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=10, min_new_tokens=10,
+    out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=10, min_new_tokens=10,
                          do_sample=False, pad_token_id=0)
     assert out.shape == (3, ids.shape[1] + 10)
     cfg = model.config
@@ -155,7 +155,7 @@ def test_block_prefill_of_20x_the_budget_peaks_at_budget_plus_stride(stride):
     assert cache.peak_entries() == budget + stride  # never more, and the bound is reached
     full = kvevict.make_cache(model, "h2o", budget=budget)
     kvevict.prefill(model, full, ids, mode="full")
-    model(ids, past_key_values=full)
+    model(ids, cache=full)
     assert full.peak_entries() == 20 * budget  # full prefill holds the prompt in one layer
 
 
@@ -170,8 +170,8 @@ def test_every_policy_with_a_covering_budget_equals_the_full_cache(name):
     assert min(layer.budget_spec for layer in cache.layers) >= 24
     with torch.no_grad():
         for part in [ids] + [steps[:, i:i + 1] for i in range(4)]:
-            r = model(part, past_key_values=ref_cache).logits
-            g = model(part, past_key_values=cache).logits
+            r = model(part, cache=ref_cache).logits
+            g = model(part, cache=cache).logits
             assert (r - g).abs().max().item() < 1e-4
 
 
@@ -214,7 +214,7 @@ def test_oracle_keeps_the_keys_the_future_attends_most(budget, cut):
         att = model(ids, output_attentions=True).attentions
     cache = kvevict.make_cache(model, oracle, budget=budget)
     with torch.no_grad():
-        model(ids[:, :cut], past_key_values=cache)
+        model(ids[:, :cut], cache=cache)
     g = model.config.num_attention_heads // model.config.num_key_value_heads
     for layer, a in zip(cache.layers, att):
         b, hq, n, _ = a.shape

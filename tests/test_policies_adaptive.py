@@ -68,10 +68,10 @@ def test_adaptive_cache_keeps_the_joint_top_of_every_head_on_a_real_prefill(floo
     ids = torch.randint(0, 128, (1, n))
     full = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids, past_key_values=full)
+        model(ids, cache=full)
     cache = kvevict.make_cache(model, "ada-knorm", budget=budget, recent=recent, floor=floor)
     with torch.no_grad():
-        model(ids, past_key_values=cache)
+        model(ids, cache=cache)
     lengths = set()
     for layer, ref in zip(cache.layers, full.layers):
         score = -ref.keys[0].norm(dim=-1)[:, : n - recent]  # (h, scope): the last `recent` of each head stay
@@ -98,7 +98,7 @@ def test_adaptive_memory_is_the_layer_total_not_heads_x_the_longest_head(kv_bits
     ids = torch.randint(0, 128, (b, n))
     cache = kvevict.make_cache(model, "adakv", budget=budget, kv_bits=kv_bits, evicted_bits=evicted_bits,
                                evicted_budget=6 if evicted_bits else None)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=5,
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=5,
                          min_new_tokens=5, do_sample=False, pad_token_id=0)
     assert out.shape == (b, n + 5)
     hkv, d = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
@@ -129,8 +129,8 @@ def test_adaptive_with_a_covering_budget_equals_the_full_cache(name, kv_bits):
     tol = 1e-4 if kv_bits is None else 2e-2  # float16 storage rounds the keys
     with torch.no_grad():
         for part in [ids] + [steps[:, i:i + 1] for i in range(4)]:
-            r = model(part, past_key_values=ref).logits
-            g = model(part, past_key_values=cache).logits
+            r = model(part, cache=ref).logits
+            g = model(part, cache=cache).logits
             assert (r - g).abs().max().item() < tol
 
 
@@ -143,11 +143,11 @@ def test_adaptive_padded_batch_keeps_padding_out_and_rows_apart():
     for i, n in enumerate(lens):
         mask[i, max(lens) - n:] = 1
     cache = kvevict.make_cache(model, "ada-h2o", budget=8, recent=2)
-    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=6, min_new_tokens=6,
+    out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=6, min_new_tokens=6,
                          do_sample=False, pad_token_id=0)
     alone = kvevict.make_cache(model, "ada-h2o", budget=8, recent=2)
     short = ids[1:, max(lens) - lens[1]:]
-    out1 = model.generate(short, attention_mask=torch.ones_like(short), past_key_values=alone, max_new_tokens=6,
+    out1 = model.generate(short, attention_mask=torch.ones_like(short), cache=alone, max_new_tokens=6,
                           min_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(out[1, max(lens):], out1[0, lens[1]:])  # the padded row decodes as it would alone
     for layer in cache.layers:
@@ -161,13 +161,13 @@ def test_question_stays_and_is_what_snapkv_observes():
     ids = torch.randint(0, 128, (1, n))
     cache = kvevict.make_cache(model, "snapkv", budget=10, question=q, recent=2)
     assert cache.policy.attention_params() == {"observe": q}
-    model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=12,
+    model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=12,
                    min_new_tokens=12, do_sample=False, pad_token_id=0)
     for layer in cache.layers:  # 12 tokens later the recent window has moved on; the question has not
         for row in layer.pos[0]:
             assert set(range(n - q, n)) <= set(row.tolist())
     plain = kvevict.make_cache(model, "snapkv", budget=10, recent=2)
-    model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=plain, max_new_tokens=12,
+    model.generate(ids, attention_mask=torch.ones_like(ids), cache=plain, max_new_tokens=12,
                    min_new_tokens=12, do_sample=False, pad_token_id=0)
     assert any(not set(range(n - q, n)) <= set(row.tolist()) for layer in plain.layers for row in layer.pos[0])
 
@@ -269,7 +269,7 @@ def test_question_survives_chunked_prefill(mode, stride):
     ids = torch.randint(0, 128, (1, n))
     cache = kvevict.make_cache(model, "ada-h2o", budget=8, question=q, recent=2)
     kvevict.prefill(model, cache, ids, mode=mode, stride=stride)  # fixes the prompt length first
-    model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=8,
+    model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=8,
                    min_new_tokens=8, do_sample=False, pad_token_id=0)
     for layer in cache.layers:
         t = layer.tiers[0]

@@ -53,11 +53,11 @@ def test_knorm_cache_keeps_what_the_rule_says_on_a_real_prefill():
     ids = torch.randint(0, 128, (2, 30))
     full = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids, past_key_values=full)
+        model(ids, cache=full)
     budget, recent = 10, 4
     cache = kvevict.make_cache(model, "knorm", budget=budget, recent=recent)
     with torch.no_grad():
-        model(ids, past_key_values=cache)
+        model(ids, cache=cache)
     for layer, ref in zip(cache.layers, full.layers):
         norms = ref.keys.norm(dim=-1)[..., : 30 - recent]  # (b, hkv, 26): the eviction scope
         low = norms.topk(budget - recent, dim=-1, largest=False).indices

@@ -12,7 +12,7 @@ from kvevict.store import dequantize, quantize
 
 def _logits(model, ids, cache, mask=None):
     with torch.no_grad():
-        return model(ids, attention_mask=mask, past_key_values=cache).logits
+        return model(ids, attention_mask=mask, cache=cache).logits
 
 
 def _stream(model, cache, prompt, steps):
@@ -147,10 +147,10 @@ def test_packed_storage_on_a_padded_batch_equals_each_row_alone():
     mask = torch.ones_like(ids)
     mask[1, :6] = 0
     kw = dict(policy="h2o", budget=10, recent=3, kv_bits=4, group=8, evicted_bits=2, evicted_budget=6)
-    out = model.generate(ids, attention_mask=mask, past_key_values=kvevict.make_cache(model, **kw),
+    out = model.generate(ids, attention_mask=mask, cache=kvevict.make_cache(model, **kw),
                          max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
     for row, x in ((0, a), (1, b)):
-        alone = model.generate(x, attention_mask=torch.ones_like(x), past_key_values=kvevict.make_cache(model, **kw),
+        alone = model.generate(x, attention_mask=torch.ones_like(x), cache=kvevict.make_cache(model, **kw),
                                max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
         assert torch.equal(out[row, -8:], alone[0, -8:])
 
@@ -180,7 +180,7 @@ def test_beam_search_and_compact_positions_run_on_packed_storage():
     ids = torch.randint(0, 128, (1, 20))
     cache = kvevict.make_cache(model, "h2o", budget=8, kv_bits=4, group=8, evicted_bits=2, evicted_budget=8,
                                compact=True)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, num_beams=2,
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, num_beams=2,
                          max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
     assert out.shape == (1, 26)
 

@@ -33,8 +33,8 @@ def test_covering_budget_equals_the_stock_cache_past_the_window(gemma_model):
 
     def run(cache):
         with torch.no_grad():
-            out = [model(ids, past_key_values=cache, logits_to_keep=1).logits]
-            out += [model(steps[:, i:i + 1], past_key_values=cache).logits for i in range(steps.shape[1])]
+            out = [model(ids, cache=cache, logits_to_keep=1).logits]
+            out += [model(steps[:, i:i + 1], cache=cache).logits for i in range(steps.shape[1])]
         return out
 
     model.set_attn_implementation("sdpa")

@@ -24,11 +24,11 @@ def test_real_model_full_budget_equals_dynamic_cache(real_model):
     with torch.no_grad():
         model.set_attn_implementation("sdpa")
         ref_cache = DynamicCache(config=model.config)
-        ref = [model(ids, past_key_values=ref_cache).logits]
-        ref += [model(steps[:, i:i + 1], past_key_values=ref_cache).logits for i in range(3)]
+        ref = [model(ids, cache=ref_cache).logits]
+        ref += [model(steps[:, i:i + 1], cache=ref_cache).logits for i in range(3)]
         cache = kvevict.make_cache(model, "h2o", budget=ids.shape[1] + 3)
-        got = [model(ids, past_key_values=cache).logits]
-        got += [model(steps[:, i:i + 1], past_key_values=cache).logits for i in range(3)]
+        got = [model(ids, cache=cache).logits]
+        got += [model(steps[:, i:i + 1], cache=cache).logits for i in range(3)]
     for r, g in zip(ref, got):
         assert (r - g).abs().max().item() < 1e-4
 

@@ -20,7 +20,10 @@ from kvevict.serve.server import ServerThread, build  # noqa: E402
 from tiny_chat_model import save_tiny_chat_model  # noqa: E402
 
 MODEL = "tiny"
-DEFAULTS = dict(model_id=MODEL, policy="h2o", budget=8, max_tokens=16, max_tokens_limit=480, max_batch=8)
+# kv_bits=None: rows in the model's dtype, compared with the library's cache (tests/test_serve_storage.py
+# covers the packed default)
+DEFAULTS = dict(model_id=MODEL, policy="h2o", budget=8, max_tokens=16, max_tokens_limit=480, max_batch=8,
+                kv_bits=None)
 
 
 @pytest.fixture(scope="module")

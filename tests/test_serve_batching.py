@@ -174,14 +174,14 @@ def test_real_model_defaults_answer_a_short_chat_whole(real_model, tmp_path):
 
 def test_default_budget_is_each_sequences_share_of_the_memory(folder, reference):
     model, _ = reference
-    _, engine = build(folder, {"model_id": MODEL, "max_batch": 4})
+    _, engine = build(folder, {"model_id": MODEL, "max_batch": 4, "kv_bits": None})
     engine.stop()
     per_token, rest = engine.budgeter.per_token("h2o")  # K, V and H2O's state of one kept token
     assert per_token > token_bytes(model)
     for memory, want in ((4 * (rest + 200 * per_token), 192),  # 200 tokens each, down to a multiple of 64
                          (4 * (rest + 10 * per_token), 64),  # never below the floor (min_budget)
                          (1 << 40, model.config.max_position_embeddings)):  # never past the context
-        _, engine = build(folder, {"model_id": MODEL, "kv_memory": memory, "max_batch": 4})
+        _, engine = build(folder, {"model_id": MODEL, "kv_memory": memory, "max_batch": 4, "kv_bits": None})
         engine.stop()
         assert engine.settings.budget == want
         # max_batch sequences at the default budget fit the memory

@@ -32,3 +32,19 @@ def test_rounds_without_run_folders_says_what_to_give(tmp_path):
         main(["rounds", str(tmp_path / "out")])
     with pytest.raises(SystemExit, match="none in: .*missing"):
         main(["rounds", str(tmp_path / "out"), str(tmp_path / "missing")])
+
+
+def test_packed_systems_run_the_h2o_server_with_kv_bits_and_bad_bits_are_refused():
+    import argparse
+
+    from kvevict.bench.serve_load import commands
+
+    args = argparse.Namespace(threads=2, kv_memory=1 << 26, n=8, max_tokens=16, budget=128, kv_bits=[8, 4],
+                              mixed=False, vllm_python=None)
+    systems = commands(args)
+    h2o = systems["kvevict h2o budget 128"][0]
+    assert h2o[-2:] == ["--kv-bits", "none"]  # the server's default is int8: H2O in the model's dtype says so
+    assert systems["kvevict h2o int8 budget 128"][0] == h2o[:-1] + ["8"]
+    assert systems["kvevict h2o int4 budget 128"][0] == h2o[:-1] + ["4"]
+    with pytest.raises(SystemExit, match="--kv-bits takes bits among"):
+        main(["--kv-bits", "3"])

@@ -42,11 +42,11 @@ def test_a_covering_budget_is_exact_batched_with_padding_and_sliding_layers_hold
     ids, mask = _padded()
     with torch.no_grad():
         ref = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
-                             past_key_values=DynamicCache(config=model.config), output_logits=True,
+                             cache=DynamicCache(config=model.config), output_logits=True,
                              return_dict_in_generate=True)
         cache = kvevict.make_cache(model, "h2o", 1000)
         got = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
-                             past_key_values=cache, output_logits=True, return_dict_in_generate=True)
+                             cache=cache, output_logits=True, return_dict_in_generate=True)
     assert torch.equal(got.sequences, ref.sequences)
     for a, b in zip(got.logits, ref.logits):
         assert torch.allclose(a, b, atol=1e-4)
@@ -64,7 +64,7 @@ def test_a_small_budget_keeps_only_tokens_inside_the_window():
     ids, mask = _padded()
     cache = kvevict.make_cache(model, "h2o", 4)
     with torch.no_grad():
-        model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, past_key_values=cache)
+        model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, cache=cache)
     newest = cache.layers[0].n_real.view(-1, 1, 1) - 1
     for layer in cache.layers[:3]:
         t = layer.tiers[0]
@@ -77,7 +77,7 @@ def test_mixed_precision_on_a_sliding_layer_never_holds_more_than_the_window():
     model = tiny_gemma3()
     cache = kvevict.make_cache(model, "h2o", 3, kv_bits=8, evicted_bits=4, group=32)
     with torch.no_grad():
-        model(torch.randint(1, 128, (1, 40)), past_key_values=cache, use_cache=True)
+        model(torch.randint(1, 128, (1, 40)), cache=cache, use_cache=True)
     for layer in cache.layers[:3]:
         assert sum(t.capacity for t in layer.tiers) <= W - 1
     assert sum(t.capacity for t in cache.layers[3].tiers) == 3 + 37  # the global layer: the whole prompt

@@ -38,9 +38,9 @@ MODELS = {"llama-gqa": lambda: tiny_model("llama-gqa"), "gemma3": gemma3, "mistr
 def _feed(model, cache, ids, steps=5):
     """The prompt, then ``steps`` decoding steps (one token each), as generate feeds a cache."""
     with torch.no_grad():
-        model(ids, past_key_values=cache)
+        model(ids, cache=cache)
         for t in range(steps):
-            model(ids[:, t:t + 1], past_key_values=cache)
+            model(ids[:, t:t + 1], cache=cache)
     return cache
 
 

@@ -2,7 +2,7 @@
 
     model, tok = kvevict.load_model("smollm2-135m")
     cache = kvevict.make_cache(model, memory=0.2)   # a fifth of the full cache's bytes
-    model.generate(**inputs, past_key_values=cache)
+    model.generate(**inputs, cache=cache)
 """
 
 from .attention import ATTN_NAME, register

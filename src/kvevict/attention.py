@@ -393,10 +393,10 @@ def _record_attention(module, query, key, value, attention_mask, scaling=None, d
     return out, None
 
 
-def record_attention_stats(model, input_ids, wanted: tuple, attention_mask=None, past_key_values=None,
+def record_attention_stats(model, input_ids, wanted: tuple, attention_mask=None, cache=None,
                            **params) -> list:
     """One full-cache forward over ``input_ids``; per layer, the dict of the ``wanted`` statistics
-    (see ``attend``) over every key, in input order. With ``past_key_values`` (a ``DynamicCache``)
+    (see ``attend``) over every key, in input order. With ``cache`` (a ``DynamicCache``)
     the forward continues that cache, which keeps the new tokens: the keys are the cache's, then
     the new ones."""
     AttentionInterface.register(_RECORD, _record_attention)
@@ -405,8 +405,8 @@ def record_attention_stats(model, input_ids, wanted: tuple, attention_mask=None,
     _recorded.update(wanted=tuple(wanted), params=params)
     model.set_attn_implementation(_RECORD)
     try:
-        model(input_ids, attention_mask=attention_mask, past_key_values=past_key_values,
-              use_cache=past_key_values is not None, logits_to_keep=1)
+        model(input_ids, attention_mask=attention_mask, cache=cache,
+              use_cache=cache is not None, logits_to_keep=1)
     finally:
         model.set_attn_implementation(ATTN_NAME)
     n_layers = len([k for k in _recorded if isinstance(k, int)])

@@ -359,7 +359,7 @@ def _shifted(pieces: list, delta: torch.Tensor, inv_freq) -> list:
 
 
 class EvictingCache(Cache):
-    """A list of ``EvictingLayer``, one per decoder layer, passed to ``generate`` as ``past_key_values``."""
+    """A list of ``EvictingLayer``, one per decoder layer, passed to ``generate`` as ``cache``."""
 
     max_positions: int | None = None  # make_cache sets the model's, unless compact; None once warned
 
@@ -500,7 +500,7 @@ def _head_dim(model) -> int | None:
 def make_cache(model, policy=None, budget=0.2, recent=None, compact=False, kv_bits=None, group=None,
                evicted_bits=None, evicted_budget=None, memory=None, question=None, plan=None,
                **policy_params) -> EvictingCache:
-    """A cache for ``model.generate(..., past_key_values=cache)`` that keeps at most ``budget``
+    """A cache for ``model.generate(..., cache=cache)`` that keeps at most ``budget``
     tokens per layer and KV head, evicting with ``policy``.
 
     budget: int (tokens kept per layer and KV head) or float in (0, 1] (that fraction of the

@@ -98,7 +98,7 @@ def stock_kv_bytes16(cache: DynamicCache) -> int:
 
 def _greedy(model, tokenizer, ids, cache, max_new_tokens) -> torch.Tensor:
     """Prompt + greedy continuation token ids, one sequence."""
-    return model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, do_sample=False,
+    return model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, do_sample=False,
                           max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
 
 

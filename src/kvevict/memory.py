@@ -15,10 +15,10 @@ r4 the bytes of an int8 and an int4 slot over a 16-bit token's (0.60 and 0.35 at
     storage (for every token, or for the demoted ones) costs +1 to +3 nats per token, or more than
     evicting: never chosen;
   - a policy that ranks the whole prompt before decoding (``kvzip-pool``) evicts below r8 and keeps
-    int8 (memory / r8 of the tokens), never int4: on RULER's essay needle at 4K (SmolLM2) every
-    token at int4 answered only the needle's first digit where every token at int8 answered it
-    whole, and on the first 3 samples kvzip-pool at 20% of a 16-bit cache found 3 over int8 (33% of
-    the tokens), at 10% 2 over int8 against 1 over int4 (docs/ruler.md). Per-token int4 keys blur
+    int8 (memory / r8 of the tokens), never int4: on RULER's essay needle at 4K (SmolLM2, 3
+    samples) every token at int4 answered only the needle's first digit on one sample where every
+    token at int8 answered it whole, and at 10% of a 16-bit cache kvzip-pool found 2 of 3 over
+    int8 against 1 of 3 over int4 (docs/ruler.md, with its command). Per-token int4 keys blur
     the sharp attention a copied needle needs; a streaming policy, which cannot rank the prompt,
     gains more from keeping more tokens.
 

@@ -6,7 +6,7 @@
 - ``block``: the prompt goes in chunks of ``stride`` tokens; after each chunk ``stride`` tokens are
   evicted, so the KV memory peaks at budget + stride per layer whatever the prompt length.
 
-transformers' own ``model.generate(ids, past_key_values=cache, prefill_chunk_size=s)`` is the same
+transformers' own ``model.generate(ids, cache=cache, prefill_chunk_size=s)`` is the same
 block prefill: its chunks lie on the same grid (0, s, 2s, ... from the cache's length), so it keeps
 the same tokens as ``prefill(mode="block", stride=s)`` followed by ``generate``. generate cannot
 tell the cache the prompt length, so a float budget needs ``cache.set_prompt_length(n)`` first.
@@ -35,7 +35,7 @@ def check_mode(mode: str, stride: int | None) -> int | None:
 def prefill(model, cache, input_ids, attention_mask=None, mode: str = "full", stride: int | None = None,
             keep_last: int = 1):
     """Feed ``input_ids`` into ``cache`` the ``mode`` way, so that ``model.generate(input_ids,
-    past_key_values=cache)`` continues from there. The chunks lie on a grid of ``stride`` tokens from
+    cache=cache)`` continues from there. The chunks lie on a grid of ``stride`` tokens from
     the cache's length; every chunk that ends before the last ``keep_last`` tokens is fed, and the
     rest (the last chunk, which holds them) is left to generate, as ``prefill_chunk_size`` would.
     Returns the logits of the last fed token (or None for mode ``full``, where generate does it all)."""
@@ -51,6 +51,6 @@ def prefill(model, cache, input_ids, attention_mask=None, mode: str = "full", st
         if stop > end:
             break
         mask = None if attention_mask is None else attention_mask[:, :stop]
-        logits = model(input_ids[:, start:stop], attention_mask=mask, past_key_values=cache,
+        logits = model(input_ids[:, start:stop], attention_mask=mask, cache=cache,
                        use_cache=True, logits_to_keep=1).logits
     return logits

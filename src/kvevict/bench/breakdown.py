@@ -66,11 +66,11 @@ def wall_breakdown(model, spec: CacheSpec, base, batch: int, steps: int) -> dict
     gc.collect()
     with ExclusiveTimers() as timers:
         instrument(timers)
-        model(ids, past_key_values=cache, use_cache=True)  # warm-up
+        model(ids, cache=cache, use_cache=True)  # warm-up
         timers.reset()
         t0 = time.perf_counter()
         for _ in range(steps):
-            model(ids, past_key_values=cache, use_cache=True)
+            model(ids, cache=cache, use_cache=True)
         total = (time.perf_counter() - t0) / steps
         per_label = {k: v / steps for k, v in timers.seconds.items()}
         wrapped, missing = list(timers.wrapped), list(timers.missing)
@@ -91,10 +91,10 @@ def op_hotspots(model, spec: CacheSpec, base, batch: int, steps: int = 2, top: i
     use_attention(model, spec)
     cache = expand(base, batch)
     ids = torch.ones(batch, 1, dtype=torch.long)
-    model(ids, past_key_values=cache, use_cache=True)
+    model(ids, cache=cache, use_cache=True)
     with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
         for _ in range(steps):
-            model(ids, past_key_values=cache, use_cache=True)
+            model(ids, cache=cache, use_cache=True)
     del cache
     charged: dict[str, float] = defaultdict(float)
     total = 0.0

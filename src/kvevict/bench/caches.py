@@ -124,7 +124,7 @@ def prefill(model, spec: CacheSpec, context: int, decode_tokens: int, seed: int 
     if spec.kind == MEMORY:
         cache = make_cache(model, memory=spec.budget)
         ids = torch.randint(0, cfg.vocab_size, (1, context), generator=gen)
-        model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(ids, cache=cache, use_cache=True, logits_to_keep=1)
         return cache
     name, storage = split_spec(spec.kind)  # "h2o/int4": the policy over 4-bit storage
     kw = {"kv_bits": storage.kv_bits, "evicted_bits": storage.evicted_bits}
@@ -137,7 +137,7 @@ def prefill(model, spec: CacheSpec, context: int, decode_tokens: int, seed: int 
             n = context
         cache = make_cache(model, name, kept, **kw)
     ids = torch.randint(0, cfg.vocab_size, (1, n), generator=gen)
-    model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    model(ids, cache=cache, use_cache=True, logits_to_keep=1)
     return cache
 
 

@@ -39,14 +39,14 @@ def prefill_then_decode(model, cache, context: int, steps: int, seed: int, rss_l
     with torch.no_grad():
         t0 = time.perf_counter()
         with around_prefill():
-            out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = model(ids, cache=cache, use_cache=True, logits_to_keep=1)
         prefill_s = time.perf_counter() - t0
         peak_after_prefill = peak_rss_bytes()
         kv = kv_bytes(cache)
         nxt = out.logits[:, -1:].argmax(-1)
         t0 = time.perf_counter()
         for _ in range(steps):
-            out = model(nxt, past_key_values=cache, use_cache=True)
+            out = model(nxt, cache=cache, use_cache=True)
             nxt = out.logits[:, -1:].argmax(-1)
         decode_s = (time.perf_counter() - t0) / max(1, steps)
     return {"prefill_s": prefill_s, "decode_step_s": decode_s, "rss_loaded_bytes": rss_loaded,

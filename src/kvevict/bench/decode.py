@@ -42,11 +42,11 @@ def time_decode(model, spec: CacheSpec, base, batch: int, steps: int, token: int
     cache = expand(base, batch)
     ids = torch.full((batch, 1), token, dtype=torch.long)
     gc.collect()
-    model(ids, past_key_values=cache, use_cache=True)
+    model(ids, cache=cache, use_cache=True)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        model(ids, past_key_values=cache, use_cache=True)
+        model(ids, cache=cache, use_cache=True)
         times.append(time.perf_counter() - t0)
     held = state_bytes(cache)
     del cache

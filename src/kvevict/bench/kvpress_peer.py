@@ -1,5 +1,5 @@
 """The kvpress peer, run by the Python of its own virtual environment (kvpress 0.5.5 pins
-transformers < 5.3, kvevict needs >= 5.23), so this file imports nothing from kvevict.
+transformers < 5.3, kvevict needs >= 5.24), so this file imports nothing from kvevict.
 
     $KVEVICT_PEERS/kvpress/bin/python kvpress_peer.py '{"model_dir": ..., "press": "snapkv",
         "compression_ratio": 0.8, "context": 8192, "decode_steps": 16, "threads": 2, "seed": 0}'

@@ -71,9 +71,9 @@ def chat_bytes(model, specs: list[CacheSpec], prompt: int = 50, new: int = 16, s
             budget = prompt + new if name == NO_EVICTION else spec.budget  # every token, as in the decode fills
             cache = make_cache(model, "h2o" if name == NO_EVICTION else name, budget, kv_bits=st.kv_bits,
                                evicted_bits=st.evicted_bits)
-        model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(ids, cache=cache, use_cache=True, logits_to_keep=1)
         for _ in range(new):
-            model(one, past_key_values=cache, use_cache=True)
+            model(one, cache=cache, use_cache=True)
         out.append({"cache": spec.label, "prompt": prompt, "new_tokens": new, "state_bytes": state_bytes(cache),
                     "read_bytes": read_bytes(cache)})
     stock = next(r for r in out if r["cache"] == STOCK)

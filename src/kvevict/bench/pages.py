@@ -39,11 +39,11 @@ def decode_steps(model, page: int, context: int, batch: int, steps: int, budget:
     tier.PAGE = page
     cache = make_cache(model, "h2o", budget)
     ids = torch.randint(0, model.config.vocab_size, (batch, context))
-    model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    model(ids, cache=cache, use_cache=True, logits_to_keep=1)
     nxt = torch.full((batch, 1), 1)
     t0 = time.perf_counter()
     for _ in range(steps):
-        model(nxt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(nxt, cache=cache, use_cache=True, logits_to_keep=1)
     return (time.perf_counter() - t0) / steps
 
 
@@ -55,7 +55,7 @@ def short_chat_bytes(model, tok, page: int, budget: int, new_tokens: int = 16) -
     ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     held = []
     for cache in (make_cache(model, "h2o", budget), DynamicCache(config=model.config)):
-        model.generate(**ids, past_key_values=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+        model.generate(**ids, cache=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                        do_sample=False)
         held.append(cache.kv_bytes() if hasattr(cache, "kv_bytes") else _stock_bytes(cache))
     return held[0], held[1]

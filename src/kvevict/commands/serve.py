@@ -29,6 +29,9 @@ def add_arguments(p):
     p.add_argument("--budget-round", type=int, default=1,
                    help="round a fractional budget's token count up to a multiple of this, so that prompts of "
                         "similar length share a batch (1 = exact)")
+    p.add_argument("--kv-bits", default=None,
+                   help="bits per key/value channel of budgeted rows: 16, 8 or 4, or 'none' for the model's "
+                        "dtype (default 8: at the same --kv-memory, more rows and tokens at the same quality)")
     p.add_argument("--max-tokens", type=int, default=128, help="max_tokens when a request gives none")
     p.add_argument("--max-tokens-limit", type=int, default=4096, help="the most max_tokens a request may ask")
     p.add_argument("--replicas", type=int, default=1, help="N > 1: N replicas under Ray Serve (needs kvevict[ray])")
@@ -47,6 +50,12 @@ def settings_from_args(args) -> dict:
 
     if budget is not None:
         check_budget(budget)
+    storage = {}  # --kv-bits not given: the server's default (Settings.kv_bits)
+    if args.kv_bits is not None:
+        if policy in ("full", "none"):
+            raise ValueError("--kv-bits sets the storage of budgeted rows; --policy full keeps the stock cache "
+                             "in the model's dtype: drop --kv-bits or name a policy.")
+        storage["kv_bits"] = parse_kv_bits(args.kv_bits)
     for name in ("max_batch", "budget_share", "max_tokens", "max_tokens_limit", "replicas", "budget_round",
                  "min_budget"):
         if getattr(args, name) < 1:
@@ -54,7 +63,19 @@ def settings_from_args(args) -> dict:
     return dict(model_id=args.served_name or args.model, policy="full" if policy == "none" else policy,
                 budget=budget, recent=args.recent, max_tokens=args.max_tokens,
                 max_tokens_limit=args.max_tokens_limit, max_batch=args.max_batch, budget_share=args.budget_share,
-                kv_memory=parse_bytes(args.kv_memory), min_budget=args.min_budget, budget_round=args.budget_round)
+                kv_memory=parse_bytes(args.kv_memory), min_budget=args.min_budget, budget_round=args.budget_round,
+                **storage)
+
+
+def parse_kv_bits(text: str) -> int | None:
+    """'8' -> 8, 'none' -> None (the model's dtype); anything else a ValueError that lists the choices."""
+    from ..store import check_bits
+
+    if text.strip().lower() in ("none", "fp", "dtype"):
+        return None
+    bits = int(text) if text.strip().isdigit() else text
+    check_bits(bits, "--kv-bits")
+    return bits
 
 
 UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
@@ -81,10 +102,12 @@ def run(args):
 
         return serve_replicas(args.model, settings, args.replicas, args.host, args.port, args.ray, args.threads)
     from ..serve.server import build
+    from ..storage import Storage
 
     app, engine = build(args.model, settings, setup_threads(args))
     print(f"kvevict: serving {settings['model_id']} on http://{args.host}:{args.port}/v1 "
           f"(default kv_policy={settings['policy']}, kv_budget={engine.settings.budget} tokens, "
+          f"{Storage(kv_bits=engine.settings.kv_bits).label or 'model dtype'} storage, "
           f"kv_memory={settings['kv_memory']} bytes)", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

@@ -53,9 +53,9 @@ def run(model, tokenizer, configs: list[tuple[str, dict]], windows: int, tokens:
         for s in range(0, n - 1, chunk):
             e = min(n - 1, s + chunk)
             x, y = ids[:, s:e], ids[0, s + 1:e + 1]
-            ref += metrics.token_nll(model(x, past_key_values=ref_cache).logits[0], y).tolist()
+            ref += metrics.token_nll(model(x, cache=ref_cache).logits[0], y).tolist()
             for k, c in caches.items():
-                nll[k] += metrics.token_nll(model(x, past_key_values=c).logits[0], y).tolist()
+                nll[k] += metrics.token_nll(model(x, cache=c).logits[0], y).tolist()
         for k, c in caches.items():
             diff = sum(nll[k]) / len(nll[k]) - sum(ref) / len(ref)
             out[k].append((sample.id, diff, c.kv_bytes() / c.full_kv_bytes()))

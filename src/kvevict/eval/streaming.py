@@ -1,6 +1,6 @@
 """Teacher-forced scoring while the policy evicts as the text streams in.
 
-The text goes through the model ``chunk`` tokens at a time (``model(ids_chunk, past_key_values=
+The text goes through the model ``chunk`` tokens at a time (``model(ids_chunk, cache=
 cache)``), so every chunk is predicted from what the policy kept of the earlier ones, as in the
 H2O paper's streaming language modelling. The full cache runs in lockstep on the same chunks, so
 next-token agreement (top-1 match, KL(full || policy)) needs no labels and no stored logits.
@@ -42,7 +42,7 @@ def stream_compare(model, ids: torch.Tensor, cells: list[tuple[str, object]], ch
     for s in range(0, n - 1, chunk):
         e = min(n - 1, s + chunk)
         x, y = ids[:, s:e], ids[0, s + 1:e + 1]
-        ref = model(x, past_key_values=ref_cache).logits[0]
+        ref = model(x, cache=ref_cache).logits[0]
         ref_nll = metrics.token_nll(ref, y)
         for cell in cells:
             sc = scores[cell]
@@ -51,7 +51,7 @@ def stream_compare(model, ids: torch.Tensor, cells: list[tuple[str, object]], ch
                 sc.top1 += [1.0] * len(y)
                 sc.kl += [0.0] * len(y)
                 continue
-            out = model(x, past_key_values=caches[cell]).logits[0]
+            out = model(x, cache=caches[cell]).logits[0]
             sc.nll += metrics.token_nll(out, y).tolist()
             sc.top1 += metrics.top1_agreement(out, ref).tolist()
             sc.kl += metrics.kl_divergence(out, ref).clamp_min(0).tolist()
@@ -68,11 +68,11 @@ def continuation_logprob(model, context: torch.Tensor, continuation: torch.Tenso
     a float budget, evicted down to that fraction of it, as in generation), then the continuation is
     fed one token at a time, so the policy keeps evicting as it would while decoding."""
     cache = new_cache(model, policy, budget, sequence=torch.cat([context, continuation], dim=1))
-    logits = model(context, past_key_values=cache).logits[0, -1]
+    logits = model(context, cache=cache).logits[0, -1]
     total = 0.0
     for i in range(continuation.shape[1]):
         tok = continuation[0, i]
         total += torch.log_softmax(logits.float(), -1)[tok].item()
         if i + 1 < continuation.shape[1]:
-            logits = model(continuation[:, i:i + 1], past_key_values=cache).logits[0, -1]
+            logits = model(continuation[:, i:i + 1], cache=cache).logits[0, -1]
     return total

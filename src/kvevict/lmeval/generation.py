@@ -55,7 +55,7 @@ def generate_batch(model, tokenizer, cache, prompts: list[list[int]], until: lis
     if prefill != "full":
         feed_context(model, cache, ids, mask, prefill, stride, keep_last=1)
     stops = {"stop_strings": until, "tokenizer": tokenizer} if until else {}
-    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=max_new,
+    out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=max_new,
                          pad_token_id=pad, **stops, **gen_kwargs)
     texts = tokenizer.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)
     return [cut_at_stops(t, until) for t in texts]

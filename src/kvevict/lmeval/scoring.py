@@ -64,7 +64,7 @@ def feed_context(model, cache, ids, mask, mode="full", stride=None, prompt_lengt
         e = min(n, s + step)
         if e > n - keep_last:
             break
-        out = model(ids[:, s:e], attention_mask=mask[:, :e], position_ids=pos[:, s:e], past_key_values=cache,
+        out = model(ids[:, s:e], attention_mask=mask[:, :e], position_ids=pos[:, s:e], cache=cache,
                     use_cache=True, logits_to_keep=1)
         logits = out.logits[:, -1]
     return logits
@@ -93,6 +93,6 @@ def score_continuations(model, cache, last_logits, ctx_mask, conts: list[list[in
         e = min(length - 1, s + step)
         mask = torch.cat([ctx_mask, cmask[:, :e]], dim=1)
         pos = start + torch.arange(s, e)[None]
-        out = model(cont[:, s:e], attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+        out = model(cont[:, s:e], attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
         take(out.logits, cont[:, s + 1:e + 1], cmask[:, s + 1:e + 1])
     return [(float(t), bool(g)) for t, g in zip(total, greedy)]

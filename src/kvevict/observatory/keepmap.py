@@ -20,7 +20,7 @@ def kept_share(model, ids: torch.Tensor, policy: str, budget, chunk: int = 64) -
     tokens = budget if isinstance(budget, int) else max(1, math.ceil(budget * n))
     cache = make_cache(model, policy, tokens)
     for s in range(0, n, chunk):
-        model(ids[:, s:s + chunk], past_key_values=cache)
+        model(ids[:, s:s + chunk], cache=cache)
     counts, total = torch.zeros(n), 0
     for layer in cache.layers:
         pos = layer.pos[0][layer.valid[0]]  # kept positions of every KV head of this layer

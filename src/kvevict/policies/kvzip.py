@@ -94,11 +94,11 @@ class KVzip(Policy):
             stats = record_attention_stats(model, seq, ("max",), observe=seq.shape[1] - n)
             return cls(scores=[st["max"][..., :n] for st in stats], **params)
         context = DynamicCache()
-        record_attention_stats(model, input_ids, (), past_key_values=context)
+        record_attention_stats(model, input_ids, (), cache=context)
         scores = None
         for s, e in zip(starts, starts[1:] + [n]):
             piece = torch.cat([rep, input_ids[:, s:e]], dim=1)
-            stats = record_attention_stats(model, piece, ("max",), past_key_values=context, observe=piece.shape[1])
+            stats = record_attention_stats(model, piece, ("max",), cache=context, observe=piece.shape[1])
             context.crop(-piece.shape[1])  # the next piece reconstructs from the context alone
             got = [st["max"][..., :n] for st in stats]
             scores = got if scores is None else [torch.maximum(a, b) for a, b in zip(scores, got)]

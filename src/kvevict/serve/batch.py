@@ -25,15 +25,17 @@ class DecodeBatch:
         self.next_pos = next_pos  # (rows,) the position of each row's next token
 
     @classmethod
-    def prefill(cls, model, prompt: list[int], policy: str, budget_tokens: int | None, recent: int | None):
-        """One prompt into a fresh cache; returns (batch of one row, its last logits (1, vocab))."""
+    def prefill(cls, model, prompt: list[int], policy: str, budget_tokens: int | None, recent: int | None,
+                kv_bits: int | None = None):
+        """One prompt into a fresh cache (a budgeted one stores ``kv_bits`` per channel); returns
+        (batch of one row, its last logits (1, vocab))."""
         if policy == "full":
             # kvevict attention is exact with a DynamicCache, so the model keeps one implementation
             cache = DynamicCache(config=model.config)
         else:
-            cache = make_cache(model, policy, budget_tokens, recent=recent)
+            cache = make_cache(model, policy, budget_tokens, recent=recent, kv_bits=kv_bits)
         ids = torch.tensor([prompt], dtype=torch.long)
-        out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(ids, cache=cache, use_cache=True, logits_to_keep=1)
         n = len(prompt)
         return cls(model, cache, torch.ones(1, n, dtype=torch.long), torch.tensor([n])), out.logits[:, -1]
 
@@ -45,7 +47,7 @@ class DecodeBatch:
         """Feed one token per row; return the next logits (rows, vocab)."""
         self.mask = torch.cat([self.mask, self.mask.new_ones(self.size, 1)], dim=1)
         out = self.model(torch.tensor(tokens, dtype=torch.long)[:, None], attention_mask=self.mask,
-                         position_ids=self.next_pos[:, None], past_key_values=self.cache, use_cache=True)
+                         position_ids=self.next_pos[:, None], cache=self.cache, use_cache=True)
         self.next_pos = self.next_pos + 1
         return out.logits[:, -1]
 

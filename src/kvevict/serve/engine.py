@@ -91,7 +91,7 @@ class Engine:
         # one attention implementation for every policy, "full" included (exact with a DynamicCache)
         register()
         model.set_attn_implementation(ATTN_NAME)
-        self.budgeter = Budgeter(model)
+        self.budgeter = Budgeter(model, settings.kv_bits)
         if settings.budget is None:
             settings.budget = self.default_budget()
         self.metrics.set("kvevict_kv_memory_bytes", settings.kv_memory)
@@ -215,7 +215,8 @@ class Engine:
                          "running": sum(len(run.rows) for run in self._running)})
         row = _Row(h, self.tokenizer)
         try:
-            batch, logits = DecodeBatch.prefill(self.model, req.prompt_ids, req.policy, req.budget_tokens, req.recent)
+            batch, logits = DecodeBatch.prefill(self.model, req.prompt_ids, req.policy, req.budget_tokens, req.recent,
+                                                self.settings.kv_bits)
         except Exception as err:  # this request fails alone; the running batches go on
             self._fail([row], err)
             return

@@ -12,7 +12,8 @@ Bytes are measured, not derived from a formula: at start-up one token runs throu
 a ``DynamicCache`` (a full-cache token's K + V bytes), and two budgeted caches per policy are
 filled to their budgets (their ``kv_bytes`` at two budgets give each layer's bytes per slot, keys
 and values plus the policy's per-slot state, and its bytes per sequence besides), for this model,
-dtype and storage.
+dtype and storage (``kv_bits``: packed codes with their steps and zeros, the server's
+``--kv-bits``).
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ def spec_policy(name: str, recent: int | None):
 class Budgeter:
     """Bytes per request and per batch, from bytes measured through the model."""
 
-    def __init__(self, model):
-        self.model = model
+    def __init__(self, model, kv_bits: int | None = None):
+        self.model, self.kv_bits = model, kv_bits
         # a sliding layer keeps at most its window less one token, as the stock cache does
         self.windows = [None if w is None else w - 1 for w in layer_windows(model)]
         full = self._probe(DynamicCache(config=model.config))
@@ -55,7 +56,7 @@ class Budgeter:
         self.slots_of = {}  # policy -> per layer (bytes per slot, bytes per sequence besides)
         for name in POLICIES:
             try:
-                small, big = (self._probe(make_cache(model, name, b), b) for b in PROBES)
+                small, big = (self._probe(make_cache(model, name, b, kv_bits=kv_bits), b) for b in PROBES)
             except (ValueError, TypeError):  # a policy that cannot serve (the oracle needs a recording)
                 continue
             self.slots_of[name] = [_line(a, b) for a, b in zip(small.layers, big.layers)]
@@ -69,7 +70,7 @@ class Budgeter:
     def _probe(self, cache, tokens: int = 1):
         """``tokens`` through the model into ``cache`` (a budgeted one is filled to its budget)."""
         with torch.inference_mode():
-            self.model(torch.zeros(1, tokens, dtype=torch.long), past_key_values=cache, use_cache=True,
+            self.model(torch.zeros(1, tokens, dtype=torch.long), cache=cache, use_cache=True,
                        logits_to_keep=1)
         return cache
 

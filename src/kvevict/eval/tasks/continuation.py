@@ -33,10 +33,10 @@ def continuation_logits(model, cache, context: torch.Tensor, continuation: torch
     continuation fed ``chunk`` tokens at a time (its last token predicts nothing and is not fed)."""
     if hasattr(cache, "set_prompt_length"):
         cache.set_prompt_length(context.shape[1])
-    out = [model(context, past_key_values=cache, use_cache=True).logits[0, -1:]]
+    out = [model(context, cache=cache, use_cache=True).logits[0, -1:]]
     c = continuation.shape[1]
     for s in range(0, c - 1, chunk):
-        out.append(model(continuation[:, s:min(c - 1, s + chunk)], past_key_values=cache, use_cache=True).logits[0])
+        out.append(model(continuation[:, s:min(c - 1, s + chunk)], cache=cache, use_cache=True).logits[0])
     return torch.cat(out).float()
 
 
