@@ -22,10 +22,19 @@ def test_paired_difference_uses_only_shared_samples(tmp_path, capsys):
     main([str(tmp_path), "--task", "ppl", "--budget", "0.2", "--metric", "top1", "roco:full"])
     # the full cache's records (budget None) pair with any budget
     assert "roco - full @ 0.2: -0.05 n=1" in capsys.readouterr().out
+    # a policy at its own budget: two cells at different budgets pair by sample
+    with open(tmp_path / "records.jsonl", "a") as f:
+        for sample, top1 in (("s1", 0.5), ("s2", 0.6)):
+            f.write(json.dumps({"model": "m", "task": "ppl", "policy": "h2o/int8", "budget": 0.33,
+                                "sample": sample, "scores": {"top1": top1}}) + "\n")
+    ci = paired(load(tmp_path), "ppl", "h2o/int8@0.33", "h2o", 0.2, "top1")
+    assert ci.n == 2 and ci.mean == pytest.approx(-0.3)  # (0.5 - 0.9 + 0.6 - 0.8) / 2
+    main([str(tmp_path), "--task", "ppl", "--budget", "0.2", "--metric", "top1", "h2o/int8@0.33:h2o"])
+    assert "h2o/int8@0.33 - h2o @ 0.2: -0.3 [" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main([str(tmp_path), "--task", "ppl", "--budget", "0.2", "--metric", "top1", "h2o:nobody"])
     err = capsys.readouterr().err
-    assert "policy 'nobody'" in err and "it has: full, h2o, roco" in err
+    assert "policy 'nobody'" in err and "it has: full, h2o, h2o/int8, roco" in err
 
 
 def test_paired_keeps_two_models_apart(tmp_path, capsys):

@@ -36,6 +36,30 @@ def test_streaming_with_a_budget_holding_everything_equals_the_full_cache():
     assert sc[("h2o", 12)].nll[:11] == pytest.approx(sc[("full", None)].nll[:11], abs=1e-4)
 
 
+def test_a_memory_cell_streams_under_the_plan_a_streamed_text_gets():
+    """``mem`` in a streaming task: ``make_cache(memory=share)`` with the streaming policy, the share
+    fixed against the whole text, so the bytes held are that share of a 16-bit stock cache."""
+    from kvevict import make_cache
+
+    model = tiny_model("llama-gqa")
+    # 400 tokens: half of them is past the floor a short prompt keeps (kvevict.memory.MIN_TOKENS)
+    ids = torch.randint(0, 128, (1, 400), generator=torch.Generator().manual_seed(2))
+    sc = stream_compare(model, ids, [("full", None), ("mem", 0.5), ("mem-tova", 0.5)], chunk=16)
+    dims, layers = model.config.num_key_value_heads, model.config.num_hidden_layers
+    for cell in (("mem", 0.5), ("mem-tova", 0.5)):
+        # within the budget up to a slot of rounding per layer and KV head (as tests/test_quantized.py)
+        assert sc[cell].kv_bytes <= 0.5 * sc[cell].full_kv_bytes + 2 * dims * layers * (16 * 2 * 4)
+        assert max(sc[cell].kl[200:]) > 1e-4  # it evicted or quantized: not the full cache
+    # the same as streaming by hand through make_cache(memory=0.5) fixed against the 200 tokens
+    cache = make_cache(model, memory=0.5)
+    cache.set_prompt_length(400)
+    with torch.no_grad():
+        want = [model(ids[:, s:min(399, s + 16)], cache=cache).logits[0] for s in range(0, 399, 16)]
+    want = torch.cat(want).log_softmax(-1).gather(1, ids[0, 1:, None]).neg().squeeze(1)
+    assert sc[("mem", 0.5)].nll == pytest.approx(want.tolist(), abs=1e-4)
+    assert sc[("mem", 0.5)].kv_bytes == cache.kv_bytes()
+
+
 def test_continuation_logprob_full_matches_one_forward_pass():
     model = tiny_model("llama-gqa")
     ctx, cont = torch.tensor([[5, 9, 17, 3]]), torch.tensor([[40, 41, 42]])

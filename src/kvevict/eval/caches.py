@@ -10,6 +10,13 @@ from ..storage import Storage, split_spec
 FULL = "full"
 
 
+MEMORY = "mem"  # a cell spec: "mem" (policy picked by the memory plan) or "mem-NAME", budget = memory share
+
+
+def memory_spec(policy) -> bool:
+    return isinstance(policy, str) and (policy == MEMORY or policy.startswith(MEMORY + "-"))
+
+
 def new_cache(model, policy: str, budget, sequence=None, covering: int | None = None, prompt=None, tokenizer=None):
     """``policy == "full"``: a DynamicCache (attention stays whatever it is: the kvevict attention
     is exact with it); otherwise ``make_cache(model, policy, budget)``. A policy may name its
@@ -18,12 +25,19 @@ def new_cache(model, policy: str, budget, sequence=None, covering: int | None = 
     ``sequence`` (1, n): every token the cache will see, known in advance in teacher-forced scoring;
     the oracle is recorded on it (it cannot run without it). ``prompt`` (1, p) with ``tokenizer``:
     the prompt a policy that scores it in a pass of its own (``needs_prompt``: kvzip) is recorded
-    on, as ``kvevict.generate`` does."""
+    on, as ``kvevict.generate`` does. ``mem`` / ``mem-NAME``: ``budget`` is a memory budget
+    (``make_cache(memory=budget)``), the policy a streamed text gets (``pick_policy(prompt_known=
+    False)``: nothing is known before it streams in) or NAME; the caller fixes the prompt length
+    (``set_prompt_length``) the share is taken of."""
     from ..generate import split_question
 
     if split_question(policy)[1]:
         raise ValueError(f"{policy!r} protects a prompt's question; this task streams text that has none "
                          "(use it with passkey, needle, vartrack, narrativeqa).")
+    if memory_spec(policy):
+        from ..memory import pick_policy
+
+        return make_cache(model, policy[len(MEMORY) + 1:] or pick_policy(prompt_known=False), memory=budget)
     name, storage = split_spec(policy)
     kw = {"kv_bits": storage.kv_bits, "evicted_bits": storage.evicted_bits}
     if name == FULL:

@@ -3,7 +3,10 @@
     python -m kvevict.eval.compare results/quality --task ppl --budget 0.2 --metric top1 roco:h2o h2o:full
 
 prints mean(a - b) with its 95% t interval over the samples both policies ran (of one model: give
---model when the folder holds several).
+--model when the folder holds several). A policy written ``NAME@BUDGET`` is taken at its own
+budget, so two caches holding the same bytes at different token budgets pair up:
+
+    python -m kvevict.eval.compare results/ppl --task ppl --budget 0.2 --metric nll h2o/int8@0.3346:mem
 """
 
 from __future__ import annotations
@@ -31,7 +34,10 @@ def paired(records, task: str, a: str, b: str, budget, metric: str, model: str |
     cells = collect(recs)[task][metric]
 
     def cell(policy):
-        return (policy, None if policy == FULL else budget)  # the full cache's records have no budget
+        name, at, own = policy.partition("@")
+        if name == FULL:  # the full cache's records have no budget
+            return (name, None)
+        return (name, float(own) if at else budget)
 
     return paired_difference(cells, cell(a), cell(b))
 
@@ -43,7 +49,7 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, required=True)
     p.add_argument("--metric", required=True)
     p.add_argument("--model", default=None, help="the model whose records to pair (needed when there are several)")
-    p.add_argument("pairs", nargs="+", help="A:B pairs of policy names")
+    p.add_argument("pairs", nargs="+", help="A:B pairs of policy names (NAME@BUDGET: that cell at its own budget)")
     args = p.parse_args(argv)
     records = load(args.out)
     known = sorted({r["policy"] for r in records.values() if r["task"] == args.task})
@@ -53,7 +59,7 @@ def main(argv=None) -> int:
         a, sep, b = pair.partition(":")
         if not sep:
             p.error(f"pairs are A:B, got {pair!r}")
-        for name in (a, b):
+        for name in (a.partition("@")[0], b.partition("@")[0]):
             if name not in known:
                 p.error(f"no {args.task} records of policy {name!r} in {args.out}; it has: {', '.join(known)}")
         try:

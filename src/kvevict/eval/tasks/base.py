@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ...generate import generate
-from ..caches import FULL
+from ..caches import FULL, MEMORY, memory_spec
 
 
 @dataclass
@@ -104,10 +104,3 @@ def _generate_cell(model, tokenizer, prompt, policy, budget, max_new, recorded: 
     rec, seconds = recorded[policy]
     res = generate(model, tokenizer, prompt, rec, budget, max_new, memory=memory)
     return dataclasses.replace(res, policy=policy, seconds=res.seconds + seconds)
-
-
-MEMORY = "mem"  # a cell spec: "mem" (policy picked by the memory plan) or "mem-NAME", budget = memory share
-
-
-def memory_spec(policy) -> bool:
-    return isinstance(policy, str) and (policy == MEMORY or policy.startswith(MEMORY + "-"))

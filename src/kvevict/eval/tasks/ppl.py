@@ -8,6 +8,7 @@ import math
 import torch
 
 from ..streaming import stream_compare
+from ..caches import memory_spec
 from .base import Sample, Task
 
 SOURCES = ("wikipedia", "essays", "austen")
@@ -71,8 +72,10 @@ class PerplexityTask(Task):
     def evaluate(self, model, tokenizer, sample, cells, reference):
         ids = torch.tensor([sample.data["ids"]])
         n = ids.shape[1]
-        # a float budget is a fraction of the whole window (make_cache would take it of the first chunk)
-        resolved = [(p, b if b is None or isinstance(b, int) else max(1, math.ceil(b * n))) for p, b in cells]
+        # a float budget is a fraction of the whole window (make_cache would take it of the first chunk);
+        # a memory cell's share is fixed against the window by stream_compare (set_prompt_length)
+        resolved = [(p, b if b is None or isinstance(b, int) or memory_spec(p) else max(1, math.ceil(b * n)))
+                    for p, b in cells]
         scores = stream_compare(model, ids, resolved, self.chunk)
         half = (n - 1) // 2
         out = {}
