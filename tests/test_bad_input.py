@@ -114,6 +114,8 @@ def test_prompt_past_the_positions_warns_once_unless_compact():
     found = _position_warnings(record)
     assert len(found) == 1  # one line for the whole generation, not one per layer or step
     assert "needs 40 positions" in str(found[0].message) and "compact=True" in str(found[0].message)
+    # it names the user's line (here _greedy's model.generate), not a frame inside torch or transformers
+    assert found[0].filename == __file__
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         _greedy(model, ids, kvevict.make_cache(model, "h2o", 16, compact=True), 4)
@@ -141,7 +143,7 @@ def test_kvevict_generate_warns_before_the_prefill():
     for policy in ("h2o", "full"):
         with pytest.warns(UserWarning, match=r"needs 43 positions, more than the model's 32 ") as record:
             generate(model, tok, "x" * 40, policy, 16, max_new_tokens=4)
-        assert len(_position_warnings(record)) == 1
+        assert len(_position_warnings(record)) == 1 and _position_warnings(record)[0].filename == __file__
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         generate(model, tok, "x" * 40, "h2o", 16, max_new_tokens=4, compact=True)

@@ -11,6 +11,7 @@ rule: generate then feeds a meaningless slice of it, or nothing at all.
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 _NEW_CACHE = ("To continue the same sequence, pass all of it (the previous ids, e.g. generate's output, then "
               "the new tokens) with a mask as long; for a new prompt make a new cache (make_cache) or call "
@@ -53,12 +54,28 @@ def max_positions(model) -> int | None:
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
 
-def warn_past_positions(positions: int, limit: int, stacklevel: int = 2) -> None:
-    """One line: the sequence needs ``positions`` positions, more than the ``limit`` the model knows."""
+def warn_past_positions(positions: int, limit: int) -> None:
+    """One line: the sequence needs ``positions`` positions, more than the ``limit`` the model knows.
+    It names the user's own line: the first caller outside kvevict, torch and transformers (the
+    check runs deep inside the model's forward, through their wrappers)."""
     warnings.warn(
         f"kvevict: this sequence needs {positions} positions, more than the model's {limit} "
         "(config.max_position_embeddings), past which its output degrades; use compact positions "
-        "(make_cache(compact=True), --compact) or a shorter prompt.", stacklevel=stacklevel + 1)
+        "(make_cache(compact=True), --compact) or a shorter prompt.", stacklevel=_user_level())
+
+
+def _user_level() -> int:
+    """``warnings.warn``'s stacklevel of the first frame outside kvevict, torch and transformers."""
+    import sys
+
+    import torch
+    import transformers
+
+    inside = tuple(str(Path(m.__file__).parent) for m in (sys.modules[__package__], torch, transformers))
+    frame, level = sys._getframe(1), 1  # level 1: the caller of _user_level, i.e. warn's own caller
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def positions_after(layer, new: int, limit: int) -> int | None:
@@ -71,5 +88,5 @@ def positions_after(layer, new: int, limit: int) -> int | None:
     longest = new + (int(layer.n_real.max()) if layer.is_initialized else 0)
     if longest <= limit:
         return limit
-    warn_past_positions(longest, limit, stacklevel=4)
+    warn_past_positions(longest, limit)
     return None
