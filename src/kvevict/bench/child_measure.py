@@ -28,6 +28,14 @@ def kv_bytes(cache) -> int:
                if getattr(layer, "is_initialized", True))
 
 
+def cache_kwarg(model) -> str:
+    """The keyword the installed transformers takes the cache by: ``cache`` from 5.24 on,
+    ``past_key_values`` before (the kvpress peer's own venv pins transformers < 5.3)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def prefill_then_decode(model, cache, context: int, steps: int, seed: int, rss_loaded: int,
                         around_prefill=contextlib.nullcontext) -> dict:
     """Prefill ``context`` synthetic tokens (last-position logits only, as ``generate`` asks), then
@@ -36,17 +44,18 @@ def prefill_then_decode(model, cache, context: int, steps: int, seed: int, rss_l
 
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (1, context), generator=gen)
+    kw = {cache_kwarg(model): cache}
     with torch.no_grad():
         t0 = time.perf_counter()
         with around_prefill():
-            out = model(ids, cache=cache, use_cache=True, logits_to_keep=1)
+            out = model(ids, **kw, use_cache=True, logits_to_keep=1)
         prefill_s = time.perf_counter() - t0
         peak_after_prefill = peak_rss_bytes()
         kv = kv_bytes(cache)
         nxt = out.logits[:, -1:].argmax(-1)
         t0 = time.perf_counter()
         for _ in range(steps):
-            out = model(nxt, cache=cache, use_cache=True)
+            out = model(nxt, **kw, use_cache=True)
             nxt = out.logits[:, -1:].argmax(-1)
         decode_s = (time.perf_counter() - t0) / max(1, steps)
     return {"prefill_s": prefill_s, "decode_step_s": decode_s, "rss_loaded_bytes": rss_loaded,
