@@ -32,6 +32,9 @@ def test_paired_difference_uses_only_shared_samples(tmp_path, capsys):
     main([str(tmp_path), "--task", "ppl", "--budget", "0.2", "--metric", "top1", "h2o/int8@0.33:h2o"])
     assert "h2o/int8@0.33 - h2o @ 0.2: -0.3 [" in capsys.readouterr().out
     with pytest.raises(SystemExit):
+        main([str(tmp_path), "--task", "ppl", "--budget", "0.2", "--metric", "top1", "h2o/int8@lots:h2o"])
+    assert "after @ comes the cell's budget as a number" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
         main([str(tmp_path), "--task", "ppl", "--budget", "0.2", "--metric", "top1", "h2o:nobody"])
     err = capsys.readouterr().err
     assert "policy 'nobody'" in err and "it has: full, h2o, h2o/int8, roco" in err

@@ -66,12 +66,13 @@ def warn_past_positions(positions: int, limit: int) -> None:
 
 def _user_level() -> int:
     """``warnings.warn``'s stacklevel of the first frame outside kvevict, torch and transformers."""
+    import os
     import sys
 
     import torch
     import transformers
 
-    inside = tuple(str(Path(m.__file__).parent) for m in (sys.modules[__package__], torch, transformers))
+    inside = tuple(str(Path(m.__file__).parent) + os.sep for m in (sys.modules[__package__], torch, transformers))
     frame, level = sys._getframe(1), 1  # level 1: the caller of _user_level, i.e. warn's own caller
     while frame is not None and frame.f_code.co_filename.startswith(inside):
         frame, level = frame.f_back, level + 1

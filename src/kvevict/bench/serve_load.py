@@ -76,13 +76,14 @@ def commands(args) -> dict[str, tuple[list[str], dict, list | None]]:
     kvevict = [sys.executable, "-m", "kvevict.cli", "serve", "--model", MODEL_ID, "--port", "PORT",
                "--threads", str(args.threads), "--kv-memory", str(args.kv_memory), "--max-batch", str(args.n),
                "--max-tokens-limit", str(args.max_tokens)]
-    h2o = kvevict + ["--policy", "h2o", "--budget", str(args.budget), "--kv-bits", "none"]  # the model's dtype
+    h2o_at = kvevict + ["--policy", "h2o", "--budget", str(args.budget), "--kv-bits"]
+    h2o = h2o_at + ["none"]  # the model's dtype (the server's default is int8)
     out = {
         "kvevict full cache": (kvevict + ["--policy", "full"], env, None),
         f"kvevict h2o budget {args.budget}": (h2o, env, None),
     }
     for bits in args.kv_bits:  # the same H2O server storing packed codes (--kv-bits): same memory, more rows
-        out[f"kvevict h2o int{bits} budget {args.budget}"] = (h2o[:-1] + [str(bits)], env, None)
+        out[f"kvevict h2o int{bits} budget {args.budget}"] = (h2o_at + [str(bits)], env, None)
     if args.mixed:  # the same server; each request names its own policy and budget
         out[f"kvevict mixed h2o/tova {args.budget // 2}/{args.budget}"] = (h2o, env, mixed_kinds(args.budget))
     if args.vllm_python:
@@ -316,8 +317,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.n < 1 or args.max_tokens < 1 or not 1 <= args.lo <= args.hi:
         raise SystemExit("need --n >= 1, --max-tokens >= 1 and 1 <= --lo <= --hi.")
-    if any(b not in (16, 8, 4, 2) for b in args.kv_bits):
-        raise SystemExit(f"--kv-bits takes bits among 16, 8, 4, 2 (e.g. 8,4), got {args.kv_bits}.")
+    from ..store import BITS
+
+    if any(b not in BITS for b in args.kv_bits):
+        raise SystemExit(f"--kv-bits takes bits among {', '.join(map(str, BITS))} (e.g. 8,4), got {args.kv_bits}.")
     from transformers import AutoTokenizer
 
     if args.vllm_python is None:

@@ -17,6 +17,14 @@ def memory_spec(policy) -> bool:
     return isinstance(policy, str) and (policy == MEMORY or policy.startswith(MEMORY + "-"))
 
 
+def memory_policy(spec: str, prompt_known: bool) -> str:
+    """The policy of a memory cell: NAME for ``mem-NAME``, else what the plan picks
+    (``kvevict.memory.pick_policy``: prompt-scoring when the prompt is known, streaming when not)."""
+    from ..memory import pick_policy
+
+    return spec[len(MEMORY) + 1:] or pick_policy(prompt_known=prompt_known)
+
+
 def new_cache(model, policy: str, budget, sequence=None, covering: int | None = None, prompt=None, tokenizer=None):
     """``policy == "full"``: a DynamicCache (attention stays whatever it is: the kvevict attention
     is exact with it); otherwise ``make_cache(model, policy, budget)``. A policy may name its
@@ -35,9 +43,7 @@ def new_cache(model, policy: str, budget, sequence=None, covering: int | None = 
         raise ValueError(f"{policy!r} protects a prompt's question; this task streams text that has none "
                          "(use it with passkey, needle, vartrack, narrativeqa).")
     if memory_spec(policy):
-        from ..memory import pick_policy
-
-        return make_cache(model, policy[len(MEMORY) + 1:] or pick_policy(prompt_known=False), memory=budget)
+        return make_cache(model, memory_policy(policy, prompt_known=False), memory=budget)
     name, storage = split_spec(policy)
     kw = {"kv_bits": storage.kv_bits, "evicted_bits": storage.evicted_bits}
     if name == FULL:

@@ -42,6 +42,14 @@ def paired(records, task: str, a: str, b: str, budget, metric: str, model: str |
     return paired_difference(cells, cell(a), cell(b))
 
 
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", help="the eval output folder (records.jsonl)")
@@ -59,7 +67,10 @@ def main(argv=None) -> int:
         a, sep, b = pair.partition(":")
         if not sep:
             p.error(f"pairs are A:B, got {pair!r}")
-        for name in (a.partition("@")[0], b.partition("@")[0]):
+        for side in (a, b):
+            name, at, own = side.partition("@")
+            if at and not _is_number(own):
+                p.error(f"{side!r}: after @ comes the cell's budget as a number (e.g. {name}@0.2)")
             if name not in known:
                 p.error(f"no {args.task} records of policy {name!r} in {args.out}; it has: {', '.join(known)}")
         try:

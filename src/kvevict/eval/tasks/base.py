@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ...generate import generate
-from ..caches import FULL, MEMORY, memory_spec
+from ..caches import FULL, memory_policy, memory_spec
 
 
 @dataclass
@@ -86,12 +86,11 @@ def _generate_cell(model, tokenizer, prompt, policy, budget, max_new, recorded: 
     scores the prompt in a pass of its own (kvzip) records it once per sample in ``recorded``, shared
     by the cells of that sample (its scores do not depend on the budget); each cell's time still
     includes the recording."""
-    from ...memory import pick_policy
     from ...policies import policy_class
 
     memory = None
     if memory_spec(policy):
-        memory, policy = budget, policy[len(MEMORY) + 1:] or pick_policy(prompt_known=True)
+        memory, policy = budget, memory_policy(policy, prompt_known=True)
     found = policy_class(policy)
     if found is None or not getattr(found[0], "needs_prompt", False):
         return generate(model, tokenizer, prompt, policy, budget, max_new, memory=memory)
