@@ -134,9 +134,9 @@ def test_every_policy_and_prefill_mode_on_a_padded_gqa_batch(name, mode, stride)
     per_layer = [layer.budget for layer in cache.layers]
     assert sum(per_layer) == budget * cfg.num_hidden_layers
     head_dim = cfg.hidden_size // cfg.num_attention_heads
-    # per slot: key + value (fp32), position (int32), validity (bool), 4 bytes per policy statistic;
-    # per layer and sequence: its count of real tokens (int64); adaptive: the slot's head (uint8)
-    slot = head_dim * 2 * 4 + 4 + 1 + 4 * len(cache.policy.stats) + cache.policy.adaptive
+    # per slot: key + value (fp32), position (int16; -1: empty or padding), 4 bytes per policy
+    # statistic; per layer and sequence: its count of real tokens (int64); adaptive: the slot's head (uint8)
+    slot = head_dim * 2 * 4 + 2 + 4 * len(cache.policy.stats) + cache.policy.adaptive
     assert cache.kv_bytes() == sum(per_layer) * 3 * cfg.num_key_value_heads * slot + 8 * 3 * cfg.num_hidden_layers
     for layer in cache.layers:
         assert layer.valid.all()  # 12 real tokens always exist, so padding never holds a slot

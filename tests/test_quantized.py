@@ -7,7 +7,7 @@ from transformers import DynamicCache
 import kvevict
 from conftest import tiny_model
 from kvevict.storage import Storage
-from kvevict.store import dequantize, quantize
+from kvevict.store import dequantize, quantize, step_byte, step_value
 
 
 def _logits(model, ids, cache, mask=None):
@@ -27,32 +27,45 @@ def _stream(model, cache, prompt, steps):
 def test_round_trip_is_within_half_a_step(bits, group):
     torch.manual_seed(bits)
     x = torch.randn(2, 3, 50, 64) * torch.rand(1, 1, 1, 64) * 5  # channels of very different scales
+    x[0, 0, 0, :group] += 7  # a group of one sign: its range is stretched to 0
     codes, zero, step = quantize(x, bits, group)
     assert codes.dtype == torch.uint8 and codes.shape[-1] == 64 * bits // 8  # really packed
-    assert zero.shape[-1] == 64 // group and zero.dtype == torch.float16
+    # one step byte and one zero byte per group
+    assert step.shape[-1] == zero.shape[-1] == 64 // group and step.dtype == zero.dtype == torch.uint8
     back = dequantize(codes, zero, step, bits, group, torch.float32)
     err = (back - x).abs().view(2, 3, 50, 64 // group, group)
-    half = step.float().unsqueeze(-1) / 2
-    assert (err <= half * (1 + 1e-3) + 1e-6).all()
-    # and the step is not inflated: it is the group's range over the levels, up to fp16 rounding
+    s = step_value(step)
+    assert (err <= s.unsqueeze(-1) / 2 * (1 + 1e-6)).all()
+    # the step is the group's range (stretched to hold 0) over the levels, rounded up by at most
+    # one 3-bit mantissa step (12.5%)
     g = x.view(2, 3, 50, 64 // group, group)
-    want = (g.amax(-1) - g.amin(-1)) / ((1 << bits) - 1)
-    assert torch.allclose(step.float(), want, rtol=2e-3, atol=1e-6)
+    want = (g.amax(-1).clamp(min=0) - g.amin(-1).clamp(max=0)) / ((1 << bits) - 1)
+    assert (s >= want).all() and (s <= want * 1.125 + 2**-16).all()
+
+
+def test_the_step_byte_is_the_smallest_step_that_covers():
+    v = torch.logspace(-6, 4, 5000)
+    s = step_value(step_byte(v))
+    assert (s >= v).all() and (s[v >= 2**-16] <= v[v >= 2**-16] * 1.125).all()  # 2^-16: the smallest step
+    assert torch.equal(step_value(step_byte(s)), s)  # every step byte's value is exact in fp32
+    assert torch.equal(s.to(torch.bfloat16).float(), s) and torch.equal(s[s < 6e4].half().float(), s[s < 6e4])
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2])
-def test_a_constant_group_is_exact(bits):
+def test_zero_is_exact_and_a_constant_group_within_half_a_step(bits):
     x = torch.full((1, 1, 3, 16), -2.5)
     x[..., 8:] = torch.tensor([0.0, 1.0, 0.5]).view(1, 1, 3, 1)  # each token: its second group constant
     codes, zero, step = quantize(x, bits, 8)
-    assert torch.equal(dequantize(codes, zero, step, bits, 8, torch.float32), x)
+    back = dequantize(codes, zero, step, bits, 8, torch.float32)
+    assert torch.equal(back[0, 0, 0, 8:], x[0, 0, 0, 8:])  # an all-zero group (padding, say) is exact
+    assert ((back - x).abs() <= step_value(step).repeat_interleave(8, -1) / 2).all()
 
 
 def _slot_bytes(head_dim, bits, group, n_stats):
-    """Bytes of one slot of one KV head, counted by hand: K and V codes, fp16 zero and step per
-    group, int32 position, bool validity, fp32 statistics."""
-    codes = head_dim * bits // 8
-    return 2 * (codes + 2 * 2 * (head_dim // group)) + 4 + 1 + 4 * n_stats
+    """Bytes of one slot of one KV head, counted by hand: K and V codes, a step byte and a zero
+    byte per group, int16 position, fp32 statistics."""
+    codes, groups = head_dim * bits // 8, head_dim // group
+    return 2 * (codes + 2 * groups) + 2 + 4 * n_stats
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2])
@@ -100,9 +113,9 @@ def test_int8_on_smollm2_stays_close_to_the_full_cache(real_model):
     got = _stream(model, cache, ids, steps)
     assert (got - ref).abs().max().item() < 0.25  # stated tolerance; logits span ~30, measured 0.11
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
-    # int8 + fp16 zero/step per 32 + pos/valid/stat: 153 bytes a slot and KV head, against 256 at 16 bits
-    assert cache.kv_bytes() < 0.62 * cache.full_kv_bytes()
-    assert cache.kv_bytes() < 0.31 * cache.full_kv_bytes(dtype_bytes=None)  # and against the fp32 model's own
+    # int8 + step and zero bytes per 32 + pos/stat: 142 bytes a slot and KV head, against 256 at 16 bits
+    assert cache.kv_bytes() < 0.57 * cache.full_kv_bytes()
+    assert cache.kv_bytes() < 0.285 * cache.full_kv_bytes(dtype_bytes=None)  # and against the fp32 model's own
 
 
 def test_mixed_precision_with_a_covering_low_bit_tier_loses_no_token():
@@ -204,23 +217,23 @@ def test_memory_plans_follow_the_measured_rule():
     from kvevict.memory import parse_memory, plan
 
     # SmolLM2's shape: head_dim 64, H2O (one statistic): per slot and KV head a 16-bit stock token is
-    # 256 bytes, whatever the model's dtype; int8 153, int4 89 (codes + fp16 zero/step per 32
-    # channels + pos, valid, sum)
+    # 256 bytes, whatever the model's dtype; int8 142, int4 78 (codes + a step byte and a zero byte
+    # per 32 channels + int16 position + fp32 sum)
     def p(mem, dtype_bytes=4):
         return plan(mem, 64, 64, dtype_bytes, 1)
 
     assert p(0.7).storage.kv_bits == 8 and p(0.7).budget == 1.0 and p(0.7).storage.evicted_bits is None
-    mixed = p(0.5)  # every token: f at int8, 1 - f at int4, f * 153 + (1 - f) * 89 = 0.5 * 256
+    mixed = p(0.5)  # every token: f at int8, 1 - f at int4, f * 142 + (1 - f) * 78 = 0.5 * 256
     assert (mixed.storage.kv_bits, mixed.storage.evicted_bits) == (8, 4)
-    assert mixed.budget == pytest.approx((0.5 * 256 - 89) / (153 - 89))
+    assert mixed.budget == pytest.approx((0.5 * 256 - 78) / (142 - 78))
     assert mixed.budget + mixed.storage.evicted_budget == pytest.approx(1.0)
-    assert p(89 / 256).storage.kv_bits == 4 and p(89 / 256).budget == 1.0  # just int4 for every token
+    assert p(78 / 256).storage.kv_bits == 4 and p(78 / 256).budget == 1.0  # just int4 for every token
     low = p(0.2)  # under int4-for-everything: evict, keep int4
-    assert low.storage.kv_bits == 4 and low.storage.evicted_bits is None and low.budget == pytest.approx(0.2 * 256 / 89)
+    assert low.storage.kv_bits == 4 and low.storage.evicted_bits is None and low.budget == pytest.approx(0.2 * 256 / 78)
     for mem in (0.7, 0.5, 0.2, 0.05):  # a bf16 model plans the same shares as an fp32 one
         assert float(p(mem, 2).budget) == float(p(mem).budget) and p(mem, 2).storage == p(mem).storage
     tokens = plan("1MiB", 64, 64, 4, 1, layers_heads=90)  # bytes per sequence -> int4 slots per layer and head
-    assert tokens.budget == 2**20 // (90 * 89)
+    assert tokens.budget == 2**20 // (90 * 78)
     assert parse_memory("20%") == pytest.approx(0.2) and parse_memory("2GiB") == 2**31 and parse_memory(0.3) == 0.3
 
 

@@ -48,8 +48,8 @@ def test_covering_budget_equals_the_stock_cache_past_the_window(gemma_model):
     n = ids.shape[1] + steps.shape[1]
     assert dynamic_kv_bytes(stock) == (3 * n + 15 * 511) * 2 * 256 * 4
     # kvevict's denominator: that stock cache at 16 bits; what it holds: the same tokens, each layer's
-    # storage rounded up to a page, plus each slot's position and validity (recency keeps no statistic
+    # storage rounded up to a page, plus each slot's position (int16; recency keeps no statistic
     # in the sliding layers; H2O one float in the global ones) and a count per row
     assert cache.full_kv_bytes() == (3 * n + 15 * 511) * 2 * 256 * 2
-    book = (15 * 511 + 3 * (n + PAGE)) * 5 + 3 * (n + PAGE) * 4 + 18 * 8
+    book = (15 * 511 + 3 * (n + PAGE)) * 2 + 3 * (n + PAGE) * 4 + 18 * 8
     assert dynamic_kv_bytes(stock) < cache.kv_bytes() <= dynamic_kv_bytes(stock) + 3 * (PAGE - 1) * 2 * 256 * 4 + book

@@ -40,8 +40,8 @@ def test_real_model_h2o_generation_holds_the_budget(real_model):
     text = "Summarise: " + " ".join(f"Item {i} is a {['red', 'blue', 'green'][i % 3]} box." for i in range(40))
     res = generate(model, tok, [{"role": "user", "content": text}], "h2o", 0.2, max_new_tokens=8)
     budget = -(-res.prompt_tokens // 5)  # ceil(0.2 * prompt length)
-    # per layer and KV head, each kept slot: key + value (fp32), position, validity, H2O's sum; + n_real
-    assert res.kv_bytes == 30 * (budget * 3 * (64 * 2 * 4 + 4 + 1 + 4) + 8)
+    # per layer and KV head, each kept slot: key + value (fp32), position (int16), H2O's sum; + n_real
+    assert res.kv_bytes == 30 * (budget * 3 * (64 * 2 * 4 + 2 + 4) + 8)
     assert res.new_tokens == 8 and res.text
 
 

@@ -61,10 +61,10 @@ def token_bytes(model):
 
 def held_bytes(model, slots: int, policy: str) -> int:
     """What an evicting cache holds for one sequence of ``slots`` kept tokens: K and V, plus per slot
-    its position (4 bytes), validity (1) and the policy's statistics (4 each), plus a count per layer."""
+    its position (2 bytes) and the policy's statistics (4 each), plus a count per layer."""
     c = model.config
     n_stats = len(kvevict.POLICIES[policy].stats)
-    per_slot = token_bytes(model) + c.num_hidden_layers * c.num_key_value_heads * (5 + 4 * n_stats)
+    per_slot = token_bytes(model) + c.num_hidden_layers * c.num_key_value_heads * (2 + 4 * n_stats)
     return slots * per_slot + 8 * c.num_hidden_layers
 
 

@@ -19,8 +19,8 @@ def test_a_tiny_model_streams_4x_its_position_limit_in_flat_storage():
     cache = new_stream_cache(model, "h2o", budget)
     rows = run_stream(model, ids, cache, block, window)
     assert [r["end"] for r in rows] == [256 * k for k in range(1, 8)] + [2047]
-    # per kept slot: K + V (fp32), position (int32), validity (bool), H2O's score sum (fp32); + n_real per layer
-    slot = 2 * 8 * 4 + 4 + 1 + 4 * len(cache.policy.stats)
+    # per kept slot: K + V (fp32), position (int16), H2O's score sum (fp32); + n_real per layer
+    slot = 2 * 8 * 4 + 2 + 4 * len(cache.policy.stats)
     assert {r["kv_bytes"] for r in rows} == {3 * (budget * 2 * slot + 8)}  # flat from the first window on
     assert cache.peak_entries() == budget + block and cache.get_seq_length() == 2047
     assert cache.layers[0].pos.max().item() == 2046  # original positions far past 512 ...

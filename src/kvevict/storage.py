@@ -9,6 +9,7 @@ from .store import check_bits, slot_bytes
 
 # per-token groups of 32 channels: measured against 16 and 64 on SmolLM2 (docs/quality-per-byte.md)
 DEFAULT_GROUP = 32
+POS_BYTES = 2  # a slot's position, int16 (kvevict.tier)
 
 
 @dataclass(frozen=True)
@@ -64,9 +65,10 @@ class Storage:
         return cls(kv_bits=bits(kept), evicted_bits=bits(evicted) if evicted else None)
 
     def slot_bytes(self, head_dim_k: int, head_dim_v: int, dtype_bytes: int, n_stats: int) -> float:
-        """Bytes one kept slot of one (sequence, KV head) takes at ``kv_bits``: key, value, position (4),
-        validity (1), statistics (4 each)."""
-        return slot_bytes(head_dim_k, head_dim_v, self.kv_bits, self.group, dtype_bytes) + 5 + 4 * n_stats
+        """Bytes one kept slot of one (sequence, KV head) takes at ``kv_bits``: key, value, position
+        (int16, -1 for an empty slot: ``tier.POS16_MAX``; a sequence past 32,767 tokens widens it to
+        int32, 2 bytes more), statistics (fp32, 4 each)."""
+        return slot_bytes(head_dim_k, head_dim_v, self.kv_bits, self.group, dtype_bytes) + POS_BYTES + 4 * n_stats
 
 
 def split_spec(spec: str) -> tuple[str, Storage]:

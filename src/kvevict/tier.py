@@ -1,6 +1,6 @@
 """One tier of an eviction layer: up to ``budget`` slots per (sequence, KV head) holding keys and
-values (in a ``store``, full precision or packed) plus each token's position, validity and the
-policy's statistics. The slot machinery is written once, here: new tokens fill free slots, and once
+values (in a ``store``, full precision or packed) plus each token's position (-1: an empty slot or
+padding, so validity costs no byte of its own) and the policy's statistics. The slot machinery is written once, here: new tokens fill free slots, and once
 the tier is full they take the slots of the lowest-priority candidates, overwriting them in place.
 
 Storage grows in pages: the tier starts empty and allocates ``PAGE`` slots at a time as tokens
@@ -27,8 +27,11 @@ from .policies import Candidates, Policy
 from .rows import rows_of
 from .store import expand_index, make_store, scatter, trailing
 
-# per-candidate metadata besides the key/value pair: position, validity, one entry per statistic
-_META = ("pos", "valid")
+# per-candidate metadata besides the key/value pair: position (-1: not a token), one entry per statistic
+_META = ("pos",)
+# positions are int16 while every one fits (a model's context up to 32K), int32 past that:
+# 2 bytes a slot, an eighth of the bookkeeping of an int4 slot at head_dim 64
+POS16_MAX = torch.iinfo(torch.int16).max
 
 # slots allocated at a time per (sequence, KV head); see docs/performance.md ("Paged storage")
 PAGE = 32
@@ -57,10 +60,18 @@ class Tier:
         self.store = make_store(b, h, 0, dk, dv, dtype, device, bits, group)
         if heads > 1:  # shared by the heads: whose each slot is
             self.head = torch.zeros(b, h, 0, dtype=torch.uint8, device=device)
-        # int32: positions below 2^31 tokens; at 2 bits an int64 would be an eighth of a slot
-        self.pos = torch.zeros(b, h, 0, dtype=torch.int32, device=device)
-        self.valid = torch.zeros(b, h, 0, dtype=torch.bool, device=device)
+        self.pos = torch.zeros(b, h, 0, dtype=torch.int16, device=device)
         self.stats = {n: torch.zeros(b, h, 0, dtype=torch.float32, device=device) for n in stats}
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """(b, h, capacity) whether a slot holds a token."""
+        return self.pos >= 0
+
+    def widen_positions(self, last: int) -> None:
+        """Make room for positions up to ``last`` (int16 -> int32 once a sequence passes 32,767)."""
+        if last > POS16_MAX and self.pos.dtype == torch.int16:
+            self.pos = self.pos.int()
 
     def meta(self, name: str) -> torch.Tensor:
         return self.stats[name] if name in self.stats else getattr(self, name)
@@ -83,13 +94,14 @@ class Tier:
     def candidates(self, new: dict | None, newest, budget: int, layer_idx: int, prompt_len=None) -> Candidates:
         """All slots (empty ones invalid) followed by the new entries; the slots alone if ``new`` is None."""
         cat = {n: self.meta(n) if new is None else torch.cat([self.meta(n), new[n]], dim=-1) for n in self.names()}
-        return Candidates(stats={n: cat[n] for n in self.stats}, pos=cat["pos"].long(), valid=cat["valid"],
+        return Candidates(stats={n: cat[n] for n in self.stats}, pos=cat["pos"].long(), valid=cat["pos"] >= 0,
                           newest=newest, budget=budget, layer_idx=layer_idx, head=cat.get("head"),
                           heads=self.heads, prompt_len=prompt_len)
 
     def insert(self, policy: Policy, new: dict, ctx: dict, protected_newcomer: bool, want_evicted: bool):
-        """Store ``new`` entries (keys "k", "v" and the metadata, each (b, h, m, ...)); return the
-        entries that left (evicted candidates, valid first) when ``want_evicted``, else None."""
+        """Store ``new`` entries (keys "k", "v" and the metadata, each (b, h, m, ...); "pos" -1 for
+        padding); return the entries that left (evicted candidates, valid first) when
+        ``want_evicted``, else None."""
         m = new["pos"].shape[-1]
         caps = self._caps_host or [self.budget] * len(self.fills)
         fills = [min(c, f + m) for f, c in zip(self.fills, caps)]  # every row takes its free slots first
@@ -190,8 +202,9 @@ class Tier:
         stored = self._read(out.clamp(max=B - 1))
         fresh = {n: t.gather(2, expand_index((out - B).clamp(min=0), t)) for n, t in new.items()}
         got = {n: torch.where(trailing(from_slot, stored[n]), stored[n], fresh[n]) for n in stored}
-        order = torch.argsort((~got["valid"]).to(torch.int8), dim=-1, stable=True)
-        keep = int(got["valid"].sum(-1).max())
+        valid = got["pos"] >= 0
+        order = torch.argsort((~valid).to(torch.int8), dim=-1, stable=True)
+        keep = int(valid.sum(-1).max())
         order = order[..., :keep]
         return {n: t.gather(2, expand_index(order, t)) for n, t in got.items()}
 
@@ -268,10 +281,12 @@ class Tier:
             return torch.cat([t, t.new_zeros(*t.shape[:2], extra, *t.shape[3:])], dim=2)
 
         self._map_slots(fn)
+        if extra > 0:
+            self.pos[:, :, self.capacity:] = -1  # the new slots are empty
         self.capacity = n
         if self.filled > n:  # cut below a row's fill (the budget shrank to the widest cap)
             self._set_fills([min(f, n) for f in self.fills])
 
     def nbytes(self) -> int:
-        """Every byte this tier holds: keys and values (codes, steps, zeros), positions, validity, statistics."""
+        """Every byte this tier holds: keys and values (codes, steps, zero points), positions, statistics."""
         return self.store.nbytes() + sum(self.meta(n).nbytes for n in self.names())

@@ -76,7 +76,7 @@ def available() -> tuple[bool, str]:
 def _part(run: Run, part: tuple) -> list:
     if run.packed:
         return list(part)
-    return [part[0]] * 3  # dense: zero and step unused
+    return [part[0]] * 3  # dense: zeros and steps unused
 
 
 def decode_attention_cpu(q, runs, k_new, v_new, mask, scale, softcap=None):

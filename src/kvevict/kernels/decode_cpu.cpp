@@ -1,7 +1,7 @@
 // Fused decode attention over packed or dense key/value runs (kvevict.kernels.cpu builds this at
 // first use). One task per (sequence, KV head): the g query heads of the KV head are handled
 // together, so every stored key and value is read once. Two passes, each over its own data:
-//   1. keys: unpack a key's codes and dequantize them (zero + step * code) into a d-float buffer
+//   1. keys: unpack a key's codes and dequantize them (step * code + zero) into a d-float buffer
 //      that stays in L1, then its dot with the g queries -> the scores (g x n floats);
 //   2. softmax of the saved scores, then values: dequantized the same way, out += p * v_hat, and
 //      pg = sum over the g heads of p (what the cache's statistics are built from).
@@ -25,9 +25,20 @@ enum Kind { P8 = 0, P4 = 1, P2 = 2, F32 = 3, F16 = 4, BF16 = 5 };
 struct Part {  // the keys or the values of one run
   const uint8_t* data;  // codes (uint8) or dense rows
   int64_t s0, s1, s2;   // strides (batch, head, slot) in elements
-  const uint16_t* zero; int64_t z0, z1, z2;
-  const uint16_t* step; int64_t t0, t1, t2;
+  const uint8_t* zero; int64_t z0, z1, z2;  // zero bytes z: zero = -z * step / 2^(8 - bits)
+  const uint8_t* step; int64_t t0, t1, t2;  // step bytes (kvevict.store.step_value)
 };
+
+constexpr int32_t STEP_BASE = (127 - 16) << 23;  // kvevict.store.STEP_BIAS
+
+// a step byte as the float it stands for: the top 11 bits of a float32 (exponent, 3 mantissa bits)
+inline float step_of(uint8_t u) {
+  const int32_t b = (static_cast<int32_t>(u) << 20) + STEP_BASE;
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
 
 struct RunView {
   int kind, group;
@@ -98,11 +109,13 @@ inline const float* row(const Part& p, int64_t b, int64_t h, int64_t i, int d_rt
 #pragma omp simd
       for (int j = 0; j < w; ++j) dst[j] = static_cast<float>((c[j] >> (BITS * k)) & MASK);
     }
-    const uint16_t* z = p.zero + b * p.z0 + h * p.z1 + i * p.z2;
-    const uint16_t* s = p.step + b * p.t0 + h * p.t1 + i * p.t2;
+    const uint8_t* z = p.zero + b * p.z0 + h * p.z1 + i * p.z2;
+    const uint8_t* s = p.step + b * p.t0 + h * p.t1 + i * p.t2;
     const int ng = d / group;
+    constexpr float UNIT = 1.f / (1 << (8 - BITS));  // a zero byte's share of a step
     for (int gi = 0; gi < ng; ++gi) {
-      const float zz = h2f(z[gi]), ss = h2f(s[gi]);
+      // code * step + zero in one fma: both terms and the sum are exact in fp32 (kvevict.store.dequantize)
+      const float ss = step_of(s[gi]), zz = -static_cast<float>(z[gi]) * (ss * UNIT);
       float* x = buf + gi * group;
 #pragma omp simd
       for (int j = 0; j < group; ++j) x[j] = x[j] * ss + zz;
@@ -153,10 +166,15 @@ inline void row_vec(const Part& p, int64_t b, int64_t h, int64_t i, int gshift, 
           x[k * Q + u] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(by, 2 * k), m));
       }
     }
-    // the token's zeros and steps (D / group <= 16 of them) as vectors; lane v >> gshift is vector v's group
+    // the token's steps and zeros (D / group <= 16 of them) as vectors; lane v >> gshift is vector
+    // v's group; zero = -z * step / 2^(8 - bits)
+    constexpr int BITS = KIND == P8 ? 8 : (KIND == P4 ? 4 : 2);
     const __mmask16 gm = static_cast<__mmask16>((1u << (D / (16 << gshift))) - 1);
-    const __m512 zv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gm, p.zero + b * p.z0 + h * p.z1 + i * p.z2));
-    const __m512 sv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gm, p.step + b * p.t0 + h * p.t1 + i * p.t2));
+    const __m512 sv = _mm512_castsi512_ps(_mm512_add_epi32(
+        _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(gm, p.step + b * p.t0 + h * p.t1 + i * p.t2)), 20),
+        _mm512_set1_epi32(STEP_BASE)));
+    const __m512 zi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(gm, p.zero + b * p.z0 + h * p.z1 + i * p.z2)));
+    const __m512 zv = _mm512_mul_ps(zi, _mm512_mul_ps(sv, _mm512_set1_ps(-1.f / (1 << (8 - BITS)))));
     for (int v = 0; v < NV; ++v) {
       const __m512i ix = _mm512_set1_epi32(v >> gshift);
       x[v] = _mm512_fmadd_ps(x[v], _mm512_permutexvar_ps(ix, sv), _mm512_permutexvar_ps(ix, zv));
@@ -307,17 +325,17 @@ Part part_of(const at::Tensor& data, const at::Tensor& zero, const at::Tensor& s
   Part p;
   p.data = static_cast<const uint8_t*>(data.data_ptr());
   p.s0 = data.stride(0); p.s1 = data.stride(1); p.s2 = data.stride(2);
-  p.zero = reinterpret_cast<const uint16_t*>(zero.data_ptr());
+  p.zero = static_cast<const uint8_t*>(zero.data_ptr());
   p.z0 = zero.stride(0); p.z1 = zero.stride(1); p.z2 = zero.stride(2);
-  p.step = reinterpret_cast<const uint16_t*>(step.data_ptr());
+  p.step = static_cast<const uint8_t*>(step.data_ptr());
   p.t0 = step.stride(0); p.t1 = step.stride(1); p.t2 = step.stride(2);
   return p;
 }
 
 }  // namespace
 
-// q: (b, hq, d) float32 contiguous, already scaled. tensors: 6 per run (k codes|rows, k zero,
-// k step, v codes|rows, v zero, v step; dense runs repeat their rows), meta: 4 per run (kind,
+// q: (b, hq, d) float32 contiguous, already scaled. tensors: 6 per run (k codes|rows, k zeros,
+// k steps, v codes|rows, v zeros, v steps; dense runs repeat their rows), meta: 4 per run (kind,
 // group, n, heads); the last run is the new key (one slot, always visible). mask: (b, hm, n_mask)
 // bool with unit stride along the slots, or an empty tensor. Returns out (b, hq, dv) and pg
 // (b, hkv, N) float32.

@@ -3,7 +3,7 @@ multiply (exactly what ``kvevict.attention.attend`` does for one query).
 
 One query per sequence attends over the stored runs, in order, followed by its own key:
 
-    s_i = (scale * q) . k_hat_i     (fp32 accumulate; k_hat = zero + step * code for packed runs)
+    s_i = (scale * q) . k_hat_i     (fp32 accumulate; k_hat = step * code + zero for packed runs)
     s_i = tanh(s_i / c) * c          (softcap c, when given)
     p = softmax(s) over the visible keys (masked keys: -inf),   out = sum_i p_i v_hat_i
     pg_i = sum over the query heads of key i's KV group of p_i   (GQA: query head j uses KV head j // g)

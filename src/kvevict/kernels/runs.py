@@ -13,9 +13,9 @@ class Run:
     """``n`` consecutive slots of one tier as stored (no copy): a kernel reads them packed.
 
     bits: 8, 4, 2 (packed codes), 16 (float16 dense) or 32 (the model's dtype, dense).
-    group: channels per zero/step group (packed only).
-    k, v: packed: (codes (b, h, n, d*bits/8) uint8, zero (b, h, n, d/group) fp16, step (same) fp16),
-          x_hat = zero + step * code per group (``kvevict.store.quantize``); dense: (keys (b, h, n, d),).
+    group: channels per step / zero-point group (packed only).
+    k, v: packed: (codes (b, h, n, d*bits/8), zeros (b, h, n, d/group), steps (same)), all uint8,
+          x_hat = step * (code - zero / 2^(8 - bits)) per group (``kvevict.store.quantize``); dense: (keys (b, h, n, d),).
     h is the number of KV heads, or 1 for an Ada-KV pooled tier (one pool shared by the heads; the
     attention mask then says which head sees which slot). Tensors may be slices [:, :, :n] of larger
     storage: kernels take their strides, they do not copy.

@@ -1,7 +1,7 @@
 """The ``"triton"`` backend of ``kvevict.kernels.decode_attention``: fused split-K decode attention
 (FlashDecoding, Dao et al. 2023) that reads kvevict's stored runs as they are -- packed int8 / int4
-/ int2 codes with their fp16 zero and step, or dense fp16 / model-dtype keys -- and dequantizes in
-registers (x_hat = zero + step * code), so no dequantized copy of the cache is ever written.
+/ int2 codes with their step and zero bytes, or dense fp16 / model-dtype keys -- and dequantizes in
+registers (x_hat = step * (code - zero / 2^(8 - bits))), so no dequantized copy of the cache is ever written.
 
 For one new query per sequence, over the runs in order followed by the new key:
 
@@ -31,6 +31,7 @@ import math
 import os
 
 import torch
+
 
 PACKED = (8, 4, 2)
 DENSE = (16, 32)
@@ -164,8 +165,8 @@ def _split(split, block_n: int, programs: int, n_keys: int, device) -> int:
 
 
 def _operand(t: tuple) -> tuple:
-    """(codes, zero, step) pointers then their (b, h, n, d) strides; a head stride of 0 for a pooled
-    (one-head) run; dense runs pass their keys three times (zero and step are never read)."""
+    """(codes, zeros, steps) pointers then their (b, h, n, d) strides; a head stride of 0 for a pooled
+    (one-head) run; dense runs pass their keys three times (zeros and steps are never read)."""
     ts = t if len(t) == 3 else (t[0], t[0], t[0])
     strides = []
     for x in ts:
@@ -203,8 +204,8 @@ def _check(q, runs, k_new, v_new, mask):
                 if not isinstance(r.group, int) or r.group <= 0 or width % r.group or (width * r.bits) % 8:
                     raise ValueError(f"runs[{i}].group={r.group!r} must divide the head dimension {width} "
                                      f"(and {width} * {r.bits} bits must fill whole bytes).")
-                shapes = [(width * r.bits // 8, torch.uint8), (width // r.group, torch.float16),
-                          (width // r.group, torch.float16)]
+                shapes = [(width * r.bits // 8, torch.uint8), (width // r.group, torch.uint8),
+                          (width // r.group, torch.uint8)]
             else:
                 shapes = [(width, torch.float16 if r.bits == 16 else None)]
             for x, (last, dtype) in zip(t, shapes):

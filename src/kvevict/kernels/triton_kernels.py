@@ -3,7 +3,7 @@ through ``triton_decode``, which checks that triton is there first).
 
 Split-K decode attention (FlashDecoding, Dao et al. 2023): keys are cut into splits; one program
 per (sequence, KV head, split) streams its keys in tiles of BLOCK_N, dequantizes them in registers
-(x_hat = zero + step * code, ``kvevict.store.quantize``), and keeps for each query head h of the
+(x_hat = step * (code - zero / 2^(8 - bits)), ``kvevict.store.quantize``), and keeps for each query head h of the
 KV group an online softmax (Milakov & Gimelshein 2018):
 
     m_h = max_i s_hi,   l_h = sum_i exp(s_hi - m_h),   acc_h = sum_i exp(s_hi - m_h) v_i
@@ -55,13 +55,19 @@ def _operand(x, CDT: tl.constexpr, EMU: tl.constexpr):
 
 
 @triton.jit
+def _step(u):
+    """Step bytes -> fp32 steps (``kvevict.store.step_value``: the top 11 bits of a float32)."""
+    return ((u.to(tl.int32) << 20) + ((127 - 16) << 23)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _tile(c_ptr, z_ptr, s_ptr, sc_n, sc_d, sz_n, sz_d, ss_n, ss_d, rows, nm, cols,
           BITS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, CDT: tl.constexpr, EMU: tl.constexpr,
           GROUPED: tl.constexpr, BLOCK_N: tl.constexpr):
     """(BLOCK_N, D_P) keys or values rounded to the compute dtype CDT (held in fp32). Packed: channel
     c of a token sits in byte c % W at bit (c // W) * BITS, W = D * BITS / 8 (``kvevict.store.pack``);
-    its group is c // GROUP; x_hat = zero + step * code rounded as ``kvevict.store.dequantize`` rounds it
-    (step and zero to CDT, the product to CDT, the sum to CDT), so both backends see the same keys.
+    its group is c // GROUP; x_hat = (step / U) * (U code - zero), U = 2^(8 - BITS), exact before the
+    one rounding to CDT that ``kvevict.store.dequantize`` makes too, so both backends see the same keys.
     GROUPED (D a power of two and each group inside one W-byte part): the tile is read as
     (BLOCK_N, groups, GROUP), so a group's bytes load as one contiguous vector and its zero and step
     once, not once per channel; otherwise per channel."""
@@ -70,6 +76,7 @@ def _tile(c_ptr, z_ptr, s_ptr, sc_n, sc_d, sz_n, sz_d, ss_n, ss_d, rows, nm, col
         x = tl.load(c_ptr + rows[:, None] * sc_n + cols[None, :] * sc_d, mask=valid, other=0.0)
         x = _rnd(x.to(tl.float32), CDT, EMU)
     elif GROUPED:
+        U: tl.constexpr = 1 << (8 - BITS)  # zero units per step
         NG: tl.constexpr = D // GROUP
         PART: tl.constexpr = D * BITS // 8 // GROUP  # groups per W-byte part
         gi = tl.arange(0, NG)
@@ -78,23 +85,22 @@ def _tile(c_ptr, z_ptr, s_ptr, sc_n, sc_d, sz_n, sz_d, ss_n, ss_d, rows, nm, col
         raw = tl.load(c_ptr + rows[:, None, None] * sc_n + byte[None, :, :] * sc_d, mask=nm[:, None, None],
                       other=0).to(tl.int32)
         code = (raw >> shift[None, :, :]) & ((1 << BITS) - 1)
-        z = tl.load(z_ptr + rows[:, None] * sz_n + gi[None, :] * sz_d, mask=nm[:, None], other=0.0)
-        s = tl.load(s_ptr + rows[:, None] * ss_n + gi[None, :] * ss_d, mask=nm[:, None], other=0.0)
-        prod = _rnd(_rnd(s.to(tl.float32), CDT, EMU)[:, :, None] * code.to(tl.float32), CDT, EMU)
-        x = _rnd(prod + _rnd(z.to(tl.float32), CDT, EMU)[:, :, None], CDT, EMU)
+        z = tl.load(z_ptr + rows[:, None] * sz_n + gi[None, :] * sz_d, mask=nm[:, None], other=0).to(tl.int32)
+        s = _step(tl.load(s_ptr + rows[:, None] * ss_n + gi[None, :] * ss_d, mask=nm[:, None], other=0))
+        x = _rnd((code * U - z[:, :, None]).to(tl.float32) * (s / U)[:, :, None], CDT, EMU)
         x = tl.reshape(x, (BLOCK_N, D))
     else:
+        U: tl.constexpr = 1 << (8 - BITS)
         W: tl.constexpr = D * BITS // 8
         byte = cols % W
         shift = (cols // W) * BITS
         raw = tl.load(c_ptr + rows[:, None] * sc_n + byte[None, :] * sc_d, mask=valid, other=0).to(tl.int32)
         code = (raw >> shift[None, :]) & ((1 << BITS) - 1)
         gi = cols // GROUP
-        z = tl.load(z_ptr + rows[:, None] * sz_n + gi[None, :] * sz_d, mask=valid, other=0.0)
-        s = tl.load(s_ptr + rows[:, None] * ss_n + gi[None, :] * ss_d, mask=valid, other=0.0)
-        # arithmetic in fp32 (a code times a step is exact there), rounded to CDT where torch rounds
-        prod = _rnd(_rnd(s.to(tl.float32), CDT, EMU) * code.to(tl.float32), CDT, EMU)
-        x = _rnd(prod + _rnd(z.to(tl.float32), CDT, EMU), CDT, EMU)
+        z = tl.load(z_ptr + rows[:, None] * sz_n + gi[None, :] * sz_d, mask=valid, other=0).to(tl.int32)
+        s = _step(tl.load(s_ptr + rows[:, None] * ss_n + gi[None, :] * ss_d, mask=valid, other=0))
+        # (U code - zero) * (step / U) is exact in fp32; rounded to CDT once, where torch rounds
+        x = _rnd((code * U - z).to(tl.float32) * (s / U), CDT, EMU)
     return x
 
 
