@@ -30,7 +30,7 @@ from .store import expand_index, make_store, scatter, trailing
 # per-candidate metadata besides the key/value pair: position (-1: not a token), one entry per statistic
 _META = ("pos",)
 # positions are int16 while every one fits (a model's context up to 32K), int32 past that:
-# 2 bytes a slot, an eighth of the bookkeeping of an int4 slot at head_dim 64
+# 2 bytes a slot, a seventh of the bookkeeping of an int4 slot at head_dim 64
 POS16_MAX = torch.iinfo(torch.int16).max
 
 # slots allocated at a time per (sequence, KV head); see docs/performance.md ("Paged storage")
