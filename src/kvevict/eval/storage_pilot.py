@@ -13,7 +13,7 @@ import math
 
 import torch
 
-CFG_KEYS = {"kv_bits": int, "evicted_bits": int, "group": int, "budget": float, "policy": str}
+CFG_KEYS = {"kv_bits": int, "evicted_bits": int, "evicted_budget": float, "group": int, "budget": float, "policy": str}
 
 
 def parse_config(text: str) -> tuple[str, dict]:
