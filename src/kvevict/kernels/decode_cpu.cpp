@@ -39,7 +39,6 @@ inline float step_of(uint8_t u) {
   return f;
 }
 
-
 struct RunView {
   int kind, group;
   int64_t n, heads;

@@ -32,7 +32,6 @@ import os
 
 import torch
 
-
 PACKED = (8, 4, 2)
 DENSE = (16, 32)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -56,7 +56,7 @@ def _operand(x, CDT: tl.constexpr, EMU: tl.constexpr):
 
 @triton.jit
 def _step(u):
-    """Step bytes -> fp32 steps (``kvevict.store.step_value``: the top 11 bits of a float32)."""
+    """Step bytes -> fp32 steps (``kvevict.store.step_value``; 16 is ``kvevict.store.STEP_BIAS``)."""
     return ((u.to(tl.int32) << 20) + ((127 - 16) << 23)).to(tl.float32, bitcast=True)
 
 
