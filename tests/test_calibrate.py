@@ -19,12 +19,13 @@ def calibrated():
 
 
 def test_candidates_spend_the_bytes_as_the_rule_does():
-    got = dict(candidates(0.5, 64, 4, 1))
+    got = dict(candidates(0.5, 64, 4, 2))
     assert set(got) == {"fp16", "int8", "int4", "int8+int4"}  # 0.5 lies between an int4 and an int8 slot
     for label, share in got.items():
-        assert share == pytest.approx(float(plan(0.5, 64, 64, 4, 1, floor=1, kind=label).budget))
+        assert share == pytest.approx(float(plan(0.5, 64, 64, 4, 2, floor=1, kind=label).budget))
     assert got["int8"] < got["int4"] <= 1.0 and got["fp16"] < got["int8"]
-    assert "int8+int4" not in dict(candidates(0.2, 64, 4, 1))  # below an int4 slot: no two tiers fit
+    low = dict(candidates(0.2, 64, 4, 2))  # below an int4 slot: three tiers, the top at int8, the next at int4
+    assert low["int8+int4"].pair[1] < low["int4"] and low["int8+int4"] + low["int8+int4"].pair[1] < 1.0
 
 
 def test_calibration_picks_the_lowest_nll_and_scores_the_rule_held_out(calibrated):
@@ -34,7 +35,7 @@ def test_calibration_picks_the_lowest_nll_and_scores_the_rule_held_out(calibrate
     for c in p["choices"]:
         best = min(c["candidates"], key=lambda k: c["candidates"][k]["nll"])
         assert c["storage"] == best and c["nll"] == c["candidates"][best]["nll"]
-        assert c["builtin"] == plan(c["memory"], 8, 8, 4, 1, group=8, floor=1).storage.label
+        assert c["builtin"] == plan(c["memory"], 8, 8, 4, 2, group=8, floor=1).storage.label
         assert (c["heldout_nll"] == c["builtin_heldout_nll"]) == (c["storage"] == c["builtin"])
 
 

@@ -57,8 +57,8 @@ def test_kv_bytes_is_exactly_the_budget_and_stays_there():
     cache = kvevict.make_cache(model, "h2o", budget=budget)
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     # per slot: key + value (fp32), position (int16, -1 for an empty slot), H2O's accumulated
-    # attention (fp32); per layer and sequence: its count of real tokens (int64)
-    slot = head_dim * 2 * 4 + 2 + 4
+    # attention (float16); per layer and sequence: its count of real tokens (int64)
+    slot = head_dim * 2 * 4 + 2 + 2
     expected = (budget * cfg.num_key_value_heads * slot + 8) * cfg.num_hidden_layers * batch
     ids = torch.randint(0, 128, (batch, 40))
     _logits(model, ids, cache)
@@ -159,7 +159,7 @@ def test_model_that_cannot_be_hooked_is_refused():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).eval()
     cache = kvevict.make_cache(gpt2, "h2o", budget=8)  # GPT-2 does route through the interface
     gpt2(torch.randint(0, 64, (1, 20)), cache=cache)
-    assert cache.kv_bytes() == 8 * 2 * (16 * 2 * 4 + 2 + 4) + 8  # slots x heads x (K, V, pos, sum) + n_real
+    assert cache.kv_bytes() == 8 * 2 * (16 * 2 * 4 + 2 + 2) + 8  # slots x heads x (K, V, pos, fp16 sum) + n_real
 
 
 def test_a_rejected_attention_call_leaves_the_cache_usable():

@@ -58,3 +58,26 @@ def test_paired_keeps_two_models_apart(tmp_path, capsys):
     assert "--model" in capsys.readouterr().err
     main([str(tmp_path), "--task", "ppl", "--budget", "0.2", "--metric", "top1", "--model", "m2", "roco:h2o"])
     assert "roco - h2o @ 0.2: -0.2 [" in capsys.readouterr().out
+
+
+def test_a_baseline_run_pairs_with_this_one_sample_by_sample(tmp_path, capsys):
+    """Two runs of the same samples (two versions of a rule): --baseline names the other's policies base.NAME."""
+    for run, shift in (("new", 0.0), ("old", 0.1)):
+        (tmp_path / run).mkdir()
+        with open(tmp_path / run / "records.jsonl", "w") as f:
+            for sample, nll in (("s1", 3.0), ("s2", 2.0), ("s3", 4.0)):
+                f.write(json.dumps({"model": "m", "task": "ppl", "policy": "full", "budget": None,
+                                    "sample": sample, "scores": {"nll": nll}}) + "\n")
+                if sample != "s3" or run == "new":  # s3 only in the new run: unpaired
+                    f.write(json.dumps({"model": "m", "task": "ppl", "policy": "mem", "budget": 0.2,
+                                        "sample": sample, "scores": {"nll": nll + 0.01 + shift}}) + "\n")
+    args = [str(tmp_path / "new"), "--baseline", str(tmp_path / "old"), "--task", "ppl", "--budget", "0.2",
+            "--metric", "nll"]
+    main(args + ["mem:base.mem", "base.full:full", "base.mem:full"])
+    out = capsys.readouterr().out
+    assert "mem - base.mem @ 0.2: -0.1 [" in out and "n=2" in out
+    assert "base.full - full @ 0.2: +0 [+0, +0] n=3" in out and "base.mem - full @ 0.2: +0.11 [" in out
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit):
+        main(args[:1] + ["--baseline", str(tmp_path / "empty")] + args[3:] + ["mem:base.mem"])
+    assert "no records in --baseline" in capsys.readouterr().err

@@ -99,7 +99,7 @@ def test_a_memory_budget_holds_at_most_that_share_of_the_bytes(folder, stock):
     from kvevict.storage import Storage
 
     shortest = min(len(_encode(tok, c, x)[0]) for c, x in pairs)
-    floor = MIN_TOKENS * Storage(kv_bits=4, group=8).slot_bytes(8, 8, 4, 1) / (shortest * 2 * 8 * 2)
+    floor = MIN_TOKENS * Storage(kv_bits=4, group=8).slot_bytes(8, 8, 4, 2) / (shortest * 2 * 8 * 2)
     assert 0.05 < b["kv_share"] <= max(0.2, floor) < 0.5
 
 

@@ -18,10 +18,10 @@ def _stock_bytes(cache: DynamicCache) -> int:
     return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.is_initialized)
 
 
-def _expected(cache, tokens: int, batch: int, kv_bits, n_stats: int) -> int:
+def _expected(cache, tokens: int, batch: int, kv_bits, stats_bytes: int) -> int:
     """Per layer pages(tokens, budget) slots of (key + value + position + statistics),
     plus each row's count of real tokens (int64)."""
-    slot = Storage(kv_bits=kv_bits, group=8).slot_bytes(D, D, 4, n_stats)
+    slot = Storage(kv_bits=kv_bits, group=8).slot_bytes(D, D, 4, stats_bytes)
     return sum(batch * H * pages(tokens, layer.budget) * slot + 8 * batch for layer in cache.layers)
 
 
@@ -39,10 +39,10 @@ def test_bytes_are_exact_at_every_length_and_within_a_page_of_the_stock_cache(bu
             for step in range(40):
                 tokens = prompt + step
                 held = cache.kv_bytes()
-                assert held == _expected(cache, tokens, 2, kv_bits, n_stats=1)
+                assert held == _expected(cache, tokens, 2, kv_bits, stats_bytes=2)
                 # the bound: the stock cache's bytes + one page per (layer, KV head) + bookkeeping
                 page = 3 * 2 * H * (PAGE - 1) * 2 * D * 4
-                per_slot_book = 2 + 4  # position (int16; -1: empty), H2O's statistic
+                per_slot_book = 2 + 2  # position (int16; -1: empty), H2O's statistic (float16)
                 book = 3 * 2 * H * (tokens + PAGE - 1) * per_slot_book + 3 * 2 * 8
                 assert held <= _stock_bytes(stock) + page + book
                 nxt = out.logits[:, -1:].argmax(-1)
@@ -70,7 +70,8 @@ def test_pages_are_allocated_on_growth_and_given_back_when_a_row_leaves():
     assert long_.layers[0].tiers[0].capacity == 4 * PAGE
     long_.batch_select_indices(torch.tensor([1]))  # the long row left: its pages go back
     assert all(t.capacity == PAGE for layer in long_.layers for t in layer.tiers)
-    assert long_.kv_bytes() == sum(H * PAGE * (2 * D * 4 + 6) + 8 for _ in long_.layers)
+    # a slot: fp32 K and V, an int16 position and H2O's float16 sum
+    assert long_.kv_bytes() == sum(H * PAGE * (2 * D * 4 + 2 + 2) + 8 for _ in long_.layers)
 
 
 def test_mixed_precision_tiers_grow_in_pages_too():

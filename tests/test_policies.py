@@ -9,6 +9,7 @@ import kvevict
 from conftest import tiny_model
 from kvevict.attention import _Segments, attend
 from kvevict.policies import Candidates, make_policy
+from kvevict.storage import stat_bytes
 
 # Attention of 6 queries over 6 keys (one head, causal, rows sum to 1), built by hand.
 A = torch.tensor([
@@ -136,7 +137,7 @@ def test_every_policy_and_prefill_mode_on_a_padded_gqa_batch(name, mode, stride)
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     # per slot: key + value (fp32), position (int16; -1: empty or padding), 4 bytes per policy
     # statistic; per layer and sequence: its count of real tokens (int64); adaptive: the slot's head (uint8)
-    slot = head_dim * 2 * 4 + 2 + 4 * len(cache.policy.stats) + cache.policy.adaptive
+    slot = head_dim * 2 * 4 + 2 + stat_bytes(cache.policy.stats) + cache.policy.adaptive
     assert cache.kv_bytes() == sum(per_layer) * 3 * cfg.num_key_value_heads * slot + 8 * 3 * cfg.num_hidden_layers
     for layer in cache.layers:
         assert layer.valid.all()  # 12 real tokens always exist, so padding never holds a slot

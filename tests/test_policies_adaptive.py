@@ -9,6 +9,7 @@ from transformers import DynamicCache
 import kvevict
 from conftest import tiny_model
 from kvevict.policies import Candidates, make_policy
+from kvevict.storage import stat_bytes
 from kvevict.store import slot_bytes
 from tiny_chat_model import char_tokenizer
 
@@ -103,7 +104,7 @@ def test_adaptive_memory_is_the_layer_total_not_heads_x_the_longest_head(kv_bits
     assert out.shape == (b, n + 5)
     hkv, d = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
     group = cache.storage.group
-    meta = 2 + 1 + 4 * len(cache.policy.stats)  # position (int16), head id, one float per statistic
+    meta = 2 + 1 + stat_bytes(cache.policy.stats)  # position (int16), head id, the statistics
     per_layer = b * hkv * budget * (slot_bytes(d, d, kv_bits, group, 4) + meta) + b * 8
     if evicted_bits:
         per_layer += b * hkv * 6 * (slot_bytes(d, d, evicted_bits, group, 4) + meta)

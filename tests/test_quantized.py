@@ -61,11 +61,14 @@ def test_zero_is_exact_and_a_constant_group_within_half_a_step(bits):
     assert ((back - x).abs() <= step_value(step).repeat_interleave(8, -1) / 2).all()
 
 
-def _slot_bytes(head_dim, bits, group, n_stats):
+H2O_STAT = 2  # H2O's one statistic, its attention sum, in float16
+
+
+def _slot_bytes(head_dim, bits, group, stats_bytes):
     """Bytes of one slot of one KV head, counted by hand: K and V codes, a step byte and a zero
-    byte per group, int16 position, fp32 statistics."""
+    byte per group, int16 position, the statistics' bytes."""
     codes, groups = head_dim * bits // 8, head_dim // group
-    return 2 * (codes + 2 * groups) + 2 + 4 * n_stats
+    return 2 * (codes + 2 * groups) + 2 + stats_bytes
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2])
@@ -75,7 +78,7 @@ def test_kv_bytes_is_exact_for_packed_storage(bits):
     budget, batch, n_layers, heads = 10, 2, cfg.num_hidden_layers, cfg.num_key_value_heads
     cache = kvevict.make_cache(model, "h2o", budget=budget, kv_bits=bits, group=8)
     _logits(model, torch.randint(0, 128, (batch, 30)), cache)
-    expected = (budget * heads * _slot_bytes(16, bits, 8, 1) + 8) * n_layers * batch
+    expected = (budget * heads * _slot_bytes(16, bits, 8, H2O_STAT) + 8) * n_layers * batch
     assert cache.kv_bytes() == expected
     ptr = [layer.keys.data_ptr() for layer in cache.layers]
     assert all(layer.keys.dtype == torch.uint8 for layer in cache.layers)
@@ -85,7 +88,7 @@ def test_kv_bytes_is_exact_for_packed_storage(bits):
     # mixed: a second tier of evicted_budget slots at evicted_bits
     mixed = kvevict.make_cache(model, "h2o", budget=budget, kv_bits=8, group=8, evicted_bits=2, evicted_budget=6)
     _logits(model, torch.randint(0, 128, (batch, 30)), mixed)
-    two = (budget * _slot_bytes(16, 8, 8, 1) + 6 * _slot_bytes(16, 2, 8, 1)) * heads
+    two = (budget * _slot_bytes(16, 8, 8, H2O_STAT) + 6 * _slot_bytes(16, 2, 8, H2O_STAT)) * heads
     assert mixed.kv_bytes() == (two + 8) * n_layers * batch
 
 
@@ -113,7 +116,7 @@ def test_int8_on_smollm2_stays_close_to_the_full_cache(real_model):
     got = _stream(model, cache, ids, steps)
     assert (got - ref).abs().max().item() < 0.25  # stated tolerance; logits span ~30, measured 0.11
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
-    # int8 + step and zero bytes per 32 + pos/stat: 142 bytes a slot and KV head, against 256 at 16 bits
+    # int8 + step and zero bytes per 32 + pos/stat: 140 bytes a slot and KV head, against 256 at 16 bits
     assert cache.kv_bytes() < 0.57 * cache.full_kv_bytes()
     assert cache.kv_bytes() < 0.285 * cache.full_kv_bytes(dtype_bytes=None)  # and against the fp32 model's own
 
@@ -214,26 +217,31 @@ def test_bad_storage_options_are_clear_errors(kw, match):
 
 
 def test_memory_plans_follow_the_measured_rule():
-    from kvevict.memory import parse_memory, plan
+    from kvevict.memory import HEAD_BYTES, HEAD_FROM, parse_memory, plan
 
     # SmolLM2's shape: head_dim 64, H2O (one statistic): per slot and KV head a 16-bit stock token is
-    # 256 bytes, whatever the model's dtype; int8 142, int4 78 (codes + a step byte and a zero byte
-    # per 32 channels + int16 position + fp32 sum)
+    # 256 bytes, whatever the model's dtype; int8 140, int4 76 (codes + a step byte and a zero byte
+    # per 32 channels + int16 position + float16 sum)
     def p(mem, dtype_bytes=4):
-        return plan(mem, 64, 64, dtype_bytes, 1)
+        return plan(mem, 64, 64, dtype_bytes, H2O_STAT)
 
     assert p(0.7).storage.kv_bits == 8 and p(0.7).budget == 1.0 and p(0.7).storage.evicted_bits is None
-    mixed = p(0.5)  # every token: f at int8, 1 - f at int4, f * 142 + (1 - f) * 78 = 0.5 * 256
+    mixed = p(0.5)  # every token: f at int8, 1 - f at int4, f * 140 + (1 - f) * 76 = 0.5 * 256
     assert (mixed.storage.kv_bits, mixed.storage.evicted_bits) == (8, 4)
-    assert mixed.budget == pytest.approx((0.5 * 256 - 78) / (142 - 78))
+    assert mixed.budget == pytest.approx((0.5 * 256 - 76) / (140 - 76))
     assert mixed.budget + mixed.storage.evicted_budget == pytest.approx(1.0)
-    assert p(78 / 256).storage.kv_bits == 4 and p(78 / 256).budget == 1.0  # just int4 for every token
-    low = p(0.2)  # under int4-for-everything: evict, keep int4
-    assert low.storage.kv_bits == 4 and low.storage.evicted_bits is None and low.budget == pytest.approx(0.2 * 256 / 78)
+    assert p(76 / 256).storage.kv_bits == 4 and p(76 / 256).budget == 1.0  # just int4 for every token
+    three = p(0.2)  # under int4-for-everything: H2O's top at int8 in HEAD_BYTES of the bytes, the next at int4
+    assert (three.storage.kv_bits, three.storage.evicted_bits) == (8, 4)
+    assert three.budget == pytest.approx(HEAD_BYTES * 0.2 * 256 / 140)
+    assert three.budget * 140 + three.storage.evicted_budget * 76 == pytest.approx(0.2 * 256)
+    low = p(0.1)  # under HEAD_FROM x int4-for-everything: evict, keep int4
+    assert 0.1 < HEAD_FROM * 76 / 256 and low.storage == Storage(kv_bits=4)
+    assert low.budget == pytest.approx(0.1 * 256 / 76)
     for mem in (0.7, 0.5, 0.2, 0.05):  # a bf16 model plans the same shares as an fp32 one
         assert float(p(mem, 2).budget) == float(p(mem).budget) and p(mem, 2).storage == p(mem).storage
-    tokens = plan("1MiB", 64, 64, 4, 1, layers_heads=90)  # bytes per sequence -> int4 slots per layer and head
-    assert tokens.budget == 2**20 // (90 * 78)
+    tokens = plan("1MiB", 64, 64, 4, H2O_STAT, layers_heads=90)  # bytes per sequence -> int4 slots per layer and head
+    assert tokens.budget == 2**20 // (90 * 76)
     assert parse_memory("20%") == pytest.approx(0.2) and parse_memory("2GiB") == 2**31 and parse_memory(0.3) == 0.3
 
 
@@ -246,7 +254,7 @@ def test_memory_plan_counts_the_head_id_of_head_adaptive_slots():
     c = model.config
     layers_heads = c.num_hidden_layers * c.num_key_value_heads
     d = c.hidden_size // c.num_attention_heads
-    int4 = Storage(kv_bits=4).slot_bytes(d, d, 4, 1)
+    int4 = Storage(kv_bits=4).slot_bytes(d, d, 4, H2O_STAT)
     assert slots["h2o"] == 2**16 // (layers_heads * int4)
     assert slots["ada-h2o"] == 2**16 // (layers_heads * (int4 + 1))
 
@@ -268,3 +276,24 @@ def test_a_memory_budget_holds_in_kv_bytes(memory):
 def test_bad_memory_budgets_are_clear_errors(memory, match):
     with pytest.raises(ValueError, match=match):
         kvevict.make_cache(tiny_model("llama-gqa"), "h2o", memory=memory)
+
+
+def test_rank_statistics_are_float16_and_counters_float32():
+    """H2O's sums (and every statistic only ranked) take 2 bytes a slot; counts stay exact past 2,048."""
+    from kvevict.storage import stat_bytes
+
+    model = tiny_model("llama-gqa")
+    cache = kvevict.make_cache(model, "roco", budget=8)  # sum, sq, count
+    _logits(model, torch.randint(0, 128, (1, 20)), cache)
+    tier = cache.layers[0].tiers[0]
+    assert {n: t.dtype for n, t in tier.stats.items()} == {"sum": torch.float16, "sq": torch.float32,
+                                                          "count": torch.float32}
+    assert stat_bytes(("sum", "sq", "count")) == 10 and stat_bytes(kvevict.POLICIES["h2o"].stats) == 2
+    f = tier.filled
+    grow = {n: torch.zeros_like(t[..., :f], dtype=torch.float32) for n, t in tier.stats.items()}
+    grow["sum"][..., 0], grow["count"][..., :] = 7e4, 3000.0
+    tier.accumulate(grow, 0, 1.0, 1)
+    # a sum past float16's range saturates, finite and still first; a count past 2,048 stays exact
+    assert torch.isfinite(tier.stats["sum"]).all() and tier.stats["sum"][..., 0].eq(torch.finfo(torch.float16).max).all()
+    assert (tier.stats["count"][..., :f] >= 3000).all() and tier.stats["count"][..., :f].frac().eq(0).all()
+    assert tier.candidates(None, 20, 8, 0).stats["sum"].dtype == torch.float32  # policies score in float32

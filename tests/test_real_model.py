@@ -41,7 +41,7 @@ def test_real_model_h2o_generation_holds_the_budget(real_model):
     res = generate(model, tok, [{"role": "user", "content": text}], "h2o", 0.2, max_new_tokens=8)
     budget = -(-res.prompt_tokens // 5)  # ceil(0.2 * prompt length)
     # per layer and KV head, each kept slot: key + value (fp32), position (int16), H2O's sum; + n_real
-    assert res.kv_bytes == 30 * (budget * 3 * (64 * 2 * 4 + 2 + 4) + 8)
+    assert res.kv_bytes == 30 * (budget * 3 * (64 * 2 * 4 + 2 + 2) + 8)  # K, V, int16 position, fp16 sum
     assert res.new_tokens == 8 and res.text
 
 

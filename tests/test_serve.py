@@ -14,6 +14,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 import kvevict  # noqa: E402
+from kvevict.storage import stat_bytes  # noqa: E402
 from kvevict.tier import pages  # noqa: E402
 from kvevict.generate import generate  # noqa: E402
 from kvevict.serve.server import ServerThread, build  # noqa: E402
@@ -61,10 +62,10 @@ def token_bytes(model):
 
 def held_bytes(model, slots: int, policy: str) -> int:
     """What an evicting cache holds for one sequence of ``slots`` kept tokens: K and V, plus per slot
-    its position (2 bytes) and the policy's statistics (4 each), plus a count per layer."""
+    its position (2 bytes) and the policy's statistics (``stat_bytes``), plus a count per layer."""
     c = model.config
-    n_stats = len(kvevict.POLICIES[policy].stats)
-    per_slot = token_bytes(model) + c.num_hidden_layers * c.num_key_value_heads * (2 + 4 * n_stats)
+    stats = stat_bytes(kvevict.POLICIES[policy].stats)
+    per_slot = token_bytes(model) + c.num_hidden_layers * c.num_key_value_heads * (2 + stats)
     return slots * per_slot + 8 * c.num_hidden_layers
 
 

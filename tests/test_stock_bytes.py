@@ -2,6 +2,7 @@
 (sliding-window layers at their window), and a memory budget picks the policy too."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -78,9 +79,10 @@ class _CharTok:
         return " ".join(str(int(i)) for i in ids)
 
 
-@pytest.mark.parametrize("memory", [0.95, 0.6, 0.4, 0.1])
+@pytest.mark.parametrize("memory", [0.7, 0.6, 0.4, 0.1])
 def test_memory_fractions_hold_the_same_bytes_in_fp32_and_bf16(memory):
-    # head_dim 16, groups of 8 channels: int8 from 46/64 of a 16-bit token, int8 + int4 from 28/64, int4 below
+    # head_dim 16, groups of 8 channels: int8 from 44/64 of a 16-bit token, int8 + int4 for every token
+    # from r4 = 28/64, three tiers (int8 top, int4 next, the rest evicted) from HEAD_FROM x r4, int4 below
     fp32 = tiny_model("llama-mha")
     bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
     ids = torch.randint(0, 128, (2, 1200))  # long enough that the floor does not bind
@@ -90,7 +92,7 @@ def test_memory_fractions_hold_the_same_bytes_in_fp32_and_bf16(memory):
         held[name] = (cache.kv_bytes(), cache.full_kv_bytes(), cache.layers[0].storage.label, cache.budget)
     assert held["fp32"] == held["bf16"]
     kv, full, label, _ = held["fp32"]
-    assert label == {0.95: "int8", 0.6: "int8+int4", 0.4: "int4", 0.1: "int4"}[memory]
+    assert label == {0.7: "int8", 0.6: "int8+int4", 0.4: "int8+int4", 0.1: "int4"}[memory]
     assert 0.75 * memory * full <= kv <= 1.02 * memory * full
 
 
@@ -120,10 +122,11 @@ def test_a_prompt_scoring_policy_evicts_at_int8_where_a_streaming_one_goes_to_in
     from kvevict.memory import plan
 
     r8 = Storage(kv_bits=8).slot_bytes(64, 64, 4, 0) / 256  # an int8 slot over a 16-bit token
-    stream, scored = plan(memory, 64, 64, 4, 1), plan(memory, 64, 64, 4, 0, scores_prompt=True)
+    stream, scored = plan(memory, 64, 64, 4, 2), plan(memory, 64, 64, 4, 0, scores_prompt=True)
     assert scored.storage == Storage(kv_bits=8) and float(scored.budget) == pytest.approx(memory / r8)
-    assert stream.storage.kv_bits == (4 if memory < 0.35 else 8) and 4 in (stream.storage.kv_bits,
-                                                                            stream.storage.evicted_bits)
+    # streaming: int4 alone at 5%; at 20% and 40% H2O's top at int8 and the next at int4
+    assert stream.storage.kv_bits == (4 if memory < 0.1 else 8) and 4 in (stream.storage.kv_bits,
+                                                                           stream.storage.evicted_bits)
     assert plan(0.8, 64, 64, 4, 0, scores_prompt=True) == plan(0.8, 64, 64, 4, 0)  # from r8 up: the same
 
 
@@ -138,6 +141,22 @@ def test_a_fractional_memory_budget_never_cuts_a_short_prompt():
     assert long.layers[0].storage.kv_bits == 4 and MIN_TOKENS < long.budget < 1500
     mid = _feed(model, kvevict.make_cache(model, memory=0.05), torch.randint(0, 128, (1, 300)), steps=0)
     assert mid.budget == MIN_TOKENS and mid.layers[0].storage.kv_bits == 4  # the floor, at the plan's bits
+
+
+@pytest.mark.parametrize("memory", [0.4, 0.6])  # three tiers (int8, int4, evicted); every token in two
+def test_a_two_tier_plan_floors_the_tokens_of_both_tiers_together(memory):
+    model = tiny_model("llama-mha")  # head_dim 16, groups of 8: r4 = 28/64, r8 = 46/64
+    for n in (150, 300, 1200):
+        cache = _feed(model, kvevict.make_cache(model, memory=memory, group=8), torch.randint(0, 128, (1, n)), steps=0)
+        layer = cache.layers[0]
+        head, tail = (t.budget for t in layer.tiers)
+        share = sum(layer.budget_spec.pair)  # of the prompt, both tiers
+        assert layer.storage.label == "int8+int4" and share <= 1.0
+        # the floor bounds what both tiers keep, not the int8 tier alone
+        assert head + tail == min(n, max(MIN_TOKENS, math.ceil(share * n - 1e-9)))
+        assert head == pytest.approx(float(layer.budget_spec) / share * (head + tail), abs=1)
+        if share * n >= MIN_TOKENS:  # the floor does not bind: the plan's bytes, up to a slot of rounding
+            assert cache.kv_bytes() <= memory * cache.full_kv_bytes() + 2 * 64 * len(cache.layers) * layer.dims[0]
 
 
 def test_a_sliding_model_plans_its_budget_in_bytes():

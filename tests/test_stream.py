@@ -9,6 +9,7 @@ import torch
 from conftest import tiny_model
 from kvevict.bench.stream import STOCK, StreamSettings, new_stream_cache, run_stream
 from kvevict.cli import main
+from kvevict.storage import stat_bytes
 
 
 def test_a_tiny_model_streams_4x_its_position_limit_in_flat_storage():
@@ -20,7 +21,7 @@ def test_a_tiny_model_streams_4x_its_position_limit_in_flat_storage():
     rows = run_stream(model, ids, cache, block, window)
     assert [r["end"] for r in rows] == [256 * k for k in range(1, 8)] + [2047]
     # per kept slot: K + V (fp32), position (int16), H2O's score sum (fp32); + n_real per layer
-    slot = 2 * 8 * 4 + 2 + 4 * len(cache.policy.stats)
+    slot = 2 * 8 * 4 + 2 + stat_bytes(cache.policy.stats)
     assert {r["kv_bytes"] for r in rows} == {3 * (budget * 2 * slot + 8)}  # flat from the first window on
     assert cache.peak_entries() == budget + block and cache.get_seq_length() == 2047
     assert cache.layers[0].pos.max().item() == 2046  # original positions far past 512 ...

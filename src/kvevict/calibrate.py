@@ -9,6 +9,8 @@ candidates are the ways the bytes can be spent (r_b: a b-bit slot's bytes over a
   - evict, keep the rest at b bits, b in {16, 8, 4}:     m / r_b of the tokens
   - every token kept, the policy's top f at int8, the rest at int4 (r_4 <= m < r_8):
     f = (m - r_4) / (r_8 - r_4)
+  - below r_4, three tiers: the policy's top at int8 in ``memory.HEAD_BYTES`` of the bytes, the
+    next at int4 in the rest, the others evicted
 
 Each is scored by teacher-forced streaming (``kvevict.eval.streaming.stream_compare``: the text enters
 ``chunk`` tokens at a time while the policy evicts), as the mean NLL per token over the calibration
@@ -27,7 +29,7 @@ import json
 import math
 from pathlib import Path
 
-from .storage import DEFAULT_GROUP
+from .storage import DEFAULT_GROUP, stat_bytes
 
 FORMAT = "kvevict-plan/1"
 KINDS = ("fp16", "int8", "int4", "int8+int4")
@@ -63,16 +65,16 @@ def default_path(model) -> Path:
     return folder / f"{signature_id(signature(model))}.json"
 
 
-def candidates(memory: float, head_dim: int, dtype_bytes: int, n_stats: int, group: int = DEFAULT_GROUP) -> list:
+def candidates(memory: float, head_dim: int, dtype_bytes: int, stats_bytes: int, group: int = DEFAULT_GROUP) -> list:
     """[(storage label, share of the tokens at the first tier's bits)] for a memory share (see the
     module): ``kvevict.memory.plan`` with each kind forced, so the bytes are the rule's own."""
     from .memory import plan
 
     out = []
     for kind in KINDS:
-        p = plan(memory, head_dim, head_dim, dtype_bytes, n_stats, group=group, floor=1, kind=kind)
-        if (p.storage.label, float(p.budget)) not in out:  # int8+int4 outside its range is int8 or int4
-            out.append((p.storage.label, float(p.budget)))
+        p = plan(memory, head_dim, head_dim, dtype_bytes, stats_bytes, group=group, floor=1, kind=kind)
+        if all((p.storage.label, float(p.budget)) != (label, float(share)) for label, share in out):
+            out.append((p.storage.label, p.budget))  # int8+int4 from r8 up is int8
     return out
 
 
@@ -134,10 +136,10 @@ def calibrate(model, tokenizer, memories=(0.2, 0.1, 0.05), policy: str = "h2o", 
     if getattr(pol, "needs_prompt", False):
         raise ValueError(f"{policy} scores a whole prompt before decoding; calibrate a streaming policy (h2o, ...): "
                          "a prompt-scoring policy keeps the built-in rule.")
-    n_stats, dtype_bytes, group = len(pol.stats), model.dtype.itemsize, math.gcd(DEFAULT_GROUP, d)
+    stats_bytes, dtype_bytes, group = stat_bytes(pol.stats), model.dtype.itemsize, math.gcd(DEFAULT_GROUP, d)
     calib, held = _windows(tokenizer, tokens, windows, 0), _windows(tokenizer, tokens, heldout, windows)
     full = ("full", None)
-    per_memory = {m: [(f"{policy}/{label}", share) for label, share in candidates(m, d, dtype_bytes, n_stats, group)]
+    per_memory = {m: [(f"{policy}/{label}", share) for label, share in candidates(m, d, dtype_bytes, stats_bytes, group)]
                   for m in memories}
     scored = _mean_nll(model, calib, [full] + [c for cells in per_memory.values() for c in cells], chunk)
     log(f"full cache: NLL {scored[full]:.4f} per token on {windows} windows of {tokens} tokens")
@@ -146,7 +148,7 @@ def calibrate(model, tokenizer, memories=(0.2, 0.1, 0.05), policy: str = "h2o", 
         for cell in cells:
             log(f"  memory {m:g}: {cell[0]:16s} {cell[1]:6.1%} of the tokens  NLL {scored[cell] - scored[full]:+.4f}")
         best = min(cells, key=lambda c: scored[c])
-        kind = builtin_plan(m, d, d, dtype_bytes, n_stats, group=group, floor=1).storage.label
+        kind = builtin_plan(m, d, d, dtype_bytes, stats_bytes, group=group, floor=1).storage.label
         rule = next(c for c in cells if c[0] == f"{policy}/{kind}")
         picks[m] = (best, rule)
     held_nll = _mean_nll(model, held, [full] + sorted({c for pair in picks.values() for c in pair}), chunk)

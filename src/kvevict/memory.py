@@ -11,7 +11,12 @@ r4 the bytes of an int8 and an int4 slot over a 16-bit token's (0.55 and 0.30 at
   - from r4 (what int4 for every token costs) to r8, every token still kept, in two tiers: the
     share f the policy ranks highest at int8, the rest demoted to int4 (mixed precision, MiKV),
     f chosen so the two tiers fill the memory: f r8 + (1 - f) r4 = memory;
-  - below r4, evict with the policy and keep int4 for the tokens kept (memory / r4 of them). 2-bit
+  - from ``HEAD_FROM`` x r4 to r4, three tiers for a streaming policy: its top share h at int8,
+    holding ``HEAD_BYTES`` of the memory (h r8 = HEAD_BYTES x memory), the next share g at int4 in
+    the rest (g r4 = memory - h r8), the others evicted. At 20% of a 16-bit cache on SmolLM2 this
+    halved int4-alone's streaming NLL cost; at 10% the int8 tier cost more tokens than it was worth.
+    A model with sliding-window layers keeps int4 alone there (its bytes are solved per layer);
+  - below, evict with the policy and keep int4 for the tokens kept (memory / r4 of them). 2-bit
     storage (for every token, or for the demoted ones) costs +1 to +3 nats per token, or more than
     evicting: never chosen;
   - a policy that ranks the whole prompt before decoding (``kvzip-pool``) evicts below r8 and keeps
@@ -23,8 +28,8 @@ r4 the bytes of an int8 and an int4 slot over a 16-bit token's (0.55 and 0.30 at
     gains more from keeping more tokens.
 
 A fractional budget never cuts a short prompt: it keeps at least ``MIN_TOKENS`` tokens per layer
-and KV head (as the server's ``--min-budget`` does for token budgets), so a short chat is stored
-whole at the plan's bits and holds more than the fraction says. On a model with sliding-window
+and KV head (as the server's ``--min-budget`` does for token budgets; two tiers together, split as
+the plan splits them), so a short chat is stored whole and holds more than the fraction says. On a model with sliding-window
 layers the token budget B is solved in bytes once the prompt's length n is known, a sliding layer
 holding min(window, B) tokens:  sum_l min(cap_l, B) x r = memory x sum_l kept_l(n).
 
@@ -37,7 +42,7 @@ at 1.2K tokens, 6/6 at 3.5K) where H2O over int4 found 4/12 and 2/6 (issue 20); 
 docs/ruler.md.
 
 Per slot and KV head: ``Storage.slot_bytes`` (codes, a step byte and a zero byte per group, an
-int16 position, the policy's fp32 statistics).
+int16 position, the policy's statistics: ``storage.stat_bytes``, 2 bytes for H2O's float16 sum).
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ import re
 from dataclasses import dataclass
 
 from .stock import STOCK_BYTES, kept_tokens, stock_windows
-from .storage import DEFAULT_GROUP, Storage
+from .storage import DEFAULT_GROUP, Storage, stat_bytes
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -85,6 +90,9 @@ def parse_memory(memory) -> float | int:
 MIN_TOKENS = 128  # a fractional memory budget keeps at least this many tokens per layer and KV head
 PROMPT_POLICY = "kvzip-pool"  # scores the whole prompt before decoding
 STREAM_POLICY = "h2o"  # scores what streams in
+# below r4, a streaming policy's three tiers (int8 top, int4 next, the rest evicted) from this share
+# of r4 on, the int8 tier holding this share of the bytes (docs/quality-per-byte.md)
+HEAD_FROM, HEAD_BYTES = 0.49, 0.28
 
 
 def pick_policy(prompt_known: bool) -> str:
@@ -102,14 +110,21 @@ class PromptShare(float):
     float16), where 4-bit codes changed SmolLM2's greedy answers to 10 of 13 short chats (fp32)."""
 
     def __new__(cls, value: float, memory: float = 0.0, ratio: float = 1.0, windows: tuple = (), floor: int = 1,
-                short_bits: int | None = 16):
+                short_bits: int | None = 16, pair: tuple | None = None, part: int = 0):
         self = super().__new__(cls, value)
         self.memory, self.ratio, self.windows, self.floor = memory, ratio, tuple(windows), floor
         self.short_bits = short_bits
+        self.pair, self.part = pair, part  # a two-tier plan's (int8 share, int4 share); this one is pair[part]
         return self
 
     def __reduce__(self):
-        return PromptShare, (float(self), self.memory, self.ratio, self.windows, self.floor, self.short_bits)
+        return PromptShare, (float(self), self.memory, self.ratio, self.windows, self.floor, self.short_bits,
+                             self.pair, self.part)
+
+    def partner(self) -> "PromptShare":
+        """A two-tier plan's other share (the int4 tier's for the int8 tier's, and back)."""
+        return PromptShare(self.pair[1 - self.part], self.memory, self.ratio, self.windows, self.floor,
+                           self.short_bits, self.pair, 1 - self.part)
 
     def storage_for(self, n: int, planned: Storage) -> Storage:
         """The storage for an n-token prompt: ``planned``, or 16 bits for a short prompt."""
@@ -118,6 +133,11 @@ class PromptShare(float):
     def tokens(self, n: int) -> int:
         if n <= self.floor:  # a short prompt: kept whole, room for the answer up to the floor
             return self.floor
+        if self.pair:  # two tiers: the floor bounds the tokens both keep, split as the plan splits them
+            head, tail = self.pair
+            total = min(n, max(self.floor, math.ceil((head + tail) * n - 1e-9)))
+            first = min(total, max(1, math.ceil(total * head / (head + tail) - 1e-9)))
+            return first if self.part == 0 else max(1, total - first)
         budget = math.ceil(float(self) * n - 1e-9)
         if any(w is not None for w in self.windows):  # slots the bytes of the stock cache buy, solved for B
             budget = min(n, _fill(self.memory * kept_tokens(list(self.windows), n) / self.ratio, self.windows))
@@ -142,11 +162,12 @@ class Plan:
     storage: Storage
 
 
-def plan(memory, head_dim_k: int, head_dim_v: int, dtype_bytes: int, n_stats: int, layers_heads: int = 1,
+def plan(memory, head_dim_k: int, head_dim_v: int, dtype_bytes: int, stats_bytes: int, layers_heads: int = 1,
          group: int = DEFAULT_GROUP, slot_extra: int = 0, windows=None, floor: int = MIN_TOKENS,
          scores_prompt: bool = False, kind: str | None = None) -> Plan:
     """The storage and token budget for ``memory`` (see the module's rule), as a share of a 16-bit
-    stock cache whatever ``dtype_bytes`` (the model's, for storage kept in it). ``layers_heads``:
+    stock cache whatever ``dtype_bytes`` (the model's, for storage kept in it). ``stats_bytes``: a
+    slot's statistics (``storage.stat_bytes(policy.stats)``). ``layers_heads``:
     layers x KV heads, to turn bytes per sequence into slots per (layer, KV head); ``slot_extra``:
     bytes a slot carries besides ``Storage.slot_bytes`` (Ada-KV's 1-byte head id); ``windows``: per
     layer the tokens a stock cache keeps at most (``kvevict.stock.stock_windows``), None for a
@@ -161,7 +182,7 @@ def plan(memory, head_dim_k: int, head_dim_v: int, dtype_bytes: int, n_stats: in
     sliding = any(w is not None for w in windows)
 
     def slot(bits) -> float:
-        return Storage(kv_bits=bits, group=group).slot_bytes(head_dim_k, head_dim_v, dtype_bytes, n_stats) + slot_extra
+        return Storage(kv_bits=bits, group=group).slot_bytes(head_dim_k, head_dim_v, dtype_bytes, stats_bytes) + slot_extra
 
     if isinstance(memory, int):  # bytes per sequence: as many int4 tokens as fit
         if sliding:  # a sliding layer never holds more than its window: the rest goes to the others
@@ -180,15 +201,19 @@ def plan(memory, head_dim_k: int, head_dim_v: int, dtype_bytes: int, n_stats: in
         return PromptShare(min(1.0, value), memory, ratio[bits], windows if lone else (), floor, short)
 
     if kind is None:
-        kind = "int8" if memory >= ratio[8] or scores_prompt else "int8+int4" if memory >= ratio[4] else "int4"
-    if kind == "int8+int4" and not ratio[4] <= memory < ratio[8]:  # no two tiers fit: the nearer single one
-        kind = "int8" if memory >= ratio[8] else "int4"
+        kind = ("int8" if memory >= ratio[8] or scores_prompt else "int8+int4" if memory >= ratio[4]
+                or (memory >= HEAD_FROM * ratio[4] and not sliding) else "int4")
+    if kind == "int8+int4" and memory >= ratio[8]:  # int8 for every token fits: no int4 tier
+        kind = "int8"
     if kind == "int8+int4":
-        # every token: the policy's top f at int8, the rest demoted to int4; f r8 + (1 - f) r4 = memory
-        f = (memory - ratio[4]) / (ratio[8] - ratio[4])
-        if f * 1000 < 1:
-            return Plan(share(1.0, 4), Storage(kv_bits=4, group=group))
-        return Plan(share(f, 8, lone=False), Storage(kv_bits=8, group=group, evicted_bits=4, evicted_budget=1.0 - f))
+        if memory >= ratio[4]:  # every token: the policy's top f at int8, the rest at int4
+            head = (memory - ratio[4]) / (ratio[8] - ratio[4])  # f r8 + (1 - f) r4 = memory
+            if head * 1000 < 1:
+                return Plan(share(1.0, 4), Storage(kv_bits=4, group=group))
+        else:  # the top at int8 in HEAD_BYTES of the memory, as many next at int4 as the rest buys
+            head = HEAD_BYTES * memory / ratio[8]
+        first = PromptShare(head, memory, ratio[8], (), floor, short, (head, (memory - head * ratio[8]) / ratio[4]))
+        return Plan(first, Storage(kv_bits=8, group=group, evicted_bits=4, evicted_budget=first.partner()))
     bits = {"fp16": 16, "int8": 8, "int4": 4}.get(kind)
     if bits is None:
         raise ValueError(f"unknown kind of storage {kind!r} in a memory plan: fp16, int8, int4 or int8+int4.")
@@ -211,7 +236,7 @@ def plan_for_model(model, memory, policy, group: int = DEFAULT_GROUP, floor: int
     head_id = 1 if getattr(policy, "adaptive", False) else 0  # a pooled slot says whose head it is (Tier.head)
     windows = stock_windows(config)
     kind = _calibrated_kind(model, memory, policy, plan_file)
-    return plan(memory, d, d, model.dtype.itemsize, len(policy.stats), layers_heads, group, head_id,
+    return plan(memory, d, d, model.dtype.itemsize, stat_bytes(policy.stats), layers_heads, group, head_id,
                 windows if any(w is not None for w in windows) else None, floor,
                 scores_prompt=bool(getattr(policy, "needs_prompt", False)), kind=kind)
 

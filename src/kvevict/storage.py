@@ -5,11 +5,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from .store import check_bits, slot_bytes
 
 # per-token groups of 32 channels: measured against 16 and 64 on SmolLM2 (docs/quality-per-byte.md)
 DEFAULT_GROUP = 32
 POS_BYTES = 2  # a slot's position, int16 (kvevict.tier)
+
+# Statistics a policy only ranks by are float16 (attention sums, last or largest attention, key
+# norms): a rank needs no more than 11 bits, H2O's sums saturate at FP16_MAX (a sink token reaches
+# it after ~25K steps and stays first), and the int4 slot's bookkeeping falls to 12 of its 64 code
+# bytes (docs/quality-per-byte.md). Counters and squares stay float32: float16 counts stop at 2,048
+# and squared probabilities underflow.
+HALF_STATS = frozenset({"sum", "last", "max", "obs", "knorm"})
+FP16_MAX = torch.finfo(torch.float16).max
+
+
+def stat_dtype(name: str) -> torch.dtype:
+    return torch.float16 if name in HALF_STATS else torch.float32
+
+
+def stat_bytes(stats) -> int:
+    """Bytes a slot gives the statistics ``stats`` (names), per (sequence, KV head)."""
+    return sum(stat_dtype(n).itemsize for n in stats)
 
 
 @dataclass(frozen=True)
@@ -64,11 +83,11 @@ class Storage:
         kept, _, evicted = label.partition("+")
         return cls(kv_bits=bits(kept), evicted_bits=bits(evicted) if evicted else None)
 
-    def slot_bytes(self, head_dim_k: int, head_dim_v: int, dtype_bytes: int, n_stats: int) -> float:
+    def slot_bytes(self, head_dim_k: int, head_dim_v: int, dtype_bytes: int, stats_bytes: int) -> float:
         """Bytes one kept slot of one (sequence, KV head) takes at ``kv_bits``: key, value, position
         (int16, -1 for an empty slot; a sequence past ``tier.POS16_MAX`` tokens widens it to int32,
-        2 bytes more), statistics (fp32, 4 each)."""
-        return slot_bytes(head_dim_k, head_dim_v, self.kv_bits, self.group, dtype_bytes) + POS_BYTES + 4 * n_stats
+        2 bytes more), the policy's statistics (``stats_bytes``: ``stat_bytes(policy.stats)``)."""
+        return slot_bytes(head_dim_k, head_dim_v, self.kv_bits, self.group, dtype_bytes) + POS_BYTES + stats_bytes
 
 
 def split_spec(spec: str) -> tuple[str, Storage]:

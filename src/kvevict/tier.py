@@ -25,6 +25,7 @@ import torch
 
 from .policies import Candidates, Policy
 from .rows import rows_of
+from .storage import FP16_MAX, stat_dtype
 from .store import expand_index, make_store, scatter, trailing
 
 # per-candidate metadata besides the key/value pair: position (-1: not a token), one entry per statistic
@@ -61,7 +62,7 @@ class Tier:
         if heads > 1:  # shared by the heads: whose each slot is
             self.head = torch.zeros(b, h, 0, dtype=torch.uint8, device=device)
         self.pos = torch.zeros(b, h, 0, dtype=torch.int16, device=device)
-        self.stats = {n: torch.zeros(b, h, 0, dtype=torch.float32, device=device) for n in stats}
+        self.stats = {n: torch.zeros(b, h, 0, dtype=stat_dtype(n), device=device) for n in stats}
 
     @property
     def valid(self) -> torch.Tensor:
@@ -90,11 +91,13 @@ class Tier:
                 st[..., :f].mul_(decay ** m).add_(got)
             else:
                 st[..., :f] += got
+            if st.dtype == torch.float16:  # a sum past float16's range stays the largest, not inf
+                st[..., :f].clamp_(max=FP16_MAX)
 
     def candidates(self, new: dict | None, newest, budget: int, layer_idx: int, prompt_len=None) -> Candidates:
         """All slots (empty ones invalid) followed by the new entries; the slots alone if ``new`` is None."""
         cat = {n: self.meta(n) if new is None else torch.cat([self.meta(n), new[n]], dim=-1) for n in self.names()}
-        return Candidates(stats={n: cat[n] for n in self.stats}, pos=cat["pos"].long(), valid=cat["pos"] >= 0,
+        return Candidates(stats={n: cat[n].float() for n in self.stats}, pos=cat["pos"].long(), valid=cat["pos"] >= 0,
                           newest=newest, budget=budget, layer_idx=layer_idx, head=cat.get("head"),
                           heads=self.heads, prompt_len=prompt_len)
 
@@ -242,7 +245,8 @@ class Tier:
         pages come as the rows grow into them."""
         if stats != tuple(self.stats):
             b, h, n = self.pos.shape
-            self.stats = {s: self.stats.get(s, torch.zeros(b, h, n, device=self.pos.device)) for s in stats}
+            self.stats = {s: self.stats.get(s, torch.zeros(b, h, n, dtype=stat_dtype(s), device=self.pos.device))
+                          for s in stats}
         if budget > self.budget:
             self.caps = self.row_caps()
             self.budget = budget

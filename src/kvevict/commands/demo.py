@@ -23,7 +23,7 @@ def run(args):
     from ..data.passkey import for_tokenizer, passkey_prompt
     from ..cache import _head_dim
     from ..generate import generate
-    from ..storage import Storage
+    from ..storage import Storage, stat_bytes
     from ..memory import parse_memory
     from ..stock import STOCK_BYTES
     from ..models import load_model
@@ -36,7 +36,7 @@ def run(args):
     task = passkey_prompt(haystack(tok, args.tokens), args.depth, seed=args.tokens)
     # plain H2O at the same bytes: tokens in the model's dtype, each slot with its bookkeeping
     d = _head_dim(model)
-    share = memory * 2 * d * STOCK_BYTES / Storage().slot_bytes(d, d, model.dtype.itemsize, 1)
+    share = memory * 2 * d * STOCK_BYTES / Storage().slot_bytes(d, d, model.dtype.itemsize, stat_bytes(("sum",)))
     runs = [("full cache (stock)", dict(policy="full")),
             ("plain H2O", dict(policy="h2o", budget=share)),
             ("kvevict recommended", dict(memory=memory))]  # the budget picks the policy too

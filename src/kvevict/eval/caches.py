@@ -46,6 +46,8 @@ def new_cache(model, policy: str, budget, sequence=None, covering: int | None = 
         return make_cache(model, memory_policy(policy, prompt_known=False), memory=budget)
     name, storage = split_spec(policy)
     kw = {"kv_bits": storage.kv_bits, "evicted_bits": storage.evicted_bits}
+    if storage.evicted_bits is not None and getattr(budget, "pair", None):  # a memory plan's two tiers
+        kw["evicted_budget"] = budget.partner()
     if name == FULL:
         if storage == Storage():
             return DynamicCache(config=model.config)

@@ -7,6 +7,9 @@ prints mean(a - b) with its 95% t interval over the samples both policies ran (o
 budget, so two caches holding the same bytes at different token budgets pair up:
 
     python -m kvevict.eval.compare results/ppl --task ppl --budget 0.2 --metric nll h2o/int8@0.3346:mem
+
+``--baseline FOLDER`` adds a second run of the same samples, its policies named ``base.NAME``, so
+two runs (two versions of the code, two rules) pair sample by sample: ``mem:base.mem``.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ def paired(records, task: str, a: str, b: str, budget, metric: str, model: str |
 
     def cell(policy):
         name, at, own = policy.partition("@")
-        if name == FULL:  # the full cache's records have no budget
+        if name.removeprefix("base.") == FULL:  # the full cache's records have no budget
             return (name, None)
         return (name, float(own) if at else budget)
 
@@ -57,10 +60,16 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, required=True)
     p.add_argument("--metric", required=True)
     p.add_argument("--model", default=None, help="the model whose records to pair (needed when there are several)")
+    p.add_argument("--baseline", default=None, help="a second run's folder, its policies named base.NAME")
     p.add_argument("pairs", nargs="+", help="A:B pairs of policy names (NAME@BUDGET: that cell at its own budget)")
     args = p.parse_args(argv)
-    records = load(args.out)
-    known = sorted({r["policy"] for r in records.values() if r["task"] == args.task})
+    records = list(load(args.out).values())
+    if args.baseline:
+        base = list(load(args.baseline).values())
+        if not base:
+            p.error(f"no records in --baseline {args.baseline}")
+        records += [dict(r, policy=f"base.{r['policy']}") for r in base]
+    known = sorted({r["policy"] for r in records if r["task"] == args.task})
     if not known:
         p.error(f"no records of task {args.task!r} in {args.out}")
     for pair in args.pairs:

@@ -73,11 +73,12 @@ def main(argv=None) -> int:
     p.add_argument("--windows", type=int, default=2, help="ppl windows (cycling wikipedia, essays, austen)")
     p.add_argument("--config", action="append", required=True, help="NAME:KEY=VALUE,... (repeatable)")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--tokens", type=int, default=1024, help="window length (tokens)")
     args = p.parse_args(argv)
     configs = [parse_config(c) for c in args.config]
     setup_threads(args)
     model, tok = load_model(args.model)
-    res = run(model, tok, configs, args.windows)
+    res = run(model, tok, configs, args.windows, tokens=args.tokens)
     print("\n| config | bytes (of 16-bit stock) | NLL − full, mean over windows | per window |\n|---|---|---|---|")
     for name, vals in res.items():
         mean = sum(v[1] for v in vals) / len(vals)

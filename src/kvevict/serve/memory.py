@@ -27,6 +27,7 @@ from ..cache import layer_budgets, layer_windows, make_cache
 from ..policies import POLICIES, make_policy
 from ..rows import stat_names
 from ..stock import STOCK_BYTES
+from ..storage import stat_bytes
 from ..tier import PAGE, pages
 
 PROBES = (64, 128)  # budgets of the two probe caches
@@ -60,10 +61,11 @@ class Budgeter:
             except (ValueError, TypeError):  # a policy that cannot serve (the oracle needs a recording)
                 continue
             self.slots_of[name] = [_line(a, b) for a, b in zip(small.layers, big.layers)]
-        # per layer: bytes of a slot with no statistic (recency keeps none), of one statistic (H2O
-        # keeps one, "sum"), and per row besides; a shared batch's slot carries the union's
-        self.slot_parts = [(bare, one - bare, rest) for (bare, rest), (one, _) in
-                           zip(self.slots_of["recency"], self.slots_of["h2o"])]
+        # per layer: bytes of a slot with no statistic (recency keeps none), per byte of statistic
+        # a slot of one KV head holds (H2O keeps "sum", ``stat_bytes``), and per row besides; a
+        # shared batch's slot carries the union's
+        self.slot_parts = [(bare, (one - bare) // stat_bytes(POLICIES["h2o"].stats), rest) for (bare, rest), (one, _)
+                           in zip(self.slots_of["recency"], self.slots_of["h2o"])]
         # a running batch's bound changes only when its rows do; the gauges ask every step
         self._batch_bytes = functools.lru_cache(maxsize=1024)(self._bytes_of)
 
@@ -126,12 +128,12 @@ class Budgeter:
         pols = [spec_policy(p, recent) for p, _, recent, _ in rows]
         longest = max(r[3] for r in rows)
         widths = [max(col) for col in zip(*(self.slots(pol, r[1], longest) for pol, r in zip(pols, rows)))]
-        n_stats = len(stat_names(pols))
+        union = stat_bytes(stat_names(pols))
         total = 0
         for i, (w, (bare, stat, rest)) in enumerate(zip(widths, self.slot_parts)):
             # what a policy's slot holds besides K/V, position, validity and statistics (Ada-KV: its head id)
-            extra = max(self.slots_of[r[0]][i][0] - bare - len(pol.stats) * stat for pol, r in zip(pols, rows))
-            total += w * (bare + n_stats * stat + extra) + rest
+            extra = max(self.slots_of[r[0]][i][0] - bare - stat_bytes(pol.stats) * stat for pol, r in zip(pols, rows))
+            total += w * (bare + union * stat + extra) + rest
         return len(rows) * total
 
 
