@@ -117,6 +117,8 @@ def test_storage_pilot_configs_parse_or_say_what_is_wrong():
     assert parse_config("m:kv_bits=8,budget=0.1,evicted_bits=4,evicted_budget=0.474")[1]["evicted_budget"] == 0.474
     with pytest.raises(ValueError, match="NAME:KEY=VALUE"):
         parse_config("bad:bits=4")
+    with pytest.raises(ValueError, match="budget takes float values, got 'x'"):
+        parse_config("bad:budget=x")
 
 
 @pytest.mark.parametrize("argv, match", [

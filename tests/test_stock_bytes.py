@@ -175,3 +175,10 @@ def test_a_sliding_model_plans_its_budget_in_bytes():
         # under the share a dense model would keep: the stock cache it is a share of holds less
         assert MIN_TOKENS < b < float(p.budget) * n
     assert p.budget.tokens(100) == MIN_TOKENS  # a short prompt: the floor
+    # three tiers are solved for every layer alike: a sliding model keeps int4 alone below r4,
+    # even where a calibrated plan asks for int8 + int4
+    for kind in (None, "int8+int4"):
+        from kvevict.memory import plan
+
+        assert plan(0.3, 8, 8, 4, 2, group=8, windows=windows, kind=kind).storage == Storage(kv_bits=4, group=8)
+        assert plan(0.3, 8, 8, 4, 2, group=8, kind=kind).storage.label == "int8+int4"  # without sliding layers

@@ -205,6 +205,8 @@ def plan(memory, head_dim_k: int, head_dim_v: int, dtype_bytes: int, stats_bytes
                 or (memory >= HEAD_FROM * ratio[4] and not sliding) else "int4")
     if kind == "int8+int4" and memory >= ratio[8]:  # int8 for every token fits: no int4 tier
         kind = "int8"
+    if kind == "int8+int4" and memory < ratio[4] and sliding:  # three tiers are not solved per layer
+        kind = "int4"
     if kind == "int8+int4":
         if memory >= ratio[4]:  # every token: the policy's top f at int8, the rest at int4
             head = (memory - ratio[4]) / (ratio[8] - ratio[4])  # f r8 + (1 - f) r4 = memory

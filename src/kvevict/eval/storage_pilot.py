@@ -24,7 +24,10 @@ def parse_config(text: str) -> tuple[str, dict]:
         key, sep, value = item.partition("=")
         if not sep or key not in CFG_KEYS:
             raise ValueError(f"--config takes NAME:KEY=VALUE,... with keys {', '.join(CFG_KEYS)}; got {text!r}.")
-        kw[key] = CFG_KEYS[key](value)
+        try:
+            kw[key] = CFG_KEYS[key](value)
+        except ValueError:
+            raise ValueError(f"--config {name}: {key} takes {CFG_KEYS[key].__name__} values, got {value!r}.") from None
     return name, kw
 
 
@@ -75,7 +78,10 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--tokens", type=int, default=1024, help="window length (tokens)")
     args = p.parse_args(argv)
-    configs = [parse_config(c) for c in args.config]
+    try:
+        configs = [parse_config(c) for c in args.config]
+    except ValueError as err:
+        p.error(str(err))
     setup_threads(args)
     model, tok = load_model(args.model)
     res = run(model, tok, configs, args.windows, tokens=args.tokens)
