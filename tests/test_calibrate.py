@@ -34,9 +34,12 @@ def test_calibration_picks_the_lowest_nll_and_scores_the_rule_held_out(calibrate
     assert [c["memory"] for c in p["choices"]] == [0.5, 0.2]
     for c in p["choices"]:
         best = min(c["candidates"], key=lambda k: c["candidates"][k]["nll"])
-        assert c["storage"] == best and c["nll"] == c["candidates"][best]["nll"]
+        assert c["winner"] == best and c["candidates"][best]["nll"] == min(x["nll"] for x in c["candidates"].values())
         assert c["builtin"] == plan(c["memory"], 8, 8, 4, 2, group=8, floor=1).storage.label
-        assert (c["heldout_nll"] == c["builtin_heldout_nll"]) == (c["storage"] == c["builtin"])
+        # the plan keeps the winner unless the rule did better on the held-out windows
+        kept = c["builtin"] if c["builtin_heldout_nll"] < c["winner_heldout_nll"] else best
+        assert c["storage"] == kept and c["nll"] == c["candidates"][kept]["nll"]
+        assert c["heldout_nll"] == min(c["winner_heldout_nll"], c["builtin_heldout_nll"])
 
 
 def test_memory_uses_a_plan_file_and_its_kind_of_storage(calibrated, tmp_path):
@@ -78,3 +81,11 @@ def test_a_bad_or_stale_plan_says_to_calibrate(calibrated, tmp_path):
 def test_cli_refuses_a_memory_in_bytes(capsys):
     assert main(["calibrate", "--memory", "64MiB"]) == 2
     assert "shares of a 16-bit stock cache" in capsys.readouterr().err
+
+
+def test_a_sliding_model_s_candidates_spend_the_bytes_as_memory_does():
+    windows = [None] + [16] * 5  # Gemma 3's layout: five sliding layers to one global
+    dense, sliding = dict(candidates(0.3, 8, 4, 2, group=8)), dict(candidates(0.3, 8, 4, 2, group=8, windows=windows))
+    assert "int8+int4" in dense and "int8+int4" not in sliding  # memory= keeps int4 alone on a sliding model
+    for n in (500, 2000):  # token budgets solved per layer: under the dense share, a sliding layer being cheap
+        assert sliding["int4"].tokens(n) < float(dense["int4"]) * n

@@ -15,7 +15,8 @@ candidates are the ways the bytes can be spent (r_b: a b-bit slot's bytes over a
 Each is scored by teacher-forced streaming (``kvevict.eval.streaming.stream_compare``: the text enters
 ``chunk`` tokens at a time while the policy evicts), as the mean NLL per token over the calibration
 windows; the lowest wins, and the winner and the built-in rule's choice are both scored again on
-held-out windows, so the file says whether calibrating beat the rule. The plan applies to the
+held-out windows, so the file says whether calibrating beat the rule: a winner that does worse than
+the rule held out is not used (the plan keeps the rule's choice; ``winner`` records it). The plan applies to the
 policy it was calibrated with; a prompt-scoring policy (kvzip) keeps the built-in rule.
 
 The file is JSON, keyed by the model's signature (its architecture and shapes): a plan made for
@@ -65,14 +66,17 @@ def default_path(model) -> Path:
     return folder / f"{signature_id(signature(model))}.json"
 
 
-def candidates(memory: float, head_dim: int, dtype_bytes: int, stats_bytes: int, group: int = DEFAULT_GROUP) -> list:
+def candidates(memory: float, head_dim: int, dtype_bytes: int, stats_bytes: int, group: int = DEFAULT_GROUP,
+               windows=None) -> list:
     """[(storage label, share of the tokens at the first tier's bits)] for a memory share (see the
-    module): ``kvevict.memory.plan`` with each kind forced, so the bytes are the rule's own."""
+    module): ``kvevict.memory.plan`` with each kind forced, so the bytes are the rule's own
+    (``windows``: a sliding model's, so its token budgets are solved per layer as ``memory=`` does)."""
     from .memory import plan
 
     out = []
     for kind in KINDS:
-        p = plan(memory, head_dim, head_dim, dtype_bytes, stats_bytes, group=group, floor=1, kind=kind)
+        p = plan(memory, head_dim, head_dim, dtype_bytes, stats_bytes, group=group, windows=windows, floor=1,
+                 kind=kind)
         if all((p.storage.label, float(p.budget)) != (label, float(share)) for label, share in out):
             out.append((p.storage.label, p.budget))  # int8+int4 from r8 up is int8
     return out
@@ -121,13 +125,14 @@ def _mean_nll(model, windows, cells: list, chunk: int) -> dict:
     return {cell: sum(v) / len(v) for cell, v in nll.items()}
 
 
-def calibrate(model, tokenizer, memories=(0.2, 0.1, 0.05), policy: str = "h2o", tokens: int = 512,
-              windows: int = 2, heldout: int = 2, chunk: int = 32, log=print) -> dict:
+def calibrate(model, tokenizer, memories=(0.2, 0.1, 0.05), policy: str = "h2o", tokens: int = 1024,
+              windows: int = 4, heldout: int = 4, chunk: int = 32, log=print) -> dict:
     """Score every candidate per memory share on ``windows`` essay windows of ``tokens`` tokens,
     then the winner and the built-in rule's choice on ``heldout`` other windows; the plan dict."""
     from .cache import _head_dim
     from .memory import plan as builtin_plan
     from .policies import make_policy
+    from .stock import stock_windows
 
     d = _head_dim(model)
     if d is None:
@@ -139,7 +144,10 @@ def calibrate(model, tokenizer, memories=(0.2, 0.1, 0.05), policy: str = "h2o", 
     stats_bytes, dtype_bytes, group = stat_bytes(pol.stats), model.dtype.itemsize, math.gcd(DEFAULT_GROUP, d)
     calib, held = _windows(tokenizer, tokens, windows, 0), _windows(tokenizer, tokens, heldout, windows)
     full = ("full", None)
-    per_memory = {m: [(f"{policy}/{label}", share) for label, share in candidates(m, d, dtype_bytes, stats_bytes, group)]
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    sliding = stock_windows(config) if any(w is not None for w in stock_windows(config)) else None
+    per_memory = {m: [(f"{policy}/{label}", share)
+                      for label, share in candidates(m, d, dtype_bytes, stats_bytes, group, sliding)]
                   for m in memories}
     scored = _mean_nll(model, calib, [full] + [c for cells in per_memory.values() for c in cells], chunk)
     log(f"full cache: NLL {scored[full]:.4f} per token on {windows} windows of {tokens} tokens")
@@ -148,18 +156,21 @@ def calibrate(model, tokenizer, memories=(0.2, 0.1, 0.05), policy: str = "h2o", 
         for cell in cells:
             log(f"  memory {m:g}: {cell[0]:16s} {cell[1]:6.1%} of the tokens  NLL {scored[cell] - scored[full]:+.4f}")
         best = min(cells, key=lambda c: scored[c])
-        kind = builtin_plan(m, d, d, dtype_bytes, stats_bytes, group=group, floor=1).storage.label
+        kind = builtin_plan(m, d, d, dtype_bytes, stats_bytes, group=group, windows=sliding, floor=1).storage.label
         rule = next(c for c in cells if c[0] == f"{policy}/{kind}")
         picks[m] = (best, rule)
     held_nll = _mean_nll(model, held, [full] + sorted({c for pair in picks.values() for c in pair}), chunk)
     choices = []
     for m, (best, rule) in picks.items():
         gain = held_nll[rule] - held_nll[best]
-        log(f"memory {m:g}: chose {best[0]} ({best[1]:.1%} of the tokens); held out {held_nll[best] - held_nll[full]:+.4f} "
+        keep = best if gain >= 0 else rule  # a winner the held-out windows do not confirm leaves the rule
+        log(f"memory {m:g}: {best[0]} won ({best[1]:.1%} of the tokens); held out {held_nll[best] - held_nll[full]:+.4f} "
             f"nats per token against the built-in rule's {rule[0]} {held_nll[rule] - held_nll[full]:+.4f}"
-            + ("" if best == rule else f" ({gain:+.4f} in favour of the plan)"))
-        choices.append({"memory": m, "storage": best[0].partition("/")[2], "share": best[1], "nll": scored[best],
-                        "heldout_nll": held_nll[best], "builtin": rule[0].partition("/")[2],
+            + ("" if best == rule else f" ({gain:+.4f} in favour of the winner)")
+            + (f"; the plan keeps the rule's {rule[0]}" if keep != best else f"; the plan keeps {best[0]}"))
+        choices.append({"memory": m, "storage": keep[0].partition("/")[2], "share": keep[1], "nll": scored[keep],
+                        "heldout_nll": held_nll[keep], "winner": best[0].partition("/")[2],
+                        "winner_heldout_nll": held_nll[best], "builtin": rule[0].partition("/")[2],
                         "builtin_heldout_nll": held_nll[rule],
                         "candidates": {c[0].partition("/")[2]: {"share": c[1], "nll": scored[c]} for c in per_memory[m]}})
     full_calib, full_held = scored[full], held_nll[full]
