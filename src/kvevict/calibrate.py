@@ -16,8 +16,8 @@ Each is scored by teacher-forced streaming (``kvevict.eval.streaming.stream_comp
 ``chunk`` tokens at a time while the policy evicts), as the mean NLL per token over the calibration
 windows; the lowest wins, and the winner and the built-in rule's choice are both scored again on
 held-out windows, so the file says whether calibrating beat the rule: a winner that does worse than
-the rule held out is not used (the plan keeps the rule's choice; ``winner`` records it). The plan applies to the
-policy it was calibrated with; a prompt-scoring policy (kvzip) keeps the built-in rule.
+the rule held out is not used (the plan keeps the rule's choice; ``winner`` records it). The plan
+applies to the policy it was calibrated with; a prompt-scoring policy (kvzip) keeps the built-in rule.
 
 The file is JSON, keyed by the model's signature (its architecture and shapes): a plan made for
 another model, or a file that is not a plan, is a ValueError that says to calibrate again.
@@ -132,7 +132,7 @@ def calibrate(model, tokenizer, memories=(0.2, 0.1, 0.05), policy: str = "h2o", 
     from .cache import _head_dim
     from .memory import plan as builtin_plan
     from .policies import make_policy
-    from .stock import stock_windows
+    from .stock import sliding_windows
 
     d = _head_dim(model)
     if d is None:
@@ -144,8 +144,7 @@ def calibrate(model, tokenizer, memories=(0.2, 0.1, 0.05), policy: str = "h2o", 
     stats_bytes, dtype_bytes, group = stat_bytes(pol.stats), model.dtype.itemsize, math.gcd(DEFAULT_GROUP, d)
     calib, held = _windows(tokenizer, tokens, windows, 0), _windows(tokenizer, tokens, heldout, windows)
     full = ("full", None)
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    sliding = stock_windows(config) if any(w is not None for w in stock_windows(config)) else None
+    sliding = sliding_windows(model.config)
     per_memory = {m: [(f"{policy}/{label}", share)
                       for label, share in candidates(m, d, dtype_bytes, stats_bytes, group, sliding)]
                   for m in memories}

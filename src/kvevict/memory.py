@@ -29,9 +29,11 @@ r4 the bytes of an int8 and an int4 slot over a 16-bit token's (0.55 and 0.30 at
 
 A fractional budget never cuts a short prompt: it keeps at least ``MIN_TOKENS`` tokens per layer
 and KV head (as the server's ``--min-budget`` does for token budgets; two tiers together, split as
-the plan splits them), so a short chat is stored whole and holds more than the fraction says. On a model with sliding-window
-layers the token budget B is solved in bytes once the prompt's length n is known, a sliding layer
-holding min(window, B) tokens:  sum_l min(cap_l, B) x r = memory x sum_l kept_l(n).
+the plan splits them), so a short chat is stored whole and holds more than the fraction says. On a
+model with sliding-window layers the token budget B is solved in bytes once the prompt's length n
+is known, a sliding layer holding min(window, B) tokens:
+
+    sum_l min(cap_l, B) x r = memory x sum_l kept_l(n).
 
 Which policy a budget picks when none is named (``pick_policy``): a prompt-scoring one
 (``kvzip-pool``) when the whole prompt is known before decoding (``kvevict.generate.generate``,
@@ -51,7 +53,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from .stock import STOCK_BYTES, kept_tokens, stock_windows
+from .stock import STOCK_BYTES, kept_tokens, sliding_windows
 from .storage import DEFAULT_GROUP, Storage, stat_bytes
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -236,10 +238,9 @@ def plan_for_model(model, memory, policy, group: int = DEFAULT_GROUP, floor: int
         raise ValueError(f"cannot find the head dimension of {type(model).__name__} to plan a memory budget.")
     layers_heads = config.num_hidden_layers * (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     head_id = 1 if getattr(policy, "adaptive", False) else 0  # a pooled slot says whose head it is (Tier.head)
-    windows = stock_windows(config)
     kind = _calibrated_kind(model, memory, policy, plan_file)
     return plan(memory, d, d, model.dtype.itemsize, stat_bytes(policy.stats), layers_heads, group, head_id,
-                windows if any(w is not None for w in windows) else None, floor,
+                sliding_windows(config), floor,
                 scores_prompt=bool(getattr(policy, "needs_prompt", False)), kind=kind)
 
 

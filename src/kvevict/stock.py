@@ -41,6 +41,12 @@ def stock_windows(config) -> list[int | None]:
     return (out + [None] * n)[:n]
 
 
+def sliding_windows(config) -> list[int | None] | None:
+    """``stock_windows`` for a model with sliding layers, None for one without (every layer full)."""
+    windows = stock_windows(config)
+    return windows if any(w is not None for w in windows) else None
+
+
 def kept_tokens(windows: list[int | None], tokens: int) -> int:
     """Token slots a stock cache holds over all layers (per sequence and KV head) after ``tokens``."""
     return sum(tokens if w is None else min(tokens, w) for w in windows)

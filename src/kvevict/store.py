@@ -16,8 +16,9 @@ Two kinds behind one interface (``write``, ``read``, ``pieces``, ``map_batch``, 
   grid of a U-th of a step (z < 256), placed so that the group's extreme of larger magnitude is
   stored exactly (to s / 2U): keys have outlier channels, and the queries weight them most (a zero
   point on whole steps instead, as torch's quint8 has, lost more NLL on SmolLM2 for the same mean
-  squared error, in a variant not kept in the tree). |x - x_hat| <= s / 2. At 4 bits, head_dim 64 and groups of 32: 64 bytes of
-  codes and 8 of steps and zeros per token and KV head (fp16 zero and step took 16).
+  squared error, in a variant not kept in the tree). |x - x_hat| <= s / 2. At 4 bits, head_dim 64
+  and groups of 32: 64 bytes of codes and 8 of steps and zeros per token and KV head (fp16 zero and
+  step took 16).
   Codes are bit-packed into uint8 (2 codes a byte at 4 bits, 4 at 2 bits): the memory
   really shrinks, there is no dequantized copy kept.
   Per-token groups (KIVI quantizes keys per channel, across tokens) because an evicting cache

@@ -1,7 +1,8 @@
 """One tier of an eviction layer: up to ``budget`` slots per (sequence, KV head) holding keys and
 values (in a ``store``, full precision or packed) plus each token's position (-1: an empty slot or
 padding, so validity costs no byte of its own) and the policy's statistics. The slot machinery is
-written once, here: new tokens fill free slots, and once the tier is full they take the slots of the lowest-priority candidates, overwriting them in place.
+written once, here: new tokens fill free slots, and once the tier is full they take the slots of
+the lowest-priority candidates, overwriting them in place.
 
 Storage grows in pages: the tier starts empty and allocates ``PAGE`` slots at a time as tokens
 arrive, never past its budget, so a short chat under a large budget holds only its own tokens
@@ -31,7 +32,7 @@ from .store import expand_index, make_store, scatter, trailing
 # per-candidate metadata besides the key/value pair: position (-1: not a token), one entry per statistic
 _META = ("pos",)
 # positions are int16 while every one fits (a model's context up to 32K), int32 past that:
-# 2 bytes a slot, a seventh of the bookkeeping of an int4 slot at head_dim 64
+# 2 bytes a slot, a sixth of the bookkeeping of an int4 slot at head_dim 64
 POS16_MAX = torch.iinfo(torch.int16).max
 
 # slots allocated at a time per (sequence, KV head); see docs/performance.md ("Paged storage")

@@ -23,6 +23,7 @@ def run(args):
     from ..data.passkey import for_tokenizer, passkey_prompt
     from ..cache import _head_dim
     from ..generate import generate
+    from ..policies import POLICIES
     from ..storage import Storage, stat_bytes
     from ..memory import parse_memory
     from ..stock import STOCK_BYTES
@@ -36,7 +37,8 @@ def run(args):
     task = passkey_prompt(haystack(tok, args.tokens), args.depth, seed=args.tokens)
     # plain H2O at the same bytes: tokens in the model's dtype, each slot with its bookkeeping
     d = _head_dim(model)
-    share = memory * 2 * d * STOCK_BYTES / Storage().slot_bytes(d, d, model.dtype.itemsize, stat_bytes(("sum",)))
+    share = memory * 2 * d * STOCK_BYTES / Storage().slot_bytes(d, d, model.dtype.itemsize,
+                                                                stat_bytes(POLICIES["h2o"].stats))
     runs = [("full cache (stock)", dict(policy="full")),
             ("plain H2O", dict(policy="h2o", budget=share)),
             ("kvevict recommended", dict(memory=memory))]  # the budget picks the policy too
