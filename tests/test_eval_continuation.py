@@ -66,6 +66,18 @@ def test_covering_budget_equals_full_and_small_budgets_differ(tok, model):
         assert 0 < rec["kv_bytes"] < 0.5 * 2 * rec["full_kv_bytes"]
 
 
+def test_a_memory_cell_scores_the_known_context_as_generate_would(tok, model):
+    # a context longer than the short-prompt floor (128 tokens), so the memory budget evicts
+    texts = {"fixture": [essay_like(tok, 900)]}
+    task = ContinuationTask(context=400, continuation=20, chunk=8, sources=("fixture",), texts=texts)
+    sample = task.samples(tok, 1)[0]
+    cells = [("mem", 0.2), ("mem-kvzip-pool", 0.2), ("mem-h2o", 0.2), ("mem-kvzip-pool/int4", 0.2)]
+    res = {c: r["scores"]["nll"] for c, r in task.evaluate(model, tok, sample, cells, None).items()}
+    assert res[("mem", 0.2)] == res[("mem-kvzip-pool", 0.2)]  # the context is known: prompt-scoring
+    assert res[("mem", 0.2)] != res[("mem-h2o", 0.2)]
+    assert res[("mem-kvzip-pool/int4", 0.2)] != res[("mem", 0.2)]  # the same bytes spent at int4
+
+
 def test_sample_ids_are_stable_and_name_the_split(tok):
     a = [s.id for s in _task(tok).samples(tok, 2)]
     assert a == [s.id for s in _task(tok).samples(tok, 2)]

@@ -57,7 +57,7 @@ def test_a_long_prompt_is_held_to_its_share_of_the_16_bit_stock_cache(real_model
     text = "The quick brown fox jumps over the lazy dog. " * 60  # ~600 tokens
     r = generate(model, tok, [{"role": "user", "content": text + "\n\nWhat jumps?"}], memory=memory,
                  max_new_tokens=4)
-    assert r.policy == "kvzip-pool" and r.storage.startswith("int8, ")
+    assert r.policy == "kvzip-pool" and r.storage.startswith("int8+int4, ")  # three tiers at 20%
     assert 0.8 * memory * r.full_kv_bytes <= r.kv_bytes <= 1.02 * memory * r.full_kv_bytes
     kept, seen = (int(x) for x in r.storage.split(", ")[1].removesuffix(" tokens").split(" of "))
     assert kept < seen == r.prompt_tokens + r.new_tokens - 1

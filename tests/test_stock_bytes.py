@@ -113,21 +113,27 @@ def test_a_memory_budget_picks_a_streaming_policy_or_a_prompt_scoring_one(tmp_pa
     assert generate(model, tok, text, max_new_tokens=4).policy == "h2o"  # no memory: the token budget's default
     # kvzip-pool pools its budget over layers and heads: the label says the mean a layer and head keeps
     kept, seen = (int(x) for x in known.storage.split(", ")[1].removesuffix(" tokens").split(" of "))
-    assert known.storage.startswith("int8, ") and seen == known.prompt_tokens + known.new_tokens - 1
-    assert kept <= seen and abs(kept - known.budget) <= 1
+    assert known.storage.startswith("int8+int4, ") and seen == known.prompt_tokens + known.new_tokens - 1
+    assert known.budget < kept <= seen  # the budget is the int8 tier's; the label counts both tiers
 
 
-@pytest.mark.parametrize("memory", [0.05, 0.2, 0.4])
-def test_a_prompt_scoring_policy_evicts_at_int8_where_a_streaming_one_goes_to_int4(memory):
-    from kvevict.memory import plan
+@pytest.mark.parametrize("memory", [0.05, 0.1, 0.2, 0.4])
+def test_a_prompt_scoring_policy_never_keeps_int4_alone(memory):
+    from kvevict.memory import PROMPT_HEAD_BYTES, plan
 
-    r8 = Storage(kv_bits=8).slot_bytes(64, 64, 4, 0) / 256  # an int8 slot over a 16-bit token
+    r8, r4 = (Storage(kv_bits=b).slot_bytes(64, 64, 4, 0) / 256 for b in (8, 4))  # slots over a 16-bit token
     stream, scored = plan(memory, 64, 64, 4, 2), plan(memory, 64, 64, 4, 0, scores_prompt=True)
-    assert scored.storage == Storage(kv_bits=8) and float(scored.budget) == pytest.approx(memory / r8)
-    # streaming: int4 alone at 5%; at 20% and 40% H2O's top at int8 and the next at int4
-    assert stream.storage.kv_bits == (4 if memory < 0.1 else 8) and 4 in (stream.storage.kv_bits,
-                                                                           stream.storage.evicted_bits)
+    if memory in (0.1, 0.2):  # three tiers: the top at int8 in half the bytes, the next at int4 in the rest
+        assert scored.storage.label == "int8+int4"
+        head, tail = scored.budget.pair
+        assert head * r8 == pytest.approx(PROMPT_HEAD_BYTES * memory) and head * r8 + tail * r4 == pytest.approx(memory)
+    else:  # 5% (below where tiers were measured) and 40% (over r4): evict, keep int8
+        assert scored.storage == Storage(kv_bits=8) and float(scored.budget) == pytest.approx(memory / r8)
+    # streaming: int4 alone at 5% and 10%; at 20% and 40% H2O's top at int8 and the next at int4
+    assert stream.storage.kv_bits == (4 if memory <= 0.1 else 8) and 4 in (stream.storage.kv_bits,
+                                                                            stream.storage.evicted_bits)
     assert plan(0.8, 64, 64, 4, 0, scores_prompt=True) == plan(0.8, 64, 64, 4, 0)  # from r8 up: the same
+    assert plan(memory, 64, 64, 4, 0, windows=(512, None), scores_prompt=True).storage == Storage(kv_bits=8)
 
 
 def test_a_fractional_memory_budget_never_cuts_a_short_prompt():
@@ -182,3 +188,36 @@ def test_a_sliding_model_plans_its_budget_in_bytes():
 
         assert plan(0.3, 8, 8, 4, 2, group=8, windows=windows, kind=kind).storage == Storage(kv_bits=4, group=8)
         assert plan(0.3, 8, 8, 4, 2, group=8, kind=kind).storage.label == "int8+int4"  # without sliding layers
+
+
+@pytest.mark.parametrize("bits, label", [((4, None), "int4"), ((8, None), "int8"), ((16, None), "fp16"),
+                                         ((8, 4), "int8+int4")])
+def test_a_memory_budget_is_spent_at_the_bits_the_caller_names(bits, label):
+    from kvevict.memory import PROMPT_HEAD_BYTES, plan
+
+    model = tiny_model("llama-mha")  # head_dim 16, groups of 8
+    kv_bits, evicted_bits = bits
+    cache = _feed(model, kvevict.make_cache(model, "h2o", memory=0.2, group=8, kv_bits=kv_bits,
+                                            evicted_bits=evicted_bits), torch.randint(0, 128, (1, 1500)), steps=0)
+    layer = cache.layers[0]
+    assert layer.storage.label == label
+    # the bytes of the memory budget, whatever the bits: up to a slot of rounding per layer and head
+    slack = 2 * 64 * len(cache.layers) * layer.dims[0]
+    assert 0.2 * cache.full_kv_bytes() - slack <= cache.kv_bytes() <= 0.2 * cache.full_kv_bytes() + slack
+    if label == "int8+int4":  # below r4: three tiers; a prompt-scoring policy's int8 tier holds its own share
+        r8 = Storage(kv_bits=8, group=8).slot_bytes(16, 16, 4, 0) / 64
+        scored = plan(0.2, 16, 16, 4, 0, group=8, scores_prompt=True, kind=label)
+        assert float(scored.budget) * r8 == pytest.approx(PROMPT_HEAD_BYTES * 0.2)
+
+
+def test_a_memory_budget_refuses_bits_it_cannot_plan():
+    model = tiny_model("llama-mha")
+    with pytest.raises(ValueError, match="kv_bits 16, 8 or 4"):
+        kvevict.make_cache(model, memory=0.2, kv_bits=2)
+    with pytest.raises(ValueError, match="leave evicted_budget out"):
+        kvevict.make_cache(model, memory=0.2, kv_bits=8, evicted_bits=4, evicted_budget=0.3)
+    with pytest.raises(ValueError, match="fractional memory budget"):
+        kvevict.make_cache(model, memory="1MiB", kv_bits=8, evicted_bits=4)
+    # bytes per sequence at int8: half the tokens int4 would give, about
+    at8, at4 = (kvevict.make_cache(model, memory="1MiB", group=8, kv_bits=b).layers[0].budget_spec for b in (8, None))
+    assert at8 < at4 < 2 * at8

@@ -517,8 +517,10 @@ def make_cache(model, policy=None, budget=0.2, recent=None, compact=False, kv_bi
     known in advance is better served by ``kvevict.generate.generate``, which picks ``kvzip-pool``).
     memory: a budget in bytes instead: a fraction of what a stock cache would hold for the same
     tokens in 16 bits (0.2, '20%'; ``kvevict.stock``) or bytes per sequence ('64MiB'). It replaces
-    ``budget`` and the storage options with the split of tokens kept x bits per token measured best
-    (``kvevict.memory.plan``): the recommended way to bound a cache. A fraction keeps at least
+    ``budget`` with the split of tokens kept x bits per token measured best (``kvevict.memory.plan``):
+    the recommended way to bound a cache. Storage options given with it say how to spend the bytes
+    instead of the rule: ``kv_bits`` 16, 8 or 4 (evict until the kept tokens fit at those bits), or
+    ``kv_bits=8, evicted_bits=4`` (the policy's top at int8, the next at int4). A fraction keeps at least
     ``kvevict.memory.MIN_TOKENS`` tokens per layer and KV head, so a short prompt is never cut.
     plan: with a fractional ``memory``, the plan file ``kvevict calibrate`` wrote for this model (a
     path); None (default) uses the model's calibrated plan when one is in kvevict's cache, else the
@@ -550,9 +552,10 @@ def make_cache(model, policy=None, budget=0.2, recent=None, compact=False, kv_bi
     if group is None:  # 32 channels per zero/step, or what divides a smaller head
         group = math.gcd(DEFAULT_GROUP, head_dim) if head_dim else DEFAULT_GROUP
     if memory is not None:
-        from .memory import plan_for_model
+        from .memory import plan_for_model, storage_kind
 
-        p = plan_for_model(model, memory, pol, group, plan_file=plan)
+        kind = storage_kind(kv_bits, evicted_bits, evicted_budget)
+        p = plan_for_model(model, memory, pol, group, plan_file=plan, kind=kind)
         storage, known = p.storage, getattr(pol, "prompt_tokens", None)
         if known and hasattr(p.budget, "storage_for"):  # a recorded prompt (kvzip): its storage now
             storage = p.budget.storage_for(known, storage)

@@ -19,13 +19,16 @@ r4 the bytes of an int8 and an int4 slot over a 16-bit token's (0.55 and 0.30 at
   - below, evict with the policy and keep int4 for the tokens kept (memory / r4 of them). 2-bit
     storage (for every token, or for the demoted ones) costs +1 to +3 nats per token, or more than
     evicting: never chosen;
-  - a policy that ranks the whole prompt before decoding (``kvzip-pool``) evicts below r8 and keeps
-    int8 (memory / r8 of the tokens), never int4: on RULER's essay needle at 4K (SmolLM2, 3
-    samples) every token at int4 answered only the needle's first digit on one sample where every
-    token at int8 answered it whole, and at 10% of a 16-bit cache kvzip-pool found 2 of 3 over
-    int8 against 1 of 3 over int4 (docs/ruler.md, with its command). Per-token int4 keys blur
-    the sharp attention a copied needle needs; a streaming policy, which cannot rank the prompt,
-    gains more from keeping more tokens.
+  - a policy that ranks the whole prompt before decoding (``kvzip-pool``) never keeps int4 alone:
+    per-token int4 keys blur the sharp attention a copied needle needs (every token at int4, or
+    kvzip-pool's 69% at int4 at 20% of a 16-bit cache, answered a RULER essay needle's first
+    digits only, 18 of 20 against int8's 19). From ``PROMPT_FROM`` x r4 to r4 it keeps three tiers,
+    its top at int8 in ``PROMPT_HEAD_BYTES`` of the bytes (half: the needles it ranks highest stay
+    sharp), the next at int4: at 20% on SmolLM2 that found 20 of 20 essay needles, returned 73% of
+    the full cache's multi-query values against int8 alone's 59%, and cost +1.5% continuation
+    perplexity against +4.0% (docs/ruler.md, docs/quality-per-byte.md). Elsewhere it evicts and
+    keeps int8 (memory / r8 of the tokens; from r4 to r8 not measured with tiers), as does a
+    model with sliding-window layers (three tiers are not solved per layer).
 
 A fractional budget never cuts a short prompt: it keeps at least ``MIN_TOKENS`` tokens per layer
 and KV head (as the server's ``--min-budget`` does for token budgets; two tiers together, split as
@@ -95,6 +98,25 @@ STREAM_POLICY = "h2o"  # scores what streams in
 # below r4, a streaming policy's three tiers (int8 top, int4 next, the rest evicted) from this share
 # of r4 on, the int8 tier holding this share of the bytes (docs/quality-per-byte.md)
 HEAD_FROM, HEAD_BYTES = 0.49, 0.28
+# a prompt-scoring policy's three tiers: from this share of r4 on (10% of a 16-bit cache at head_dim
+# 64), the int8 tier holding this share of the bytes (docs/ruler.md, docs/quality-per-byte.md)
+PROMPT_FROM, PROMPT_HEAD_BYTES = 0.34, 0.5
+
+
+def storage_kind(kv_bits=None, evicted_bits=None, evicted_budget=None) -> str | None:
+    """The kind of storage ``plan`` spends a memory budget on when the caller names its bits
+    (``make_cache(memory=0.2, kv_bits=4)``): "fp16", "int8", "int4", or "int8+int4" for int8 with
+    int4 below it; None when no bits are named (the rule decides)."""
+    if evicted_budget is not None:
+        raise ValueError("a memory budget sizes both tiers itself: leave evicted_budget out, or give a token "
+                         "budget instead of memory.")
+    if kv_bits is None and evicted_bits is None:
+        return None
+    kind = {(16, None): "fp16", (8, None): "int8", (4, None): "int4", (8, 4): "int8+int4"}.get((kv_bits, evicted_bits))
+    if kind is None:
+        raise ValueError(f"a memory budget is spent at kv_bits 16, 8 or 4, or kv_bits=8 with evicted_bits=4; got "
+                         f"kv_bits={kv_bits}, evicted_bits={evicted_bits}. Leave both out to let the plan choose.")
+    return kind
 
 
 def pick_policy(prompt_known: bool) -> str:
@@ -174,10 +196,11 @@ def plan(memory, head_dim_k: int, head_dim_v: int, dtype_bytes: int, stats_bytes
     bytes a slot carries besides ``Storage.slot_bytes`` (Ada-KV's 1-byte head id); ``windows``: per
     layer the tokens a stock cache keeps at most (``kvevict.stock.stock_windows``), None for a
     model without sliding layers; ``floor``: the fewest tokens a fractional budget keeps;
-    ``scores_prompt``: the policy ranks the whole prompt before decoding (kvzip): below r8 it evicts
-    and keeps int8, never int4 (see the module's rule); ``kind``: spend a fractional budget this way
-    instead of by the rule ("fp16", "int8", "int4": evict and keep those bits; "int8+int4": every
-    token, in two tiers), as a calibrated plan file says (``kvevict.calibrate``)."""
+    ``scores_prompt``: the policy ranks the whole prompt before decoding (kvzip): three tiers from
+    ``PROMPT_FROM`` x r4 to r4, else int8, never int4 alone (see the module's rule); ``kind``:
+    spend a fractional budget this way instead of by the rule ("fp16", "int8", "int4": evict and
+    keep those bits; "int8+int4": two tiers, every token from r4, else three), as a calibrated plan
+    file or the caller's bits say (``kvevict.calibrate``, ``storage_kind``)."""
     memory = parse_memory(memory)
     full = (head_dim_k + head_dim_v) * STOCK_BYTES  # one 16-bit token of the stock cache, per KV head
     windows = tuple(windows or ())
@@ -186,15 +209,19 @@ def plan(memory, head_dim_k: int, head_dim_v: int, dtype_bytes: int, stats_bytes
     def slot(bits) -> float:
         return Storage(kv_bits=bits, group=group).slot_bytes(head_dim_k, head_dim_v, dtype_bytes, stats_bytes) + slot_extra
 
-    if isinstance(memory, int):  # bytes per sequence: as many int4 tokens as fit
+    if isinstance(memory, int):  # bytes per sequence: as many int4 tokens as fit (or the bits named)
+        if kind == "int8+int4":
+            raise ValueError("two tiers are planned for a fractional memory budget (0.2, '20%'); with bytes per "
+                             "sequence give one kv_bits.")
+        bits = {"fp16": 16, "int8": 8}.get(kind, 4)
         if sliding:  # a sliding layer never holds more than its window: the rest goes to the others
-            tokens = _fill(memory / (layers_heads // len(windows) * slot(4)), windows)
+            tokens = _fill(memory / (layers_heads // len(windows) * slot(bits)), windows)
         else:
-            tokens = int(memory // (layers_heads * slot(4)))
+            tokens = int(memory // (layers_heads * slot(bits)))
         if tokens < 1:
-            raise ValueError(f"{memory} bytes hold less than one 4-bit token per layer and KV head "
-                             f"({layers_heads * slot(4):.0f} bytes); give more memory.")
-        return Plan(tokens, Storage(kv_bits=4, group=group))
+            raise ValueError(f"{memory} bytes hold less than one {bits}-bit token per layer and KV head "
+                             f"({layers_heads * slot(bits):.0f} bytes); give more memory.")
+        return Plan(tokens, Storage(kv_bits=bits, group=group))
     ratio = {bits: slot(bits) / full for bits in (16, 8, 4)}
 
     short = None if dtype_bytes == STOCK_BYTES else 16  # a short prompt: 16 bits, the model's own if it has them
@@ -202,8 +229,10 @@ def plan(memory, head_dim_k: int, head_dim_v: int, dtype_bytes: int, stats_bytes
     def share(value, bits, lone=True):
         return PromptShare(min(1.0, value), memory, ratio[bits], windows if lone else (), floor, short)
 
+    if kind is None and scores_prompt:  # three tiers where measured, else evict at int8 (module's rule)
+        kind = "int8+int4" if PROMPT_FROM * ratio[4] <= memory < ratio[4] and not sliding else "int8"
     if kind is None:
-        kind = ("int8" if memory >= ratio[8] or scores_prompt else "int8+int4" if memory >= ratio[4]
+        kind = ("int8" if memory >= ratio[8] else "int8+int4" if memory >= ratio[4]
                 or (memory >= HEAD_FROM * ratio[4] and not sliding) else "int4")
     if kind == "int8+int4" and memory >= ratio[8]:  # int8 for every token fits: no int4 tier
         kind = "int8"
@@ -215,7 +244,7 @@ def plan(memory, head_dim_k: int, head_dim_v: int, dtype_bytes: int, stats_bytes
             if head * 1000 < 1:
                 return Plan(share(1.0, 4), Storage(kv_bits=4, group=group))
         else:  # the top at int8 in HEAD_BYTES of the memory, as many next at int4 as the rest buys
-            head = HEAD_BYTES * memory / ratio[8]
+            head = (PROMPT_HEAD_BYTES if scores_prompt else HEAD_BYTES) * memory / ratio[8]
         first = PromptShare(head, memory, ratio[8], (), floor, short, (head, (memory - head * ratio[8]) / ratio[4]))
         return Plan(first, Storage(kv_bits=8, group=group, evicted_bits=4, evicted_budget=first.partner()))
     bits = {"fp16": 16, "int8": 8, "int4": 4}.get(kind)
@@ -225,11 +254,12 @@ def plan(memory, head_dim_k: int, head_dim_v: int, dtype_bytes: int, stats_bytes
 
 
 def plan_for_model(model, memory, policy, group: int = DEFAULT_GROUP, floor: int = MIN_TOKENS,
-                   plan_file=None) -> Plan:
+                   plan_file=None, kind: str | None = None) -> Plan:
     """``plan`` with the model's shape: head dimension, dtype, layers x KV heads, sliding windows,
     the policy's statistics. ``plan_file``: a plan ``kvevict calibrate`` wrote (a path), None for
     the model's own calibrated plan when it has one (``kvevict.calibrate.default_path``), False for
-    the built-in rule. A plan applies to fractional budgets and to the policy it was calibrated with."""
+    the built-in rule. A plan applies to fractional budgets and to the policy it was calibrated with.
+    ``kind``: the storage the caller named (``storage_kind``), over any plan."""
     from .cache import _head_dim
 
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -238,7 +268,7 @@ def plan_for_model(model, memory, policy, group: int = DEFAULT_GROUP, floor: int
         raise ValueError(f"cannot find the head dimension of {type(model).__name__} to plan a memory budget.")
     layers_heads = config.num_hidden_layers * (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     head_id = 1 if getattr(policy, "adaptive", False) else 0  # a pooled slot says whose head it is (Tier.head)
-    kind = _calibrated_kind(model, memory, policy, plan_file)
+    kind = kind or _calibrated_kind(model, memory, policy, plan_file)
     return plan(memory, d, d, model.dtype.itemsize, stat_bytes(policy.stats), layers_heads, group, head_id,
                 sliding_windows(config), floor,
                 scores_prompt=bool(getattr(policy, "needs_prompt", False)), kind=kind)

@@ -12,7 +12,7 @@ HELP = "quality under a KV budget: run a task x policy x budget grid (resumable)
 
 def add_arguments(p):
     add_model_args(p, policy=False)
-    p.add_argument("--policies", default="all", help="comma-separated policy names, or 'all' (every registered policy); full is always run. 'mem' / 'mem-NAME' (generation tasks): the budgets are memory budgets, shares of a 16-bit stock cache, the policy picked by the plan or NAME")
+    p.add_argument("--policies", default="all", help="comma-separated policy names, or 'all' (every registered policy); full is always run. 'mem' / 'mem-NAME' / 'mem-NAME/BITS': the budgets are memory budgets, shares of a 16-bit stock cache, the policy picked by the plan (prompt-scoring where the task knows the prompt first, streaming on ppl) or NAME, spent as the plan says or at BITS (int8, int4, int8+int4)")
     p.add_argument("--budgets", default="0.1,0.2,0.4,0.6", help="comma-separated fractions of the prompt (or ints: tokens)")
     p.add_argument("--tasks", default="ppl,passkey", help="comma-separated: ppl, passkey, needle (stated once), vartrack, continuation (perplexity of text after a compressed context), xsum, reconstruct, narrativeqa, piqa, or 'all'; RULER's needles by name: ruler-niah_single_1, ruler-niah_single_2, ... (samples of max_seq_length --lengths)")
     p.add_argument("--samples", type=int, default=4, help="samples per task")

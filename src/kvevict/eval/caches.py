@@ -10,7 +10,8 @@ from ..storage import Storage, split_spec
 FULL = "full"
 
 
-MEMORY = "mem"  # a cell spec: "mem" (policy picked by the memory plan) or "mem-NAME", budget = memory share
+MEMORY = "mem"  # a cell spec: "mem" (policy picked by the memory plan), "mem-NAME" or "mem-NAME/BITS"
+# (the bytes spent at those bits: kvevict.memory.storage_kind), budget = memory share
 
 
 def memory_spec(policy) -> bool:
@@ -34,16 +35,21 @@ def new_cache(model, policy: str, budget, sequence=None, covering: int | None = 
     the oracle is recorded on it (it cannot run without it). ``prompt`` (1, p) with ``tokenizer``:
     the prompt a policy that scores it in a pass of its own (``needs_prompt``: kvzip) is recorded
     on, as ``kvevict.generate`` does. ``mem`` / ``mem-NAME``: ``budget`` is a memory budget
-    (``make_cache(memory=budget)``), the policy a streamed text gets (``pick_policy(prompt_known=
-    False)``: nothing is known before it streams in) or NAME; the caller fixes the prompt length
-    (``set_prompt_length``) the share is taken of."""
+    (``make_cache(memory=budget)``), the policy NAME or the one the plan picks: with ``prompt`` and
+    ``tokenizer`` the prompt is known before decoding (``pick_policy(prompt_known=True)``, recorded
+    on it), without them the text streams in (``prompt_known=False``); the caller fixes the prompt
+    length (``set_prompt_length``) the share is taken of."""
     from ..generate import split_question
 
     if split_question(policy)[1]:
         raise ValueError(f"{policy!r} protects a prompt's question; this task streams text that has none "
                          "(use it with passkey, needle, vartrack, narrativeqa).")
     if memory_spec(policy):
-        return make_cache(model, memory_policy(policy, prompt_known=False), memory=budget)
+        # a prompt handed over before the cache exists is known, as in ``generate``: the plan's
+        # prompt-scoring policy, recorded on it; a streamed text gets the streaming one
+        name, storage = split_spec(memory_policy(policy, prompt_known=prompt is not None and tokenizer is not None))
+        return make_cache(model, _recorded(name, model, tokenizer, prompt) or name, memory=budget,
+                          kv_bits=storage.kv_bits, evicted_bits=storage.evicted_bits)
     name, storage = split_spec(policy)
     kw = {"kv_bits": storage.kv_bits, "evicted_bits": storage.evicted_bits}
     if storage.evicted_bits is not None and getattr(budget, "pair", None):  # a memory plan's two tiers
@@ -59,13 +65,18 @@ def new_cache(model, policy: str, budget, sequence=None, covering: int | None = 
         from ..policies.oracle import Oracle
 
         return make_cache(model, Oracle.record(model, sequence), budget, **kw)
-    if prompt is not None:
-        from ..policies import policy_class
+    return make_cache(model, _recorded(name, model, tokenizer, prompt) or name, budget, **kw)
 
-        found = policy_class(name)
-        if found is not None and getattr(found[0], "needs_prompt", False):
-            return make_cache(model, found[0].record(model, tokenizer, prompt, **found[1]), budget, **kw)
-    return make_cache(model, name, budget, **kw)
+
+def _recorded(name: str, model, tokenizer, prompt):
+    """A policy that scores the prompt in a pass of its own (``needs_prompt``: kvzip), recorded on
+    ``prompt``; None for any other policy or without a prompt."""
+    from ..policies import policy_class
+
+    found = policy_class(name) if prompt is not None else None
+    if found is None or not getattr(found[0], "needs_prompt", False):
+        return None
+    return found[0].record(model, tokenizer, prompt, **found[1])
 
 
 def policy_names(requested: str | list[str], known: dict) -> list[str]:

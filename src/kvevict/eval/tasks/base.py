@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ...generate import generate
+from ...storage import Storage, split_spec
 from ..caches import FULL, memory_policy, memory_spec
 
 
@@ -88,12 +89,15 @@ def _generate_cell(model, tokenizer, prompt, policy, budget, max_new, recorded: 
     includes the recording."""
     from ...policies import policy_class
 
-    memory = None
+    memory, bits = None, {}
     if memory_spec(policy):
-        memory, policy = budget, memory_policy(policy, prompt_known=True)
+        memory = budget
+        # "mem-kvzip-pool/int4": the bytes spent at int4
+        policy, storage = split_spec(memory_policy(policy, prompt_known=True))
+        bits = {"kv_bits": storage.kv_bits, "evicted_bits": storage.evicted_bits} if storage != Storage() else {}
     found = policy_class(policy)
     if found is None or not getattr(found[0], "needs_prompt", False):
-        return generate(model, tokenizer, prompt, policy, budget, max_new, memory=memory)
+        return generate(model, tokenizer, prompt, policy, budget, max_new, memory=memory, **bits)
     if policy not in recorded:
         from ...generate import encode_chat
 
@@ -101,5 +105,5 @@ def _generate_cell(model, tokenizer, prompt, policy, budget, max_new, recorded: 
         recorded[policy] = (found[0].record(model, tokenizer, encode_chat(tokenizer, prompt), **found[1]),
                             time.perf_counter() - t0)
     rec, seconds = recorded[policy]
-    res = generate(model, tokenizer, prompt, rec, budget, max_new, memory=memory)
+    res = generate(model, tokenizer, prompt, rec, budget, max_new, memory=memory, **bits)
     return dataclasses.replace(res, policy=policy, seconds=res.seconds + seconds)
