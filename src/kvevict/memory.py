@@ -166,10 +166,8 @@ class PromptShare(float):
         return Storage(kv_bits=planned.kv_bits, group=planned.group) if self.floored(n) else planned
 
     def tokens(self, n: int) -> int:
-        if n <= self.floor:  # a short prompt: kept whole, room for the answer up to the floor
-            return self.floor
-        if self.floored(n):  # the first tier alone holds the floor's tokens
-            return self.floor
+        if n <= self.floor or self.floored(n):  # kept whole, room for the answer up to the floor; or
+            return self.floor  # the floor's tokens, in the first tier alone
         if self.pair:  # two tiers: the floor bounds the tokens both keep, split as the plan splits them
             head, tail = self.pair
             total = min(n, max(self.floor, math.ceil((head + tail) * n - 1e-9)))
