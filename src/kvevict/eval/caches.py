@@ -26,6 +26,14 @@ def memory_policy(spec: str, prompt_known: bool) -> str:
     return spec[len(MEMORY) + 1:] or pick_policy(prompt_known=prompt_known)
 
 
+def memory_cell(spec: str, prompt_known: bool) -> tuple[str, dict]:
+    """A memory cell's policy and the bits it names: ``mem-kvzip-pool/int4`` -> ("kvzip-pool",
+    {"kv_bits": 4, "evicted_bits": None}) (``make_cache(memory=..., **bits)`` spends the bytes at
+    them; both None: the plan's storage)."""
+    name, storage = split_spec(memory_policy(spec, prompt_known))
+    return name, {"kv_bits": storage.kv_bits, "evicted_bits": storage.evicted_bits}
+
+
 def new_cache(model, policy: str, budget, sequence=None, covering: int | None = None, prompt=None, tokenizer=None):
     """``policy == "full"``: a DynamicCache (attention stays whatever it is: the kvevict attention
     is exact with it); otherwise ``make_cache(model, policy, budget)``. A policy may name its
@@ -47,9 +55,8 @@ def new_cache(model, policy: str, budget, sequence=None, covering: int | None = 
     if memory_spec(policy):
         # a prompt handed over before the cache exists is known, as in ``generate``: the plan's
         # prompt-scoring policy, recorded on it; a streamed text gets the streaming one
-        name, storage = split_spec(memory_policy(policy, prompt_known=prompt is not None and tokenizer is not None))
-        return make_cache(model, _recorded(name, model, tokenizer, prompt) or name, memory=budget,
-                          kv_bits=storage.kv_bits, evicted_bits=storage.evicted_bits)
+        name, bits = memory_cell(policy, prompt_known=prompt is not None and tokenizer is not None)
+        return make_cache(model, _recorded(name, model, tokenizer, prompt) or name, memory=budget, **bits)
     name, storage = split_spec(policy)
     kw = {"kv_bits": storage.kv_bits, "evicted_bits": storage.evicted_bits}
     if storage.evicted_bits is not None and getattr(budget, "pair", None):  # a memory plan's two tiers

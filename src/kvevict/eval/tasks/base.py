@@ -9,8 +9,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ...generate import generate
-from ...storage import Storage, split_spec
-from ..caches import FULL, memory_policy, memory_spec
+from ..caches import FULL, memory_cell, memory_spec
 
 
 @dataclass
@@ -92,9 +91,7 @@ def _generate_cell(model, tokenizer, prompt, policy, budget, max_new, recorded: 
     memory, bits = None, {}
     if memory_spec(policy):
         memory = budget
-        # "mem-kvzip-pool/int4": the bytes spent at int4
-        policy, storage = split_spec(memory_policy(policy, prompt_known=True))
-        bits = {"kv_bits": storage.kv_bits, "evicted_bits": storage.evicted_bits} if storage != Storage() else {}
+        policy, bits = memory_cell(policy, prompt_known=True)  # "mem-kvzip-pool/int4": the bytes at int4
     found = policy_class(policy)
     if found is None or not getattr(found[0], "needs_prompt", False):
         return generate(model, tokenizer, prompt, policy, budget, max_new, memory=memory, **bits)
