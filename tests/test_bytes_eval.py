@@ -23,6 +23,11 @@ def test_cache_specs_name_their_storage():
     with pytest.raises(ValueError, match="unknown policy 'nope/int4'"):
         policy_names("h2o,nope/int4", kvevict.POLICIES)
     assert policy_names("h2o/int4,full/int8", kvevict.POLICIES) == ["h2o/int4", "full/int8"]
+    # a memory cell at bits no plan spends is refused when the grid is parsed, naming the cell
+    assert policy_names("mem,mem-h2o/int4,mem-kvzip-pool/int8+int4", kvevict.POLICIES)[1:] == [
+        "mem-h2o/int4", "mem-kvzip-pool/int8+int4"]
+    with pytest.raises(ValueError, match="'mem-h2o/int2': a memory cell is spent at int8, int4"):
+        policy_names("h2o,mem-h2o/int2", kvevict.POLICIES)
     # a storage that evicts nothing is one cell whatever the budgets
     assert cells_for(["full/int4", "h2o/int4"], [0.1, 0.2]) == [
         ("full", None), ("full/int4", None), ("h2o/int4", 0.1), ("h2o/int4", 0.2)]

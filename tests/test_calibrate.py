@@ -9,7 +9,7 @@ from eval_helpers import tiny_tokenizer
 import kvevict
 from kvevict.calibrate import calibrate, candidates, default_path, load, save, signature
 from kvevict.cli import main
-from kvevict.memory import plan
+from kvevict.memory import head_from, plan
 
 
 @pytest.fixture(scope="module")
@@ -30,12 +30,12 @@ def test_candidates_spend_the_bytes_as_the_rule_does():
 
 def test_calibration_picks_the_lowest_nll_and_scores_the_rule_held_out(calibrated):
     model, p = calibrated
-    assert p["signature"] == signature(model) and p["policy"] == "h2o"
+    assert p["signature"] == signature(model) and p["policy"] == "mas"
     assert [c["memory"] for c in p["choices"]] == [0.5, 0.2]
     for c in p["choices"]:
         best = min(c["candidates"], key=lambda k: c["candidates"][k]["nll"])
         assert c["winner"] == best and c["candidates"][best]["nll"] == min(x["nll"] for x in c["candidates"].values())
-        assert c["builtin"] == plan(c["memory"], 8, 8, 4, 2, group=8, floor=1).storage.label
+        assert c["builtin"] == plan(c["memory"], 8, 8, 4, 2, group=8, floor=1, head_from=head_from("mas")).storage.label
         # the plan keeps the winner unless the rule did better on the held-out windows
         kept = c["builtin"] if c["builtin_heldout_nll"] < c["winner_heldout_nll"] else best
         assert c["storage"] == kept and c["nll"] == c["candidates"][kept]["nll"]
@@ -47,11 +47,11 @@ def test_memory_uses_a_plan_file_and_its_kind_of_storage(calibrated, tmp_path):
     forced = dict(p, choices=[dict(c, storage="fp16") for c in p["choices"]])
     path = save(forced, tmp_path / "plan.json")
     assert load(path, model) == json.loads(path.read_text())
-    cache = kvevict.make_cache(model, "h2o", memory=0.45, plan=path)  # the nearest entry: 0.5
+    cache = kvevict.make_cache(model, "mas", memory=0.45, plan=path)  # the nearest entry: 0.5
     assert cache.storage.kv_bits == 16 and cache.storage.evicted_bits is None
-    rule = kvevict.make_cache(model, "h2o", memory=0.45, plan=False)
+    rule = kvevict.make_cache(model, "mas", memory=0.45, plan=False)
     assert (rule.storage.kv_bits, rule.storage.evicted_bits) != (16, None)
-    # the plan is for h2o: another policy keeps the built-in rule
+    # the plan is for mas (the default, what memory= picks for streamed text): another policy keeps the rule
     assert kvevict.make_cache(model, "tova", memory=0.45, plan=path).storage == \
         kvevict.make_cache(model, "tova", memory=0.45, plan=False).storage
 
@@ -59,23 +59,23 @@ def test_memory_uses_a_plan_file_and_its_kind_of_storage(calibrated, tmp_path):
 def test_the_model_s_own_plan_is_found_in_the_cache(calibrated, tmp_path, monkeypatch):
     model, p = calibrated
     monkeypatch.setenv("KVEVICT_PLANS", str(tmp_path))
-    assert kvevict.make_cache(model, "h2o", memory=0.2).storage.kv_bits != 16  # no plan yet: the rule
+    assert kvevict.make_cache(model, "mas", memory=0.2).storage.kv_bits != 16  # no plan yet: the rule
     save(dict(p, choices=[dict(c, storage="fp16") for c in p["choices"]]), default_path(model))
     assert str(default_path(model)).startswith(str(tmp_path))
-    assert kvevict.make_cache(model, "h2o", memory=0.2).storage.kv_bits == 16
-    assert kvevict.make_cache(model, "h2o", memory=0.2, plan=False).storage.kv_bits != 16
+    assert kvevict.make_cache(model, "mas", memory=0.2).storage.kv_bits == 16
+    assert kvevict.make_cache(model, "mas", memory=0.2, plan=False).storage.kv_bits != 16
 
 
 def test_a_bad_or_stale_plan_says_to_calibrate(calibrated, tmp_path):
     model, p = calibrated
     with pytest.raises(ValueError, match="no plan file .*kvevict calibrate"):
-        kvevict.make_cache(model, "h2o", memory=0.2, plan=tmp_path / "missing.json")
+        kvevict.make_cache(model, "mas", memory=0.2, plan=tmp_path / "missing.json")
     (tmp_path / "junk.json").write_text("{not json")
     with pytest.raises(ValueError, match="not a kvevict plan file.*kvevict calibrate"):
-        kvevict.make_cache(model, "h2o", memory=0.2, plan=tmp_path / "junk.json")
+        kvevict.make_cache(model, "mas", memory=0.2, plan=tmp_path / "junk.json")
     other = save(p, tmp_path / "other.json")
     with pytest.raises(ValueError, match="calibrated for another model.*kvevict calibrate"):
-        kvevict.make_cache(tiny_model("llama-mha"), "h2o", memory=0.2, plan=other)
+        kvevict.make_cache(tiny_model("llama-mha"), "mas", memory=0.2, plan=other)
 
 
 def test_cli_refuses_a_memory_in_bytes(capsys):

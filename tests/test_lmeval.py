@@ -93,13 +93,14 @@ def test_a_memory_budget_holds_at_most_that_share_of_the_bytes(folder, stock):
     model, tok = stock
     assert any(abs(lp - _stock_logprob(model, *_encode(tok, c, x))[0]) > 1e-4 for (c, x), (lp, _) in zip(pairs, got))
     b = lm.get_model_info()["kvevict"]["bytes"]["loglikelihood"]
-    # at most that share, or what the plan's short-prompt floor keeps (MIN_TOKENS tokens at int4,
-    # 8 dims and one statistic per slot) of the shortest context, against 16-bit K + V per token
+    # at most that share, or what the plan's short-prompt floor keeps of the shortest context (MIN_TOKENS
+    # tokens: MAS's three tiers, floored, keep int8 alone; 8 dims, one statistic per slot), against
+    # 16-bit K + V per token
     from kvevict.memory import MIN_TOKENS
     from kvevict.storage import Storage
 
     shortest = min(len(_encode(tok, c, x)[0]) for c, x in pairs)
-    floor = MIN_TOKENS * Storage(kv_bits=4, group=8).slot_bytes(8, 8, 4, 2) / (shortest * 2 * 8 * 2)
+    floor = MIN_TOKENS * Storage(kv_bits=8, group=8).slot_bytes(8, 8, 4, 2) / (shortest * 2 * 8 * 2)
     assert 0.05 < b["kv_share"] <= max(0.2, floor) < 0.5
 
 
@@ -242,8 +243,8 @@ def test_a_memory_budget_picks_the_policy_per_request_type(folder):
     s = parse_settings({"pretrained": folder, "memory": 0.2})
     assert s.policy is None
     assert [s.policy_for(k) for k in ("generate_until", "loglikelihood", "loglikelihood_rolling")] == \
-        ["kvzip-pool", "kvzip-pool", "h2o"]  # the whole context known before decoding, or streamed
-    assert parse_settings({"pretrained": folder, "memory": 0.2, "batch_size": 4}).policy_for("loglikelihood") == "h2o"
+        ["kvzip-pool", "kvzip-pool", "mas"]  # the whole context known before decoding, or streamed
+    assert parse_settings({"pretrained": folder, "memory": 0.2, "batch_size": 4}).policy_for("loglikelihood") == "mas"
     assert parse_settings({"pretrained": folder}).policy_for("generate_until") == "h2o"  # a token budget
     assert parse_settings({"pretrained": folder, "memory": 0.2, "policy": "tova"}).policy_for("loglikelihood") == "tova"
     lm = KvevictLM(pretrained=folder, memory=0.2)

@@ -36,6 +36,7 @@ def stats_of(a, history=None, window=None):
 
 def kept(policy, budget, **kw):
     st = stats_of(A, **kw)
+    st.pop("count")  # MAS and RoCo read n_i from positions (Candidates.seen), not from a statistic
     c = Candidates(stats={k: v.view(1, 1, -1) for k, v in st.items()}, pos=torch.arange(6).view(1, 1, -1),
                    valid=torch.ones(1, 1, 6, dtype=torch.bool), newest=torch.tensor(5).view(1, 1, 1),
                    budget=budget, layer_idx=0)
@@ -59,6 +60,13 @@ def test_policy_choice_on_hand_built_attention(name, params, budget, expected, w
     assert kept(pol, budget, **extra) == expected, why
 
 
+def test_query_counts_come_from_positions():
+    """MAS / RoCo's n_i (queries that saw key i) equals newest - pos_i + 1: the counter's definition."""
+    c = Candidates(stats={}, pos=torch.arange(6).view(1, 1, -1), valid=torch.ones(1, 1, 6, dtype=torch.bool),
+                   newest=torch.tensor(5).view(1, 1, 1), budget=3, layer_idx=0)
+    assert torch.equal(c.seen(), stats_of(A)["count"].view(1, 1, -1))
+
+
 def test_random_policy_protects_recent_and_is_seeded():
     sets = [kept(make_policy("random", recent=2, seed=s), 4) for s in range(40)]
     assert all({4, 5} <= s and len(s) == 4 for s in sets)
@@ -73,7 +81,7 @@ def test_attention_statistics_match_their_definitions():
     seg = _Segments(pieces=[], pos_past=None, valid_past=None, k_new=key, v_new=value,
                     pos_new=torch.arange(q).view(1, -1), valid_new=None)
     out, st = attend(query, seg, d ** -0.5, None, None,
-                     ("sum", "sq", "count", "last", "hits", "hits_ema", "obs"), observe=3, gamma=0.5)
+                     ("sum", "sq", "last", "hits", "hits_ema", "obs"), observe=3, gamma=0.5)
     scores = (query.view(b, hkv, g, q, d) @ key.unsqueeze(2).transpose(-1, -2)) * d ** -0.5
     causal = torch.ones(q, q, dtype=torch.bool).tril()
     p = scores.masked_fill(~causal, float("-inf")).softmax(-1)  # (b, hkv, g, q, q)
@@ -87,7 +95,6 @@ def test_attention_statistics_match_their_definitions():
             assert torch.allclose(st["sq"][bi, h], ref["sq"] * g * g, atol=1e-5)
             assert torch.allclose(st["last"][bi, h], ref["last"] * g, atol=1e-6)
             assert torch.allclose(st["obs"][bi, h], ref["obs"] * g, atol=1e-5)
-            assert torch.equal(st["count"][bi, h], ref["count"])
             assert torch.equal(st["hits"][bi, h], ref["hits"])
             assert torch.allclose(st["hits_ema"][bi, h], ref["hits_ema"])
 

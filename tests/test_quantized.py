@@ -279,21 +279,29 @@ def test_bad_memory_budgets_are_clear_errors(memory, match):
 
 
 def test_rank_statistics_are_float16_and_counters_float32():
-    """H2O's sums (and every statistic only ranked) take 2 bytes a slot; counts stay exact past 2,048."""
+    """H2O's sums (and every statistic only ranked) take 2 bytes a slot; counts stay exact past 2,048;
+    MAS and RoCo read their query counts from positions and store none."""
     from kvevict.storage import stat_bytes
 
     model = tiny_model("llama-gqa")
-    cache = kvevict.make_cache(model, "roco", budget=8)  # sum, sq, count
+    cache = kvevict.make_cache(model, "roco", budget=8)  # sum, sq
     _logits(model, torch.randint(0, 128, (1, 20)), cache)
     tier = cache.layers[0].tiers[0]
-    assert {n: t.dtype for n, t in tier.stats.items()} == {"sum": torch.float16, "sq": torch.float32,
-                                                          "count": torch.float32}
-    assert stat_bytes(("sum", "sq", "count")) == 10 and stat_bytes(kvevict.POLICIES["h2o"].stats) == 2
+    assert {n: t.dtype for n, t in tier.stats.items()} == {"sum": torch.float16, "sq": torch.float32}
+    assert stat_bytes(("sum", "sq")) == 6 and stat_bytes(kvevict.POLICIES["h2o"].stats) == 2
+    assert stat_bytes(kvevict.POLICIES["mas"].stats) == 2
     f = tier.filled
     grow = {n: torch.zeros_like(t[..., :f], dtype=torch.float32) for n, t in tier.stats.items()}
-    grow["sum"][..., 0], grow["count"][..., :] = 7e4, 3000.0
+    grow["sum"][..., 0] = 7e4
     tier.accumulate(grow, 0, 1.0, 1)
-    # a sum past float16's range saturates, finite and still first; a count past 2,048 stays exact
+    # a sum past float16's range saturates, finite and still first
     assert torch.isfinite(tier.stats["sum"]).all() and tier.stats["sum"][..., 0].eq(torch.finfo(torch.float16).max).all()
-    assert (tier.stats["count"][..., :f] >= 3000).all() and tier.stats["count"][..., :f].frac().eq(0).all()
     assert tier.candidates(None, 20, 8, 0).stats["sum"].dtype == torch.float32  # policies score in float32
+    cache = kvevict.make_cache(model, "aqas", budget=8)  # hits: a counter
+    _logits(model, torch.randint(0, 128, (1, 20)), cache)
+    tier = cache.layers[0].tiers[0]
+    assert tier.stats["hits"].dtype == torch.float32
+    f = tier.filled
+    tier.accumulate({"hits": torch.full_like(tier.stats["hits"][..., :f], 3000.0)}, 0, 1.0, 1)
+    # a count past 2,048 stays exact
+    assert (tier.stats["hits"][..., :f] >= 3000).all() and tier.stats["hits"][..., :f].frac().eq(0).all()

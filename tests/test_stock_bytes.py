@@ -83,12 +83,13 @@ class _CharTok:
 def test_memory_fractions_hold_the_same_bytes_in_fp32_and_bf16(memory):
     # head_dim 16, groups of 8 channels: int8 from 44/64 of a 16-bit token, int8 + int4 for every token
     # from r4 = 28/64, three tiers (int8 top, int4 next, the rest evicted) from HEAD_FROM x r4, int4 below
+    # (H2O's thresholds; MAS, the streaming pick, keeps three tiers further down)
     fp32 = tiny_model("llama-mha")
     bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
     ids = torch.randint(0, 128, (2, 1200))  # long enough that the floor does not bind
     held = {}
     for name, model in (("fp32", fp32), ("bf16", bf16)):
-        cache = _feed(model, kvevict.make_cache(model, memory=memory, group=8), ids, steps=3)
+        cache = _feed(model, kvevict.make_cache(model, "h2o", memory=memory, group=8), ids, steps=3)
         held[name] = (cache.kv_bytes(), cache.full_kv_bytes(), cache.layers[0].storage.label, cache.budget)
     assert held["fp32"] == held["bf16"]
     kv, full, label, _ = held["fp32"]
@@ -100,14 +101,15 @@ def test_a_memory_budget_picks_a_streaming_policy_or_a_prompt_scoring_one(tmp_pa
     from tiny_chat_model import save_tiny_chat_model
 
     model, tok = kvevict.load_model(str(save_tiny_chat_model(tmp_path / "m")))
-    assert kvevict.make_cache(model, memory=0.2).policy.name == "h2o"  # a cache for model.generate
+    assert kvevict.make_cache(model, memory=0.2).policy.name == "mas"  # a cache for model.generate
+    assert kvevict.make_cache(model, budget=0.2).policy.name == "h2o"  # a token budget's default
     assert kvevict.make_cache(model, "h2o", 0.2).layers[0].budget_spec == 0.2  # positional calls still work
     assert kvevict.make_cache(model, "tova", memory=0.2).policy.name == "tova"
     text = "Tell me about the fox and the crow. " * 12
     known = generate(model, tok, text, memory=0.2, max_new_tokens=4)  # the whole prompt, before decoding
     assert known.policy == "kvzip-pool"
     chunked = generate(model, tok, text, memory=0.2, max_new_tokens=4, prefill_mode="block", stride=32)
-    assert chunked.policy == "h2o"
+    assert chunked.policy == "mas"
     named = generate(model, tok, text, "snapkv", memory=0.2, max_new_tokens=4)
     assert named.policy == "snapkv"
     assert generate(model, tok, text, max_new_tokens=4).policy == "h2o"  # no memory: the token budget's default
@@ -115,6 +117,22 @@ def test_a_memory_budget_picks_a_streaming_policy_or_a_prompt_scoring_one(tmp_pa
     kept, seen = (int(x) for x in known.storage.split(", ")[1].removesuffix(" tokens").split(" of "))
     assert known.storage.startswith("int8+int4, ") and seen == known.prompt_tokens + known.new_tokens - 1
     assert known.budget < kept <= seen  # the budget is the int8 tier's; the label counts both tiers
+
+
+@pytest.mark.parametrize("memory", [0.05, 0.1])
+def test_mas_streams_in_three_tiers_where_h2o_keeps_int4_alone(memory):
+    """Below 15% of a 16-bit cache the rule gives MAS (the streaming pick) three tiers and H2O int4 alone."""
+    from kvevict.memory import HEAD_BYTES, head_from, plan
+    from kvevict.policies import make_policy
+
+    r8, r4 = (Storage(kv_bits=b).slot_bytes(64, 64, 4, 2) / 256 for b in (8, 4))
+    mas = plan(memory, 64, 64, 4, 2, head_from=head_from(make_policy("mas")))
+    h2o = plan(memory, 64, 64, 4, 2, head_from=head_from("h2o"))
+    assert mas.storage.label == "int8+int4" and h2o.storage.label == "int4"
+    head, tail = mas.budget.pair
+    assert head * r8 == pytest.approx(HEAD_BYTES * memory) and head * r8 + tail * r4 == pytest.approx(memory)
+    assert float(h2o.budget) == pytest.approx(memory / r4)
+    assert plan(0.04, 64, 64, 4, 2, head_from=head_from("mas")).storage.label == "int4"  # below 5%: int4 alone
 
 
 @pytest.mark.parametrize("memory", [0.05, 0.1, 0.2, 0.4])
@@ -143,9 +161,9 @@ def test_a_fractional_memory_budget_never_cuts_a_short_prompt():
     # kept whole at 16 bits, with room for an answer up to the floor
     assert short.budget == MIN_TOKENS and layer.evicted == 0 and layer.storage.kv_bits == 16
     assert int(layer.tiers[0].valid.sum()) == 43 * layer.dims[0]
-    long = _feed(model, kvevict.make_cache(model, memory=0.2), torch.randint(0, 128, (1, 1500)), steps=0)
+    long = _feed(model, kvevict.make_cache(model, "h2o", memory=0.2), torch.randint(0, 128, (1, 1500)), steps=0)
     assert long.layers[0].storage.kv_bits == 4 and MIN_TOKENS < long.budget < 1500
-    mid = _feed(model, kvevict.make_cache(model, memory=0.05), torch.randint(0, 128, (1, 300)), steps=0)
+    mid = _feed(model, kvevict.make_cache(model, "h2o", memory=0.05), torch.randint(0, 128, (1, 300)), steps=0)
     assert mid.budget == MIN_TOKENS and mid.layers[0].storage.kv_bits == 4  # the floor, at the plan's bits
 
 

@@ -6,7 +6,6 @@ that layer the per-key attention statistics its policy asks for:
 
     sum[i]   = sum_t a_t(i)              (H2O's accumulated attention, AAS)
     sq[i]    = sum_t a_t(i)^2            (RoCo's variance)
-    count[i] = #queries t that saw key i (MAS / RoCo's n_i)
     last[i]  = a_T(i)                    (TOVA / LTAS: last query only)
     obs[i]   = sum_{t in last w queries} a_t(i)   (SnapKV's observation window)
     hits[i]  = sum_t 1[a_t(i) >= G / n_t]         (AQAS: attention above uniform, quantised)
@@ -193,7 +192,7 @@ def attend(query, seg: _Segments, scale, window, softcap, wanted=(), observe=0, 
     if "blocks" in wanted:
         n_blocks = int(seg.pos_new.max()) // block + 1
         stats["blocks"] = torch.zeros(b, hkv, n_blocks, n_all, dtype=torch.float32, device=dev)
-    need_seen = "count" in stats or "hits" in stats or "hits_ema" in stats
+    need_seen = "hits" in stats or "hits_ema" in stats
     out = torch.empty(b, hkv, g, q, d, dtype=query.dtype, device=dev)
     chunk = max(1, min(q, _CHUNK_ELEMENTS // max(1, b * hq * n_all)))
     idx = torch.arange(q, device=dev)
@@ -271,7 +270,7 @@ def _attend_fused(query, seg: _Segments, scale, window, softcap, wanted, observe
     if wanted == ("sum",):  # H2O: pg is the statistic itself (a fresh tensor)
         stats["sum"] = pg
     elif stats:
-        need_seen = "count" in stats or "hits" in stats or "hits_ema" in stats
+        need_seen = "hits" in stats or "hits_ema" in stats
         seen = _seen(hide_past, hide_new, None, 1, n_past, 0, 1, query.device) if need_seen else None
         _accumulate(stats, pg.unsqueeze(2), seen, seg.valid_new, 0, 1, 1, hq // hkv, observe, gamma)
     if "last" in wanted:
@@ -334,7 +333,7 @@ def _hidden(seg: _Segments, s, e, window, idx):
 
 
 def _seen(hide_past, hide_new, later, c, n_past, s, e, dev):
-    """(b|1, hkv|1, c, n_past + e) bool: which query of the chunk saw which key (for counts)."""
+    """(b|1, hkv|1, c, n_past + e) bool: which query of the chunk saw which key (for hits)."""
     if later is not None:
         causal = torch.nn.functional.pad(later.view(1, 1, 1, c, c), (s, 0))
         hide_new = causal if hide_new is None else hide_new | causal
@@ -351,18 +350,13 @@ def _seen(hide_past, hide_new, later, c, n_past, s, e, dev):
 
 def _accumulate(stats, pg, seen, valid_new, s, e, q, g, observe, gamma):
     """Add this chunk's column statistics (pg: probs summed over the KV group) into ``stats``;
-    ``seen`` (which query saw which key) is given whenever counts or hits are wanted."""
+    ``seen`` (which query saw which key) is given whenever hits are wanted."""
     n = pg.shape[-1]
     qvalid = None if valid_new is None else valid_new[:, None, s:e, None]  # (b, 1, c, 1)
     if "sum" in stats:
         stats["sum"][..., :n] += pg.sum(2)
     if "sq" in stats:
         stats["sq"][..., :n] += pg.square().sum(2)
-    if "count" in stats:
-        cnt = seen
-        if qvalid is not None:
-            cnt = cnt & qvalid
-        stats["count"][..., :n] += cnt.sum(2).to(torch.float32)
     if "hits" in stats or "hits_ema" in stats:
         # above-uniform attention: a_t(i) >= G / n_t, n_t = keys query t sees
         n_vis = seen.sum(-1, keepdim=True)

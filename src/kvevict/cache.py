@@ -512,9 +512,10 @@ def make_cache(model, policy=None, budget=0.2, recent=None, compact=False, kv_bi
     of ``group`` channels, default 32 or gcd(32, head_dim); see kvevict.store); None keeps the model's dtype.
     evicted_bits: demote evicted tokens into a tier of that many bits instead of dropping them
     (MiKV); ``evicted_budget`` caps it (int tokens or fraction of the prompt; default the rest of the prompt).
-    policy: a name (``kvevict.POLICIES``), a spec or a Policy; not given: ``h2o``, the streaming
-    policy a cache handed to ``model.generate`` needs (``kvevict.memory.pick_policy``; a prompt
-    known in advance is better served by ``kvevict.generate.generate``, which picks ``kvzip-pool``).
+    policy: a name (``kvevict.POLICIES``), a spec or a Policy; not given: ``h2o`` with a token
+    budget, ``mas`` with a memory budget (the streaming policy a cache handed to ``model.generate``
+    needs, ``kvevict.memory.pick_policy``; a prompt known in advance is better served by
+    ``kvevict.generate.generate``, which picks ``kvzip-pool``).
     memory: a budget in bytes instead: a fraction of what a stock cache would hold for the same
     tokens in 16 bits (0.2, '20%'; ``kvevict.stock``) or bytes per sequence ('64MiB'). It replaces
     ``budget`` with the split of tokens kept x bits per token measured best (``kvevict.memory.plan``):
@@ -539,7 +540,7 @@ def make_cache(model, policy=None, budget=0.2, recent=None, compact=False, kv_bi
     if policy is None:
         from .memory import pick_policy
 
-        policy = pick_policy(prompt_known=False)
+        policy = pick_policy(prompt_known=False, memory=memory is not None)
     pol = make_policy(policy, **policy_params)
     if question is not None:
         if isinstance(question, bool) or not isinstance(question, int) or question < 0:

@@ -2,7 +2,8 @@
 text, the streaming NLL each way of spending a memory budget costs, and write the winner per budget
 to a plan file that ``memory=`` then uses for that model.
 
-For a memory share m of a 16-bit stock cache and a streaming policy (H2O by default), the
+For a memory share m of a 16-bit stock cache and a streaming policy (by default the one a memory
+budget picks for streamed text, ``memory.STREAM_POLICY``), the
 candidates are the ways the bytes can be spent (r_b: a b-bit slot's bytes over a 16-bit token's,
 ``Storage.slot_bytes``; the same arithmetic as ``kvevict.memory.plan``):
 
@@ -125,21 +126,23 @@ def _mean_nll(model, windows, cells: list, chunk: int) -> dict:
     return {cell: sum(v) / len(v) for cell, v in nll.items()}
 
 
-def calibrate(model, tokenizer, memories=(0.2, 0.1, 0.05), policy: str = "h2o", tokens: int = 1024,
+def calibrate(model, tokenizer, memories=(0.2, 0.1, 0.05), policy: str | None = None, tokens: int = 1024,
               windows: int = 4, heldout: int = 4, chunk: int = 32, log=print) -> dict:
     """Score every candidate per memory share on ``windows`` essay windows of ``tokens`` tokens,
     then the winner and the built-in rule's choice on ``heldout`` other windows; the plan dict."""
     from .cache import _head_dim
     from .memory import plan as builtin_plan
     from .policies import make_policy
+    from .memory import STREAM_POLICY, head_from
     from .stock import sliding_windows
 
     d = _head_dim(model)
     if d is None:
         raise ValueError(f"cannot find the head dimension of {type(model).__name__} to calibrate memory budgets.")
+    policy = policy or STREAM_POLICY
     pol = make_policy(policy)
     if getattr(pol, "needs_prompt", False):
-        raise ValueError(f"{policy} scores a whole prompt before decoding; calibrate a streaming policy (h2o, ...): "
+        raise ValueError(f"{policy} scores a whole prompt before decoding; calibrate a streaming policy (mas, h2o, ...): "
                          "a prompt-scoring policy keeps the built-in rule.")
     stats_bytes, dtype_bytes, group = stat_bytes(pol.stats), model.dtype.itemsize, math.gcd(DEFAULT_GROUP, d)
     calib, held = _windows(tokenizer, tokens, windows, 0), _windows(tokenizer, tokens, heldout, windows)
@@ -155,7 +158,8 @@ def calibrate(model, tokenizer, memories=(0.2, 0.1, 0.05), policy: str = "h2o", 
         for cell in cells:
             log(f"  memory {m:g}: {cell[0]:16s} {cell[1]:6.1%} of the tokens  NLL {scored[cell] - scored[full]:+.4f}")
         best = min(cells, key=lambda c: scored[c])
-        kind = builtin_plan(m, d, d, dtype_bytes, stats_bytes, group=group, windows=sliding, floor=1).storage.label
+        kind = builtin_plan(m, d, d, dtype_bytes, stats_bytes, group=group, windows=sliding, floor=1,
+                            head_from=head_from(pol)).storage.label
         rule = next(c for c in cells if c[0] == f"{policy}/{kind}")
         picks[m] = (best, rule)
     held_nll = _mean_nll(model, held, [full] + sorted({c for pair in picks.values() for c in pair}), chunk)

@@ -110,7 +110,7 @@ def generate(model, tokenizer, prompt, policy=None, budget=0.2, max_new_tokens=6
     ``prefill_mode``: full, token or block (with ``stride``), see kvevict.prefill.
     ``memory``: a budget in bytes instead of ``budget`` (see ``make_cache``).
     ``policy`` not given: with ``memory``, ``kvzip-pool`` when the whole prompt enters at once (it
-    is known before decoding) and ``h2o`` under token or block prefill (``kvevict.memory.pick_policy``);
+    is known before decoding) and ``mas`` under token or block prefill (``kvevict.memory.pick_policy``);
     without, ``h2o``.
     ``question``: protect the prompt's last N tokens and observe them (``make_cache(question=N)``);
     True (or a policy spec ending in ``+q``) counts the question with ``question_tokens``.
@@ -120,7 +120,7 @@ def generate(model, tokenizer, prompt, policy=None, budget=0.2, max_new_tokens=6
     if policy is None:
         from .memory import pick_policy
 
-        policy = pick_policy(prompt_known=memory is not None and prefill_mode == "full")
+        policy = pick_policy(prompt_known=prefill_mode == "full", memory=memory is not None)
     label = policy if isinstance(policy, str) else getattr(policy, "name", policy)
     policy, asked = split_question(policy)
     if asked or question is True:

@@ -14,7 +14,9 @@ r4 the bytes of an int8 and an int4 slot over a 16-bit token's (0.55 and 0.30 at
   - from ``HEAD_FROM`` x r4 to r4, three tiers for a streaming policy: its top share h at int8,
     holding ``HEAD_BYTES`` of the memory (h r8 = HEAD_BYTES x memory), the next share g at int4 in
     the rest (g r4 = memory - h r8), the others evicted. At 20% of a 16-bit cache on SmolLM2 this
-    halved int4-alone's streaming NLL cost; at 10% the int8 tier cost more tokens than it was worth.
+    halved int4-alone's streaming NLL cost for H2O; at 10% H2O's int8 tier cost more tokens than
+    it was worth. MAS (``HEAD_FROM_OF``, the streaming pick) keeps three tiers from 5%: at 10% they
+    cut its streaming NLL cost by a third against int4 alone (+1.4% perplexity against +2.1%).
     A model with sliding-window layers keeps int4 alone there (its bytes are solved per layer);
   - below, evict with the policy and keep int4 for the tokens kept (memory / r4 of them). 2-bit
     storage (for every token, or for the demoted ones) costs +1 to +3 nats per token, or more than
@@ -41,11 +43,12 @@ is known, a sliding layer holding min(window, B) tokens:
 
 Which policy a budget picks when none is named (``pick_policy``): a prompt-scoring one
 (``kvzip-pool``) when the whole prompt is known before decoding (``kvevict.generate.generate``,
-``kvevict generate``, the demo), a streaming one (``h2o``) when it is not (a cache handed to
-``model.generate``, chunked prefill, streams, the server's running batches). At 20% of the 16-bit
-stock cache on SmolLM2, ``kvzip-pool`` over int4 found the access codes the full cache found (10/12
-at 1.2K tokens, 6/6 at 3.5K) where H2O over int4 found 4/12 and 2/6 (issue 20); RULER at 4K:
-docs/ruler.md.
+``kvevict generate``, the demo), a streaming one (``mas``, the RoCo paper's mean attention
+score) when it is not (a cache handed to ``model.generate``, chunked prefill, streams). At 20% of
+the 16-bit stock cache on SmolLM2, ``kvzip-pool`` over int4 found the access codes the full cache
+found (10/12 at 1.2K tokens, 6/6 at 3.5K) where H2O over int4 found 4/12 and 2/6 (issue 20); RULER
+at 4K: docs/ruler.md. Streaming 20 text windows under the rule, MAS cost +0.26% perplexity at 20%
+and, in three tiers, +1.39% at 10% where H2O cost +0.46% and +2.31% (paired, n = 20).
 
 Per slot and KV head: ``Storage.slot_bytes`` (codes, a step byte and a zero byte per group, an
 int16 position, the policy's statistics: ``storage.stat_bytes``, 2 bytes for H2O's float16 sum).
@@ -95,10 +98,21 @@ def parse_memory(memory) -> float | int:
 
 MIN_TOKENS = 128  # a fractional memory budget keeps at least this many tokens per layer and KV head
 PROMPT_POLICY = "kvzip-pool"  # scores the whole prompt before decoding
-STREAM_POLICY = "h2o"  # scores what streams in
+# scores what streams in: MAS, H2O's sum over how many queries saw the key, beat H2O on streaming LM
+# at 20% and 10% of a 16-bit cache (docs/quality-per-byte.md) at the same bytes (n_i from positions)
+STREAM_POLICY = "mas"
 # below r4, a streaming policy's three tiers (int8 top, int4 next, the rest evicted) from this share
 # of r4 on, the int8 tier holding this share of the bytes (docs/quality-per-byte.md)
 HEAD_FROM, HEAD_BYTES = 0.49, 0.28
+# MAS ranks by mean attention, so its top share earns int8 further down: three tiers from 5% of a
+# 16-bit cache at head_dim 64 (H2O's top, its largest sums, lost there to int4 alone)
+HEAD_FROM_OF = {"mas": 0.16}
+
+
+def head_from(policy) -> float:
+    """The share of r4 from which ``policy`` streams in three tiers (``HEAD_FROM`` unless measured)."""
+    return HEAD_FROM_OF.get(getattr(policy, "name", policy), HEAD_FROM)
+
 # a prompt-scoring policy's three tiers: from this share of r4 on (10% of a 16-bit cache at head_dim
 # 64), the int8 tier holding this share of the bytes (docs/ruler.md, docs/quality-per-byte.md)
 PROMPT_FROM, PROMPT_HEAD_BYTES = 0.34, 0.5
@@ -120,8 +134,14 @@ def storage_kind(kv_bits=None, evicted_bits=None, evicted_budget=None) -> str | 
     return kind
 
 
-def pick_policy(prompt_known: bool) -> str:
-    """The policy a memory budget uses when none is named (see the module's rule)."""
+TOKEN_POLICY = "h2o"  # a token budget's default (no memory budget): the library's default policy
+
+
+def pick_policy(prompt_known: bool, memory: bool = True) -> str:
+    """The policy a memory budget uses when none is named (see the module's rule); without a memory
+    budget (``memory=False``: a token budget), H2O."""
+    if not memory:
+        return TOKEN_POLICY
     return PROMPT_POLICY if prompt_known else STREAM_POLICY
 
 
@@ -199,7 +219,7 @@ class Plan:
 
 def plan(memory, head_dim_k: int, head_dim_v: int, dtype_bytes: int, stats_bytes: int, layers_heads: int = 1,
          group: int = DEFAULT_GROUP, slot_extra: int = 0, windows=None, floor: int = MIN_TOKENS,
-         scores_prompt: bool = False, kind: str | None = None) -> Plan:
+         scores_prompt: bool = False, kind: str | None = None, head_from: float = HEAD_FROM) -> Plan:
     """The storage and token budget for ``memory`` (see the module's rule), as a share of a 16-bit
     stock cache whatever ``dtype_bytes`` (the model's, for storage kept in it). ``stats_bytes``: a
     slot's statistics (``storage.stat_bytes(policy.stats)``). ``layers_heads``:
@@ -211,7 +231,8 @@ def plan(memory, head_dim_k: int, head_dim_v: int, dtype_bytes: int, stats_bytes
     ``PROMPT_FROM`` x r4 to r4, else int8, never int4 alone (see the module's rule); ``kind``:
     spend a fractional budget this way instead of by the rule ("fp16", "int8", "int4": evict and
     keep those bits; "int8+int4": two tiers, every token from r4, else three), as a calibrated plan
-    file or the caller's bits say (``kvevict.calibrate``, ``storage_kind``)."""
+    file or the caller's bits say (``kvevict.calibrate``, ``storage_kind``); ``head_from``: the
+    share of r4 from which a streaming policy keeps three tiers (``head_from(policy)``)."""
     memory = parse_memory(memory)
     full = (head_dim_k + head_dim_v) * STOCK_BYTES  # one 16-bit token of the stock cache, per KV head
     windows = tuple(windows or ())
@@ -244,7 +265,7 @@ def plan(memory, head_dim_k: int, head_dim_v: int, dtype_bytes: int, stats_bytes
         kind = "int8+int4" if PROMPT_FROM * ratio[4] <= memory < ratio[4] and not sliding else "int8"
     if kind is None:
         kind = ("int8" if memory >= ratio[8] else "int8+int4" if memory >= ratio[4]
-                or (memory >= HEAD_FROM * ratio[4] and not sliding) else "int4")
+                or (memory >= head_from * ratio[4] and not sliding) else "int4")
     if kind == "int8+int4" and memory >= ratio[8]:  # int8 for every token fits: no int4 tier
         kind = "int8"
     if kind == "int8+int4" and memory < ratio[4] and sliding:  # three tiers are not solved per layer
@@ -282,7 +303,7 @@ def plan_for_model(model, memory, policy, group: int = DEFAULT_GROUP, floor: int
     kind = kind or _calibrated_kind(model, memory, policy, plan_file)
     return plan(memory, d, d, model.dtype.itemsize, stat_bytes(policy.stats), layers_heads, group, head_id,
                 sliding_windows(config), floor,
-                scores_prompt=bool(getattr(policy, "needs_prompt", False)), kind=kind)
+                scores_prompt=bool(getattr(policy, "needs_prompt", False)), kind=kind, head_from=head_from(policy))
 
 
 def _calibrated_kind(model, memory, policy, plan_file) -> str | None:

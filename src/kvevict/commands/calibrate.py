@@ -11,7 +11,7 @@ HELP = "measure which storage each memory budget should use on this model, and w
 def add_arguments(p):
     p.add_argument("--model", default="smollm2-135m", help="known name (smollm2-135m, gemma3-270m) or a local HF folder")
     p.add_argument("--memory", default="0.2,0.1,0.05", help="comma-separated memory shares of a 16-bit stock cache")
-    p.add_argument("--policy", default="h2o", help="the streaming policy the plan is for (default h2o)")
+    p.add_argument("--policy", help="the streaming policy the plan is for (default: the one memory= picks for streamed text, mas)")
     # 4 windows of 1,024 tokens: with 2 of 512 SmolLM2's choice at 20% lost to the rule held out
     p.add_argument("--tokens", type=int, default=1024, help="tokens per calibration window")
     p.add_argument("--windows", type=int, default=4, help="calibration windows (and as many held out)")

@@ -44,6 +44,12 @@ class Candidates:
     heads: int = 1  # KV heads sharing the candidates (adaptive) or 1
     prompt_len: torch.Tensor | None = None  # (batch, 1, 1) real tokens of each prompt (for ``question``)
 
+    def seen(self) -> torch.Tensor:
+        """n_i, how many queries have attended to each candidate: a kept key is seen by every query
+        from its own position on (causal attention; padding adds no position), so n_i = newest -
+        pos_i + 1 is read from positions instead of stored as a counter (4 bytes a slot)."""
+        return (self.newest - self.pos + 1).clamp(min=1).float()
+
     def lookup(self, table: torch.Tensor) -> torch.Tensor:
         """``table`` (batch, kv_heads, n) read at each candidate's (head, position), positions
         clamped to [0, n): per-head scores recorded in advance (KVzip, the oracle)."""

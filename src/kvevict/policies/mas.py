@@ -8,10 +8,11 @@ from .registry import register
 @dataclass
 class MAS(Policy):
     """Mean attention score (RoCo paper): accumulated attention divided by how many queries saw the
-    key, score(i) = sum_t a_t(i) / n_i, which removes AAS's bias towards old tokens."""
+    key, score(i) = sum_t a_t(i) / n_i, which removes AAS's bias towards old tokens. n_i comes from
+    positions (``Candidates.seen``), so a slot holds H2O's bytes."""
 
     name = "mas"
-    stats = ("sum", "count")
+    stats = ("sum",)
 
     def score(self, c: Candidates):
-        return c.stats["sum"] / c.stats["count"].clamp(min=1.0)
+        return c.stats["sum"] / c.seen()

@@ -16,23 +16,23 @@ class RoCo(Policy):
 
     The eviction scope is the ``n - recent`` candidates of lowest std (their attention has settled);
     the ``recent`` most volatile ones and the ``young`` newest tokens (too few observations for a
-    std) are protected. Within the scope the lowest MAS is evicted. Defaults follow EasyKV's
+    std) are protected. n_i comes from positions (``Candidates.seen``). Within the scope the lowest MAS is evicted. Defaults follow EasyKV's
     decoding: ``recent`` = 30% of the budget, ``young`` = 10.
     """
 
     young: int = 10
     name = "roco"
-    stats = ("sum", "sq", "count")
+    stats = ("sum", "sq")
     adaptable = False  # the std scope takes the top ``recent`` of each head's row
 
     def recent_for(self, budget: int) -> int:
         return max(1, int(0.3 * budget)) if self.recent is None else self.recent
 
     def score(self, c: Candidates):
-        return c.stats["sum"] / c.stats["count"].clamp(min=1.0)
+        return c.stats["sum"] / c.seen()
 
     def protected(self, c: Candidates):
-        n = c.stats["count"].clamp(min=1.0)
+        n = c.seen()
         mas = c.stats["sum"] / n
         std = (c.stats["sq"] / n - mas.square()).clamp(min=0.0).sqrt()
         young = c.pos > c.newest - min(self.young, self.recent_for(c.budget))
