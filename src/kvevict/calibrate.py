@@ -131,9 +131,9 @@ def calibrate(model, tokenizer, memories=(0.2, 0.1, 0.05), policy: str | None = 
     """Score every candidate per memory share on ``windows`` essay windows of ``tokens`` tokens,
     then the winner and the built-in rule's choice on ``heldout`` other windows; the plan dict."""
     from .cache import _head_dim
+    from .memory import STREAM_POLICY, head_from
     from .memory import plan as builtin_plan
     from .policies import make_policy
-    from .memory import STREAM_POLICY, head_from
     from .stock import sliding_windows
 
     d = _head_dim(model)
