@@ -121,11 +121,12 @@ def policy_names(requested: str | list[str], known: dict) -> list[str]:
         raise ValueError(f"unknown policy {', '.join(map(repr, bad))}; known policies: {', '.join(sorted(known))} "
                          "(or 'all'; the full cache is always included).")
     for p in items:  # bits a memory budget cannot be spent at: refused now, not at the grid's first cell
-        if memory_spec(split_question(p)[0]) and "/" in p:
+        spec = split_question(p)[0]
+        if memory_spec(spec) and "/" in spec:
             from ..memory import storage_kind
 
             try:
-                storage_kind(**memory_cell(split_question(p)[0], prompt_known=True)[1])
+                storage_kind(**memory_cell(spec, prompt_known=True)[1])
             except ValueError as err:
                 raise ValueError(f"{p!r}: a memory cell is spent at int8, int4 or int8+int4 (or fp16), or "
                                  f"named without bits ({err})") from None

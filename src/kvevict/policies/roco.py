@@ -16,8 +16,9 @@ class RoCo(Policy):
 
     The eviction scope is the ``n - recent`` candidates of lowest std (their attention has settled);
     the ``recent`` most volatile ones and the ``young`` newest tokens (too few observations for a
-    std) are protected. n_i comes from positions (``Candidates.seen``). Within the scope the lowest MAS is evicted. Defaults follow EasyKV's
-    decoding: ``recent`` = 30% of the budget, ``young`` = 10.
+    std) are protected. Within the scope the lowest MAS is evicted. n_i comes from positions
+    (``Candidates.seen``). Defaults follow EasyKV's decoding: ``recent`` = 30% of the budget,
+    ``young`` = 10.
     """
 
     young: int = 10
