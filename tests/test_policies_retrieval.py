@@ -84,6 +84,19 @@ def test_kvzip_keeps_a_window_of_a_long_answer_and_the_best_of_the_context():
         KVzip(scores=pol.scores, generated=1.5)
 
 
+def test_kvzip_pool_ranks_a_key_by_the_best_score_among_its_neighbours():
+    scores = [torch.tensor([[[0.9, 0.1, 0.05, 0.0, 0.0, 0.0, 0.8, 0.02, 0.0, 0.3]]])]
+    # pooled over 3: [0.9, 0.9, 0.1, 0.05, 0, 0.8, 0.8, 0.8, 0.3, 0.3]; the top five are the two hits
+    # with their neighbours, where the keys' own scores keep 0.3 and the tail of the first hit
+    assert kept(KVzip(scores=scores, recent=0, pool=3), candidates({}, 10, 5)) == {0, 1, 5, 6, 7}
+    assert kept(KVzip(scores=scores, recent=0), candidates({}, 10, 5)) == {0, 1, 2, 6, 9}
+    span = make_policy("kvzip-span", scores=scores, recent=0)  # 15 positions: keys 0-7 within 7 of key 0
+    assert span.pool == 15 and torch.equal(span.ranked[0], torch.tensor([[[0.9] * 8 + [0.8] * 2]]))
+    assert make_policy("kvzip-pool", scores=scores).pool == 1  # the memory plan's pick ranks keys alone
+    with pytest.raises(ValueError, match="pool is the odd number"):
+        KVzip(scores=scores, pool=4)
+
+
 class _Tok:
     """A tokenizer stand-in: the repeat request is three fixed ids."""
 
