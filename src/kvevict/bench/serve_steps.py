@@ -3,7 +3,8 @@ timed at growing batch sizes, full cache against H2O, and one prompt's prefill, 
 
     python -m kvevict.bench.serve_steps --threads 2
 
-Each batch is built the way the server builds it: every prompt prefilled alone, then joined. Per
+Each batch is built prompt by prompt: every prompt prefilled alone, then joined (the decode step
+timed is the server's; the server now prefills prompts that arrive together in one forward). Per
 (cache, batch): median ms per decode step over ``--steps`` steps, generated tokens/s = batch /
 step time, and the median seconds to prefill one prompt. Writes JSON to --out.
 """

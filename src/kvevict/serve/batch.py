@@ -1,6 +1,7 @@
 """Rows sharing one cache, stepped one token at a time; rows join and leave between steps.
 
-A row is prefilled alone (``DecodeBatch.prefill``: one prompt, no padding), then joins a running
+Rows are prefilled together when they share a policy and budget (``DecodeBatch.prefill_many``:
+left-padded, the padding masked and never stored by an evicting cache), then join a running
 batch (``join``; an EvictingCache takes rows of any policies and budgets, see ``kvevict.rows``): the shorter side's history is left-padded, and the 2-D attention mask
 plus per-row positions keep each row equal to what it gets alone (kvevict's attention never lets a
 pad take part, see tests/test_core.py). A row that ends leaves at once (``keep``): the cache's
@@ -29,15 +30,28 @@ class DecodeBatch:
                 kv_bits: int | None = None):
         """One prompt into a fresh cache (a budgeted one stores ``kv_bits`` per channel); returns
         (batch of one row, its last logits (1, vocab))."""
+        return cls.prefill_many(model, [prompt], policy, budget_tokens, recent, kv_bits)
+
+    @classmethod
+    def prefill_many(cls, model, prompts: list[list[int]], policy: str, budget_tokens: int | None,
+                     recent: int | None, kv_bits: int | None = None):
+        """Prompts of one policy and budget into one fresh cache in one forward, left-padded to the
+        longest (a short prompt's padding is masked, and an evicting cache stores none of it);
+        returns (the batch of their rows, each row's last logits (rows, vocab)). One forward over
+        many short prompts uses the CPU's matrix units far better than one per prompt."""
         if policy == "full":
             # kvevict attention is exact with a DynamicCache, so the model keeps one implementation
             cache = DynamicCache(config=model.config)
         else:
             cache = make_cache(model, policy, budget_tokens, recent=recent, kv_bits=kv_bits)
-        ids = torch.tensor([prompt], dtype=torch.long)
-        out = model(ids, cache=cache, use_cache=True, logits_to_keep=1)
-        n = len(prompt)
-        return cls(model, cache, torch.ones(1, n, dtype=torch.long), torch.tensor([n])), out.logits[:, -1]
+        n = max(len(p) for p in prompts)
+        ids = torch.tensor([[0] * (n - len(p)) + list(p) for p in prompts], dtype=torch.long)
+        mask = torch.tensor([[0] * (n - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
+        kw = {}
+        if not bool(mask.all()):  # positions count real tokens only, as generate's do
+            kw = {"attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0)}
+        out = model(ids, cache=cache, use_cache=True, logits_to_keep=1, **kw)
+        return cls(model, cache, mask, torch.tensor([len(p) for p in prompts])), out.logits[:, -1]
 
     @property
     def size(self) -> int:

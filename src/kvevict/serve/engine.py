@@ -3,8 +3,8 @@ model call and streams tokens back to each request's asyncio queue.
 
 Each loop of the worker (1) admits waiting requests, oldest first, while their K/V bytes fit
 ``Settings.kv_memory`` and fewer than ``max_batch`` sequences run (``memory.Budgeter`` bounds the
-bytes); each admitted prompt is prefilled on its own, gives its first token at once, and joins the
-running batch: one ``EvictingCache`` holds rows of any policies and budgets (each evicts by its
+bytes); admitted prompts of one policy and budget are prefilled together in one forward, each gives
+its first token at once, and they join the running batch: one ``EvictingCache`` holds rows of any policies and budgets (each evicts by its
 own), and full-cache rows share a batch of their own; (2) steps every running batch by one token.
 A sequence that ends (EOS, max_tokens, stop string) or whose client went away leaves its batch at
 once and its storage is freed, so a waiting request can take its place at the next step.
@@ -153,8 +153,8 @@ class Engine:
                 admitted = self._admit()
                 if admitted is None:
                     break
-                for h in admitted:
-                    self._start(h)
+                for group in self._groups(admitted):
+                    self._start(group)
                 for run in list(self._running):
                     self._step(run)
                 self._gauges()
@@ -207,31 +207,53 @@ class Engine:
             self.metrics.set("kvevict_queued_requests", len(self._pending))
             return taken
 
-    def _start(self, h: Handle) -> None:
-        """Prefill one admitted request alone, stream its first token, and join the first running
-        batch that can take it (any policy and budget; full-cache rows among themselves)."""
-        req, now = h.req, time.monotonic()
-        self.log.append({"event": "admit", "id": req.id, "t": now, "waited": now - h.submitted,
-                         "running": sum(len(run.rows) for run in self._running)})
-        row = _Row(h, self.tokenizer)
+    def _groups(self, handles: list[Handle]) -> list[list[Handle]]:
+        """Admitted requests that are prefilled in one forward: the same policy, budget and recent
+        window, in the same width bucket (so they join the same running batch), in arrival order."""
+        groups: dict[tuple, list[Handle]] = {}
+        for h in handles:
+            p, budget, recent, _ = h.spec
+            key = (p,) if p == "full" else (p, budget, recent, self.budgeter.width_bucket(h.spec))
+            groups.setdefault(key, []).append(h)
+        return list(groups.values())
+
+    def _start(self, handles: list[Handle]) -> None:
+        """Prefill admitted requests of one group together, stream each one's first token, and join
+        the first running batch that can take them (any policy and budget; full-cache rows among
+        themselves)."""
+        now = time.monotonic()
+        running = sum(len(run.rows) for run in self._running)
+        for i, h in enumerate(handles):  # running: the sequences decoding beside it once it starts
+            self.log.append({"event": "admit", "id": h.req.id, "t": now, "waited": now - h.submitted,
+                             "running": running + i, "prefill": len(handles)})
+        rows = [_Row(h, self.tokenizer) for h in handles]
+        req = handles[0].req
         try:
-            batch, logits = DecodeBatch.prefill(self.model, req.prompt_ids, req.policy, req.budget_tokens, req.recent,
-                                                self.settings.kv_bits)
-        except Exception as err:  # this request fails alone; the running batches go on
-            self._fail([row], err)
+            batch, logits = DecodeBatch.prefill_many(self.model, [h.req.prompt_ids for h in handles], req.policy,
+                                                     req.budget_tokens, req.recent, self.settings.kv_bits)
+        except Exception as err:  # these requests fail alone; the running batches go on
+            self._fail(rows, err)
             return
-        self.metrics.observe("kvevict_time_to_first_token_seconds", time.monotonic() - h.submitted)
-        if self._advance([row], logits):
-            return  # it ended at its first token
-        for run in self._running:
-            if (_joins([r.handle.spec for r in run.rows], h.spec, self.budgeter.width_bucket)
-                    and run.batch.can_join(batch)):
-                run.batch.join(batch)
-                run.rows.append(row)
-                self._log_join(req, run)
+        for h in handles:
+            self.metrics.observe("kvevict_time_to_first_token_seconds", time.monotonic() - h.submitted)
+        ended = self._advance(rows, logits)
+        if ended:  # some ended at their first token
+            keep = [i for i in range(len(rows)) if i not in ended]
+            if not keep:
                 return
-        self._running.append(_Running(batch, [row]))
-        self._log_join(req, self._running[-1])
+            batch.keep(keep)
+            rows = [rows[i] for i in keep]
+        spec = rows[0].handle.spec
+        for run in self._running:
+            if _joins([r.handle.spec for r in run.rows], spec, self.budgeter.width_bucket) and run.batch.can_join(batch):
+                run.batch.join(batch)
+                run.rows += rows
+                for r in rows:
+                    self._log_join(r.req, run)
+                return
+        self._running.append(_Running(batch, rows))
+        for r in rows:
+            self._log_join(r.req, self._running[-1])
 
     def _log_join(self, req: GenRequest, run: _Running) -> None:
         self.log.append({"event": "join", "id": req.id, "size": len(run.rows), "batch": id(run),
