@@ -141,3 +141,30 @@ def test_padding_is_stored_when_no_slot_past_a_rows_tokens_is_free():
         for row in range(2):
             assert sorted(p for p in t.pos[row, 0].tolist() if p >= 0) == list(range(PAGE))  # no token lost
         assert t.pos[1, 0, 1:10].tolist() == [-1] * 9
+
+
+def test_padding_beside_a_row_without_room_never_overwrites_a_token():
+    """Rows of budgets 64 and 8 in one cache, a padded chunk that the budget-8 row cannot append:
+    the chunk takes the ranking path, so the padding is stored (ranked first to go) and counted in
+    the budget-64 row's fill: once the other row leaves, its next tokens are appended past every
+    token it holds, never over one."""
+    model = tiny_model("llama-gqa")
+    a, b = kvevict.make_cache(model, "h2o", 64), kvevict.make_cache(model, "h2o", 8)
+    with torch.no_grad():
+        for c in (a, b):
+            model(torch.randint(1, 128, (1, 5)), cache=c, use_cache=True)
+        a.append_rows(b)  # caps 64 and 8
+        mask = torch.ones(2, 11, dtype=torch.long)
+        mask[0, 5:7] = 0  # a: 2 pads, then 4 tokens; b: 6 tokens (past its 8 slots)
+        pos = torch.tensor([[5, 5, 5, 6, 7, 8], [5, 6, 7, 8, 9, 10]])
+        model(torch.randint(1, 128, (2, 6)), attention_mask=mask, position_ids=pos, cache=a, use_cache=True)
+        for layer in a.layers:
+            assert all(sum(p >= 0 for p in layer.tiers[0].pos[1, h].tolist()) == 8 for h in range(H))  # b's budget
+        a.batch_select_indices(torch.tensor([0]))  # b leaves: a appends at its own fill again
+        for step in range(3):
+            model(torch.randint(1, 128, (1, 1)), attention_mask=torch.ones(1, 12 + step, dtype=torch.long),
+                  position_ids=torch.tensor([[9 + step]]), cache=a, use_cache=True)
+    for layer in a.layers:
+        t = layer.tiers[0]
+        for h in range(H):
+            assert sorted(p for p in t.pos[0, h].tolist() if p >= 0) == list(range(12))  # every token of a

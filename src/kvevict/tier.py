@@ -112,8 +112,12 @@ class Tier:
         real = self._padding(new["pos"])
         adds = [m] * len(self.fills) if real is None else real.sum(-1).tolist()
         fills = [min(c, f + a) for f, c, a in zip(self.fills, caps, adds)]  # every row takes its free slots first
-        if real is not None and any(f + m > max(self.capacity, pages(max(fills), self.budget)) for f in self.fills):
-            real, adds = None, [m] * len(self.fills)  # no room past a row's tokens for its padding: store it
+        width = max(self.capacity, pages(max(fills, default=0), self.budget))
+        if real is not None and (any(f + a > c for f, c, a in zip(self.fills, caps, adds))
+                                 or any(f + m > width for f in self.fills)):
+            # padding takes no slot only when every row appends (room for its tokens, and for its
+            # padding's unwritten entries past them); else it is stored, and ranked first to go
+            real, adds = None, [m] * len(self.fills)
             fills = [min(c, f + m) for f, c in zip(self.fills, caps)]
         self.reserve(max(fills, default=0))
         gone = None
