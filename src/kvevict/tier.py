@@ -109,16 +109,8 @@ class Tier:
         ``want_evicted``, else None."""
         m = new["pos"].shape[-1]
         caps = self._caps_host or [self.budget] * len(self.fills)
-        real = self._padding(new["pos"])
-        adds = [m] * len(self.fills) if real is None else real.sum(-1).tolist()
+        real, adds = self._padding(new["pos"], caps)
         fills = [min(c, f + a) for f, c, a in zip(self.fills, caps, adds)]  # every row takes its free slots first
-        width = max(self.capacity, pages(max(fills, default=0), self.budget))
-        if real is not None and (any(f + a > c for f, c, a in zip(self.fills, caps, adds))
-                                 or any(f + m > width for f in self.fills)):
-            # padding takes no slot only when every row appends (room for its tokens, and for its
-            # padding's unwritten entries past them); else it is stored, and ranked first to go
-            real, adds = None, [m] * len(self.fills)
-            fills = [min(c, f + m) for f, c in zip(self.fills, caps)]
         self.reserve(max(fills, default=0))
         gone = None
         if all(f + a <= c for f, c, a in zip(self.fills, caps, adds)):  # room everywhere: append at each row's fill
@@ -132,22 +124,32 @@ class Tier:
             self._set_fills(fills)
         return gone
 
-    def _padding(self, pos: torch.Tensor) -> torch.Tensor | None:
-        """(b, m) which of several new entries are tokens, when some are padding (a batch of
-        prompts of different lengths); None when every one is a token (decoding: no host read)."""
-        if pos.shape[-1] == 1 or self.heads > 1:  # a pooled tier's entries are (token, head) pairs: stored as given
-            return None
+    def _padding(self, pos: torch.Tensor, caps: list[int]) -> tuple[torch.Tensor | None, list[int]]:
+        """(which of the new entries are tokens (b, m), or None; the slots each row's entries
+        take). Padding takes no slot when some entries are padding (a batch of prompts of different
+        lengths) and every row appends: room for its tokens, and past them for its padding's
+        unwritten entries. Else every entry takes a slot (padding ranked first to go). Decoding
+        (one entry per row) reads nothing from the device."""
+        m = pos.shape[-1]
+        every = [m] * len(self.fills)
+        if m == 1 or self.heads > 1:  # a pooled tier's entries are (token, head) pairs: stored as given
+            return None, every
         real = pos[:, 0] >= 0
-        return None if bool(real.all()) else real
+        if bool(real.all()):
+            return None, every
+        counts = real.sum(-1).tolist()
+        width = max(self.capacity, pages(max(min(c, f + a) for f, c, a in zip(self.fills, caps, counts)), self.budget))
+        if any(f + a > c or f + m > width for f, c, a in zip(self.fills, caps, counts)):
+            return None, every
+        return real, counts
 
     def _append(self, new: dict, real: torch.Tensor | None) -> None:
         """Write the new entries at each row's fill. Padding takes no slot (``real``): a row's tokens
         go to its next slots in order, its padding entries are not written (``take`` False) at the
         slots after them, so no two entries share a slot; a row holds its own tokens, as alone."""
         b, h, m = new["pos"].shape
-        ar = torch.arange(m, device=self.pos.device)
         if real is None:
-            self._write((self.fill.view(-1, 1, 1) + ar).expand(b, h, m), new, None)
+            self._write((self.fill.view(-1, 1, 1) + torch.arange(m, device=self.pos.device)).expand(b, h, m), new, None)
             return
         r = real.long()
         rank = torch.where(real, r.cumsum(-1) - 1, r.sum(-1, keepdim=True) + (1 - r).cumsum(-1) - 1)

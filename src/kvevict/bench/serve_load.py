@@ -75,8 +75,7 @@ def commands(args) -> dict[str, tuple[list[str], dict, list | None]]:
     src = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": str(args.threads)}
     # the most sequences each decodes at once: the number of requests, or (max_seqs 0) each server's own default
-    seqs = getattr(args, "max_seqs", None)
-    seqs = args.n if seqs is None else seqs
+    seqs = args.n if args.max_seqs is None else args.max_seqs
     kvevict = [sys.executable, "-m", "kvevict.cli", "serve", "--model", MODEL_ID, "--port", "PORT",
                "--threads", str(args.threads), "--kv-memory", str(args.kv_memory),
                *(["--max-batch", str(seqs)] if seqs else []), "--max-tokens-limit", str(args.max_tokens)]
