@@ -310,7 +310,8 @@ def rounds(paths: list[str], out: Path) -> None:
     """Median over repeated runs (each run's results.json): per system, tokens/s, TTFT and peak
     RSS, and each run's tokens/s ratio against kvevict's full cache (the first system run when it
     did not run) and vLLM of the same run."""
-    runs = [json.loads(Path(p, "results.json").read_text())["systems"] for p in paths]
+    records = [json.loads(Path(p, "results.json").read_text()) for p in paths]
+    runs = [r["systems"] for r in records]
     names = [r["system"] for r in runs[0]]
     for p, run in zip(paths[1:], runs[1:]):  # medians pair the same systems: every run must have them all
         missing = [n for n in names if n not in {r["system"] for r in run}]
@@ -339,7 +340,7 @@ def rounds(paths: list[str], out: Path) -> None:
         rows.append(row)
     out.mkdir(parents=True, exist_ok=True)
     # folders by name only: the record names no path of the machine it was made on
-    config = json.loads(Path(paths[0], "results.json").read_text())["config"]
+    config = records[0]["config"]
     if config.get("out"):
         config["out"] = Path(config["out"]).name
     (out / "results.json").write_text(json.dumps({"runs": [Path(p).name for p in paths], "config": config,
