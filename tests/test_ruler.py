@@ -6,7 +6,7 @@ import pytest
 from conftest import tiny_model
 from eval_helpers import tiny_tokenizer
 
-from kvevict.data.ruler import TASKS, TOKENS_TO_GENERATE, punkt_ready, ruler_samples, string_match_all
+from kvevict.data.ruler import OTHER_TASKS, TASKS, TOKENS_TO_GENERATE, punkt_ready, ruler_samples, string_match_all
 from kvevict.eval.runner import run_grid
 from kvevict.eval.tasks import TASKS as EVAL_TASKS
 from kvevict.eval.tasks import task_names
@@ -33,6 +33,45 @@ def test_samples_fit_hold_their_needles_and_repeat(tok, task):
     assert len(got[0]["outputs"]) == TASKS[task].get("num_needle_v", 1) * TASKS[task].get("num_needle_q", 1)
 
 
+@pytest.mark.parametrize("task", ["vt", "cwe", "fwe"])
+def test_aggregation_tasks_are_lm_evals_seeded_and_their_answers_hold(real_model, task):
+    """Variable tracking, common and frequent words: seeded (the first samples of a larger n are
+    the same), within the length, and each answer is what the text says it is (SmolLM2's
+    tokenizer: vt's few-shot example must fit lm-eval's 500 tokens)."""
+    import re
+    from collections import Counter
+
+    _, tok = real_model
+    length = 2048
+    got = ruler_samples(task, tok, length, 3)
+    assert got[:2] == ruler_samples(task, tok, length, 2) and got != ruler_samples(task, tok, length, 3, seed=7)
+    for s in got:
+        assert len(tok(s["input"]).input_ids) + OTHER_TASKS[task] <= length
+        text, answers = s["input"], s["outputs"]
+        if task == "vt":  # a chain VAR A = value, VAR B = VAR A, ...: the five names holding the asked value
+            value = re.search(r"assgined the value (\d+)", s["gen_prefix"]).group(1)
+            assert f"VAR {answers[0]} = {value}" in text and len(answers) == 5
+            assert all(f"VAR {b} = VAR {a}" in text for a, b in zip(answers, answers[1:]))
+        elif task == "cwe":  # the 10 words repeated most in the numbered list
+            words = Counter(re.findall(r"\d+\. (\S+)", text.split("\n", 1)[1]))
+            assert set(answers) == {w for w, _ in words.most_common(10)} and len(answers) == 10
+            assert min(words[a] for a in answers) > max(c for w, c in words.items() if w not in answers)
+        else:  # the three most frequent coded words ("..." is noise)
+            words = Counter(w for w in text.split() if len(w) == 6 and w.isalpha() and w.islower())
+            assert [w for w, _ in words.most_common(3)] == answers
+    named = EVAL_TASKS[f"ruler-{task}"](lengths=(length,))
+    sample = named.samples(tok, 1)[0]
+    assert named.max_new(sample, tok) == OTHER_TASKS[task]
+    assert sample.data["messages"].endswith(got[0]["gen_prefix"]) and sample.data["answers"] == got[0]["outputs"]
+
+
+@pytest.mark.parametrize("task", ["vt", "cwe"])
+def test_a_length_lm_evals_generator_cannot_fill_is_refused_not_looped_on(tok, task):
+    """lm-eval's vt and cwe retry their smallest sample forever when it does not fit."""
+    with pytest.raises(ValueError, match="ruler-" + task):
+        ruler_samples(task, tok, 300, 1)
+
+
 def test_essay_haystack_is_the_shipped_essays_split_offline(tok):
     import nltk
 
@@ -54,6 +93,7 @@ def test_string_match_all_is_the_share_of_answers_found():
 
 def test_ruler_tasks_are_named_and_not_in_all():
     assert "ruler-niah_single_1" in EVAL_TASKS and task_names("ruler-niah_multikey_1") == ["ruler-niah_multikey_1"]
+    assert task_names("ruler-vt,ruler-cwe,ruler-fwe") == ["ruler-vt", "ruler-cwe", "ruler-fwe"]
     assert not any(t.startswith("ruler-") for t in task_names("all"))
 
 

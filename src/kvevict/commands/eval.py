@@ -14,7 +14,7 @@ def add_arguments(p):
     add_model_args(p, policy=False)
     p.add_argument("--policies", default="all", help="comma-separated policy names, or 'all' (every registered policy); full is always run. 'mem' / 'mem-NAME' / 'mem-NAME/BITS': the budgets are memory budgets, shares of a 16-bit stock cache, the policy picked by the plan (prompt-scoring where the task knows the prompt first, streaming on ppl) or NAME, spent as the plan says or at BITS (int8, int4, int8+int4)")
     p.add_argument("--budgets", default="0.1,0.2,0.4,0.6", help="comma-separated fractions of the prompt (or ints: tokens)")
-    p.add_argument("--tasks", default="ppl,passkey", help="comma-separated: ppl, passkey, needle (stated once), vartrack, continuation (perplexity of text after a compressed context), xsum, reconstruct, narrativeqa, piqa, or 'all'; RULER's needles by name: ruler-niah_single_1, ruler-niah_single_2, ... (samples of max_seq_length --lengths)")
+    p.add_argument("--tasks", default="ppl,passkey", help="comma-separated: ppl, passkey, needle (stated once), vartrack, continuation (perplexity of text after a compressed context), xsum, reconstruct, narrativeqa, piqa, or 'all'; RULER's tasks by name: ruler-niah_single_1, ruler-niah_single_2, ..., ruler-vt, ruler-cwe, ruler-fwe (samples of max_seq_length --lengths)")
     p.add_argument("--samples", type=int, default=4, help="samples per task")
     p.add_argument("--out", default="results/eval", help="output folder (records.jsonl, summary.md, PNGs)")
     p.add_argument("--ppl-tokens", type=int, default=1024, help="window length of the ppl task")

@@ -1,10 +1,12 @@
-"""RULER's needle-in-a-haystack tasks (``ruler-niah_single_1``, ...), their samples made by
-lm-eval's own generator (``kvevict.data.ruler``), prompted as lm-eval prompts them (the raw text and
+"""RULER's needle-in-a-haystack tasks (``ruler-niah_single_1``, ...) and its aggregation tasks
+(``ruler-vt``, ``ruler-cwe``, ``ruler-fwe``: lm-eval's ``ruler_vt``, ...), their samples made by
+lm-eval's own generators (``kvevict.data.ruler``), prompted as lm-eval prompts them (the raw text and
 the answer's start, no chat template) and scored by RULER's ``string_match_all``. In the eval grid
 they run beside kvpress's presses on the same samples (``--peer kvpress``)."""
 
 from __future__ import annotations
 
+from ...data.ruler import OTHER_TASKS
 from ...data.ruler import TASKS as RULER_TASKS
 from ...data.ruler import ruler_samples, string_match_all
 from .base import GenerationTask, Sample
@@ -34,6 +36,8 @@ class RulerTask(GenerationTask):
         return out
 
     def max_new(self, sample, tokenizer) -> int:
+        if self.subtask in OTHER_TASKS:  # lm-eval's own room: the answer is a list of 3 to 10 words
+            return OTHER_TASKS[self.subtask]
         return self.max_new_tokens * (2 if len(sample.data["answers"]) > 1 else 1)
 
     def score(self, sample, text, reference_text):
@@ -41,5 +45,6 @@ class RulerTask(GenerationTask):
 
 
 def ruler_task_classes() -> list[type[RulerTask]]:
-    """One class per RULER NIAH task, named ``ruler-<lm-eval task name>``."""
-    return [type(f"Ruler_{name}", (RulerTask,), {"name": f"ruler-{name}", "subtask": name}) for name in RULER_TASKS]
+    """One class per RULER task, named ``ruler-<lm-eval task name>`` (``ruler-vt`` for ``ruler_vt``)."""
+    return [type(f"Ruler_{name}", (RulerTask,), {"name": f"ruler-{name}", "subtask": name})
+            for name in (*RULER_TASKS, *OTHER_TASKS)]
