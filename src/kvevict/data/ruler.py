@@ -104,12 +104,15 @@ def _other_samples(task: str, tokenizer, max_seq_length: int, n: int, seed: int)
 
     from lm_eval.tasks.ruler import cwe_utils, fwe_utils, vt_utils
 
+    def seed_all():
+        random.seed(seed)
+        np.random.seed(seed)
+        cwe_utils.RNG.seed(seed)
+
     with contextlib.redirect_stdout(io.StringIO()):  # vt prints every length it tries
+        seed_all()  # the check draws too: seeded, a length is refused or not the same way every run
         _check_room(task, tokenizer, max_seq_length)
-    random.seed(seed)
-    np.random.seed(seed)
-    cwe_utils.RNG.seed(seed)
-    with contextlib.redirect_stdout(io.StringIO()):
+        seed_all()
         if task == "vt":  # its few-shot example first, as get_dataset makes it
             example = vt_utils.sys_vartrack_w_noise_random(tokenizer=tokenizer, num_samples=1, max_seq_length=500,
                                                            incremental=5)[0]
@@ -122,8 +125,8 @@ def _other_samples(task: str, tokenizer, max_seq_length: int, n: int, seed: int)
 
 def _check_room(task: str, tokenizer, max_seq_length: int) -> None:
     """lm-eval's vt and cwe generators shrink a sample that is too long down to their smallest one
-    and then retry it forever: refuse a length their smallest sample does not fit. (Run before the
-    seeds are set: it draws from the global random state.)"""
+    and then retry it forever: refuse a length their smallest sample does not fit. (It draws from
+    the global random state: the caller seeds again after it.)"""
     from lm_eval.tasks.ruler import cwe_utils, vt_utils
 
     if task == "vt":  # the few-shot example is made at 500 tokens, the smallest with 5 noises
