@@ -136,7 +136,7 @@ def test_mas_streams_in_three_tiers_where_h2o_keeps_int4_alone(memory):
 
 
 @pytest.mark.parametrize("memory", [0.05, 0.1, 0.2, 0.4])
-def test_a_prompt_scoring_policy_never_keeps_int4_alone(memory):
+def test_a_prompt_scoring_policy_keeps_int4_alone_only_on_a_sliding_model(memory):
     from kvevict.memory import PROMPT_HEAD_BYTES, plan
 
     r8, r4 = (Storage(kv_bits=b).slot_bytes(64, 64, 4, 0) / 256 for b in (8, 4))  # slots over a 16-bit token
@@ -151,7 +151,18 @@ def test_a_prompt_scoring_policy_never_keeps_int4_alone(memory):
     assert stream.storage.kv_bits == (4 if memory <= 0.1 else 8) and 4 in (stream.storage.kv_bits,
                                                                             stream.storage.evicted_bits)
     assert plan(0.8, 64, 64, 4, 0, scores_prompt=True) == plan(0.8, 64, 64, 4, 0)  # from r8 up: the same
-    assert plan(memory, 64, 64, 4, 0, windows=(512, None), scores_prompt=True).storage == Storage(kv_bits=8)
+    # a sliding model, below r4: int8 while its tokens could hold 90% of the global layers' tokens,
+    # else int4, twice the tokens for its pool of layers (Gemma 3's multi-key needles at 4K)
+    sliding = plan(memory, 64, 64, 4, 0, windows=(511, None), scores_prompt=True, floor=1)
+    assert sliding.storage == Storage(kv_bits=8)
+    for n in (600, 2000, 8000):
+        b = sliding.budget._tokens(n)
+        coarse = memory < r4 and b + min(511, b) < 0.9 * n
+        assert sliding.budget.coarser(n) == coarse and sliding.budget.storage_for(n, sliding.storage).kv_bits == (
+            4 if coarse else 8)
+        if coarse:  # the int4 plan's tokens: the same bytes, solved per layer
+            b4 = sliding.budget.tokens(n)
+            assert (b4 + min(511, b4)) * r4 <= memory * (n + 511) < (b4 + 1 + min(511, b4 + 1)) * r4
 
 
 def test_a_fractional_memory_budget_never_cuts_a_short_prompt():
@@ -242,3 +253,28 @@ def test_a_memory_budget_refuses_bits_it_cannot_plan():
     # bytes per sequence at int8: half the tokens int4 would give, about
     at8, at4 = (kvevict.make_cache(model, memory="1MiB", group=8, kv_bits=b).layers[0].budget_spec for b in (8, None))
     assert at8 < at4 < 2 * at8
+
+
+@pytest.mark.parametrize("budget", [100, 300])  # under and over the sliding layers' 199 tokens
+def test_kvzip_pooled_over_a_sliding_model_holds_what_its_budget_holds_layer_by_layer(budget):
+    """KVzip pools a per-layer budget B over the layers by score. On a sliding model the pool is
+    what B holds layer by layer, sum_l min(B, kept_l); a layer never passes what the stock cache
+    keeps there, and what it would win past that goes to the others (it was dropped, and the
+    global layers had won tokens the sliding ones could not hold: int4 at 20% of a 16-bit cache
+    held 28% on Gemma 3)."""
+    from kvevict.policies.kvzip import KVzipPooled
+
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(Gemma3TextConfig(**SMALL, num_hidden_layers=6, head_dim=8, sliding_window=200)).eval()
+    n, windows = 600, stock_windows(model.config)
+    # the sliding layers score highest: by score alone they would win more than their windows hold
+    scores = [torch.rand(1, 2, n) * (1.0 if w is None else 10.0) for w in windows]
+    cache = kvevict.make_cache(model, KVzipPooled(scores=scores), budget, kv_bits=8, group=8)
+    caps = [n if w is None else min(n, w) for w in windows]
+    budgets = [layer.budget_spec for layer in cache.layers]
+    assert all(b <= c for b, c in zip(budgets, caps)) and sum(budgets) == sum(min(budget, c) for c in caps)
+    assert len(set(budgets)) > 1  # pooled by score, not uniform
+    _feed(model, cache, torch.randint(0, 128, (1, n)), steps=0)
+    # slots allocated per sequence: kvzip-pool's row is shared by the layer's 2 KV heads
+    held = [layer.tiers[0].capacity for layer in cache.layers]
+    assert all(x <= 2 * b for x, b in zip(held, budgets)) and sum(held) <= 2 * sum(min(budget, c) for c in caps)

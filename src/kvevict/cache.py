@@ -366,9 +366,9 @@ class EvictingCache(Cache):
 
     def __init__(self, policy: Policy, budget, num_layers: int, inv_freq=None, storage: Storage | None = None,
                  windows: list | None = None):
-        budgets = layer_budgets(policy, budget, num_layers)
-        self.storage = storage or Storage()
         windows = windows or [None] * num_layers
+        budgets = layer_budgets(policy, budget, num_layers, windows)
+        self.storage = storage or Storage()
         super().__init__(layers=[EvictingLayer(policy, b, i, inv_freq, self.storage, w)
                                  for i, (b, w) in enumerate(zip(budgets, windows))])
         self.policy = policy
@@ -451,15 +451,19 @@ class EvictingCache(Cache):
         return self.layers[0].budget
 
 
-def layer_budgets(policy: Policy, budget, num_layers: int) -> list:
+def layer_budgets(policy: Policy, budget, num_layers: int, windows: list | None = None) -> list:
     """One budget per layer: uniform, or the policy's own schedule (PyramidKV). A fractional budget
-    stays fractional, scaled per layer, and is resolved against the prompt length."""
+    stays fractional, scaled per layer, and is resolved against the prompt length. ``windows``: the
+    layers' sliding windows (None: global), for a policy recorded on the prompt (kvzip): its pool
+    holds what budget B would hold layer by layer, sum_l min(B, kept_l), no layer past kept_l."""
     schedule = getattr(policy, "layer_budgets", None)
     if schedule is None:
         return [budget] * num_layers
     known = getattr(policy, "prompt_tokens", None)  # a policy recorded on the prompt (kvzip)
     if isinstance(budget, float) and known:
         budget = resolve_budget(budget, known)
+    if known and any(w is not None for w in windows or ()):
+        return schedule(budget, num_layers, caps=[known if w is None else min(known, w - 1) for w in windows])
     if isinstance(budget, float):
         nominal = 1 << 20
         return [budget * b / nominal for b in schedule(nominal, num_layers)]

@@ -29,8 +29,16 @@ r4 the bytes of an int8 and an int4 slot over a 16-bit token's (0.55 and 0.30 at
     sharp), the next at int4: at 20% on SmolLM2 that found 20 of 20 essay needles, returned 73% of
     the full cache's multi-query values against int8 alone's 59%, and cost +1.5% continuation
     perplexity against +4.0% (docs/ruler.md, docs/quality-per-byte.md). Elsewhere it evicts and
-    keeps int8 (memory / r8 of the tokens; from r4 to r8 not measured with tiers), as does a
-    model with sliding-window layers (three tiers are not solved per layer).
+    keeps int8 (memory / r8 of the tokens; from r4 to r8 not measured with tiers). A model with
+    sliding-window layers keeps one tier below r4 (three tiers are not solved per layer), int8 or
+    int4 by the prompt's length: KVzip
+    pools its layers' budgets by score, and on Gemma 3 at 20% of a 16-bit cache and 3.9K tokens
+    the int8 pool held 95% of its tokens in two of the three global layers, leaving the third 58
+    and each sliding layer 12-31 of its 511; over int4 the pool holds almost twice the tokens and
+    found 10 of the full cache's 16 multi-key needles where int8 found 5. At 1.7K, where the int8
+    pool could hold 92-95% of the global layers' tokens, int8 found 10 pass keys and int4 8: so
+    int8 while its tokens could hold ``GLOBAL_HOLD`` of the global layers' tokens, int4 past that
+    (``PromptShare.coarser``; docs/ruler.md, "A second model").
 
 A fractional budget never cuts a short prompt: it keeps at least ``MIN_TOKENS`` tokens per layer
 and KV head (as the server's ``--min-budget`` does for token budgets; two tiers together, split as
@@ -116,6 +124,9 @@ def head_from(policy) -> float:
 # a prompt-scoring policy's three tiers: from this share of r4 on (10% of a 16-bit cache at head_dim
 # 64), the int8 tier holding this share of the bytes (docs/ruler.md, docs/quality-per-byte.md)
 PROMPT_FROM, PROMPT_HEAD_BYTES = 0.34, 0.5
+# a sliding model under a prompt-scoring policy, below r4: int8 while its tokens, over all layers,
+# could hold this share of the global layers' tokens, else int4 (docs/ruler.md, "A second model")
+GLOBAL_HOLD = 0.9
 
 
 def storage_kind(kv_bits=None, evicted_bits=None, evicted_budget=None) -> str | None:
@@ -155,16 +166,28 @@ class PromptShare(float):
     float16), where 4-bit codes changed SmolLM2's greedy answers to 10 of 13 short chats (fp32)."""
 
     def __new__(cls, value: float, memory: float = 0.0, ratio: float = 1.0, windows: tuple = (), floor: int = 1,
-                short_bits: int | None = 16, pair: tuple | None = None, part: int = 0):
+                short_bits: int | None = 16, pair: tuple | None = None, part: int = 0,
+                coarse: "PromptShare | None" = None):
         self = super().__new__(cls, value)
         self.memory, self.ratio, self.windows, self.floor = memory, ratio, tuple(windows), floor
         self.short_bits = short_bits
         self.pair, self.part = pair, part  # a two-tier plan's (int8 share, int4 share); this one is pair[part]
+        self.coarse = coarse  # a sliding model's int4 plan, for prompts its int8 pool cannot hold (``coarser``)
         return self
 
     def __reduce__(self):
         return PromptShare, (float(self), self.memory, self.ratio, self.windows, self.floor, self.short_bits,
-                             self.pair, self.part)
+                             self.pair, self.part, self.coarse)
+
+    def coarser(self, n: int) -> bool:
+        """Whether an n-token prompt takes the int4 plan (``coarse``): the int8 tokens the bytes buy,
+        over all layers, are fewer than ``GLOBAL_HOLD`` of the global layers' n tokens each (see the
+        module's rule)."""
+        if self.coarse is None or n <= self.floor:
+            return False
+        b = self._tokens(n)
+        held = sum(b if w is None else min(w, b) for w in self.windows)
+        return held < GLOBAL_HOLD * n * sum(w is None for w in self.windows)
 
     def partner(self) -> "PromptShare":
         """A two-tier plan's other share (the int4 tier's for the int8 tier's, and back)."""
@@ -180,12 +203,18 @@ class PromptShare(float):
 
     def storage_for(self, n: int, planned: Storage) -> Storage:
         """The storage for an n-token prompt: ``planned``, 16 bits for a short prompt, the first
-        tier alone where the floor sets a two-tier plan's tokens (``floored``)."""
+        tier alone where the floor sets a two-tier plan's tokens (``floored``), int4 where the int8
+        pool is too small (``coarser``)."""
         if n <= self.floor:
             return Storage(kv_bits=self.short_bits, group=planned.group)
+        if self.coarser(n):
+            return Storage(kv_bits=4, group=planned.group)
         return Storage(kv_bits=planned.kv_bits, group=planned.group) if self.floored(n) else planned
 
     def tokens(self, n: int) -> int:
+        return self.coarse.tokens(n) if self.coarser(n) else self._tokens(n)
+
+    def _tokens(self, n: int) -> int:
         if n <= self.floor or self.floored(n):  # kept whole, room for the answer up to the floor; or
             return self.floor  # the floor's tokens, in the first tier alone
         if self.pair:  # two tiers: the floor bounds the tokens both keep, split as the plan splits them
@@ -261,6 +290,10 @@ def plan(memory, head_dim_k: int, head_dim_v: int, dtype_bytes: int, stats_bytes
     def share(value, bits, lone=True):
         return PromptShare(min(1.0, value), memory, ratio[bits], windows if lone else (), floor, short)
 
+    if kind is None and scores_prompt and sliding and memory < ratio[4]:  # int8, or int4 for a long prompt
+        value = memory / ratio[8]
+        return Plan(PromptShare(min(1.0, value), memory, ratio[8], windows, floor, short,
+                                coarse=share(memory / ratio[4], 4)), Storage(kv_bits=8, group=group))
     if kind is None and scores_prompt:  # three tiers where measured, else evict at int8 (module's rule)
         kind = "int8+int4" if PROMPT_FROM * ratio[4] <= memory < ratio[4] and not sliding else "int8"
     if kind is None:

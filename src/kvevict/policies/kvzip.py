@@ -141,23 +141,46 @@ class KVzip(Policy):
         """The recorded prompt's length: fractional budgets resolve against it for ``layer_budgets``."""
         return self.scores[0].shape[-1]
 
-    def layer_budgets(self, budget: int, num_layers: int) -> list[int]:
+    def layer_budgets(self, budget: int, num_layers: int, caps: list[int] | None = None) -> list[int]:
+        """Budgets pooled over the layers: together they keep what ``budget`` per layer keeps, each
+        layer at least its recent window and the rest won by score. ``caps``: the most each layer
+        can hold (a sliding layer's window); the pool is then sum_l min(budget, cap_l), and what a
+        capped layer wins past its cap goes to the others, by score, so the bytes planned are kept
+        (a sliding model's global layers would otherwise win tokens its capped layers drop)."""
         if not self.layers or num_layers == 1:
             return [budget] * num_layers
         if len(self.scores) != num_layers:
             raise ValueError(f"kvzip was recorded on {len(self.scores)} layers, the cache has {num_layers}.")
         b, h, n = self.scores[0].shape
-        if budget >= n:  # every layer can keep the whole prompt
+        fill = caps is not None  # without caps a layer past the prompt is cut and the total shrinks
+        caps = [min(n, c) for c in caps] if caps else [n] * num_layers
+        if budget >= max(caps):  # every layer can keep all it may hold
             return [budget] * num_layers
-        lo = min(budget, self.recent_for(budget) + self.sinks + self.question + 1)
-        spare = num_layers * (budget - lo)  # tokens per head to share out, over all layers
+        lo = [min(budget, c, self.recent_for(budget) + self.sinks + self.question + 1) for c in caps]
+        total = sum(min(budget, c) for c in caps)
+        spare = total - sum(lo)  # tokens per head to share out, over all layers
         flat = torch.cat([s.float().flatten(1) for s in self.ranked], dim=1)  # (b, L h n)
         k = min(spare * h, flat.shape[1])
         won = torch.zeros_like(flat, dtype=torch.bool).scatter_(1, flat.topk(k, dim=1).indices, True)
         share = won.view(b, num_layers, h * n).sum(-1).float().mean(0) / max(1, k)  # (L,)
-        out = [lo + round(spare * float(x)) for x in share]
-        out[int(share.argmax())] += num_layers * budget - sum(out)  # rounding: keep the total exact
-        return [min(n, x) for x in out]  # no layer holds more than the prompt (the total may shrink)
+        out = [x + round(spare * float(y)) for x, y in zip(lo, share)]
+        out[int(share.argmax())] += total - sum(out)  # rounding: keep the total exact
+        excess = sum(max(0, x - c) for x, c in zip(out, caps)) if fill else 0
+        while excess > 0:  # water-filling: what a layer wins past its cap goes to the others, by score
+            out = [min(x, c) for x, c in zip(out, caps)]
+            room = [i for i in range(num_layers) if out[i] < caps[i]]
+            if not room:
+                break
+            weight = sum(float(share[i]) for i in room)
+            frac = {i: float(share[i]) / weight if weight > 0 else 1 / len(room) for i in room}
+            give = {i: int(excess * frac[i]) for i in room}
+            order = sorted(room, key=lambda i: -frac[i])
+            for j in range(excess - sum(give.values())):  # the remainder: the best-scored layers first
+                give[order[j % len(order)]] += 1
+            for i in room:
+                out[i] += give[i]
+            excess = sum(max(0, x - c) for x, c in zip(out, caps))
+        return [min(x, c) for x, c in zip(out, caps)]
 
 
 def max_pool(scores: torch.Tensor, k: int) -> torch.Tensor:
