@@ -21,11 +21,11 @@ r4 the bytes of an int8 and an int4 slot over a 16-bit token's (0.55 and 0.30 at
   - below, evict with the policy and keep int4 for the tokens kept (memory / r4 of them). 2-bit
     storage (for every token, or for the demoted ones) costs +1 to +3 nats per token, or more than
     evicting: never chosen;
-  - a policy that ranks the whole prompt before decoding (``kvzip-pool``) never keeps int4 alone:
-    per-token int4 keys blur the sharp attention a copied needle needs (every token at int4, or
-    kvzip-pool's 69% at int4 at 20% of a 16-bit cache, answered a RULER essay needle's first
-    digits only, 18 of 20 against int8's 19). From ``PROMPT_FROM`` x r4 to r4 it keeps three tiers,
-    its top at int8 in ``PROMPT_HEAD_BYTES`` of the bytes (half: the needles it ranks highest stay
+  - a policy that ranks the whole prompt before decoding (``kvzip-pool``) never keeps int4 alone
+    on a model without sliding layers (see below): per-token int4 keys blur the sharp attention a
+    copied needle needs (every token at int4, or kvzip-pool's 69% at int4 at 20% of a 16-bit
+    cache, answered a RULER essay needle's first digits only, 18 of 20 against int8's 19). From
+    ``PROMPT_FROM`` x r4 to r4 it keeps three tiers, its top at int8 in ``PROMPT_HEAD_BYTES`` of the bytes (half: the needles it ranks highest stay
     sharp), the next at int4: at 20% on SmolLM2 that found 20 of 20 essay needles, returned 73% of
     the full cache's multi-query values against int8 alone's 59%, and cost +1.5% continuation
     perplexity against +4.0% (docs/ruler.md, docs/quality-per-byte.md). Elsewhere it evicts and
