@@ -21,24 +21,24 @@ r4 the bytes of an int8 and an int4 slot over a 16-bit token's (0.55 and 0.30 at
   - below, evict with the policy and keep int4 for the tokens kept (memory / r4 of them). 2-bit
     storage (for every token, or for the demoted ones) costs +1 to +3 nats per token, or more than
     evicting: never chosen;
-  - a policy that ranks the whole prompt before decoding (``kvzip-pool``) never keeps int4 alone
-    on a model without sliding layers (see below): per-token int4 keys blur the sharp attention a
-    copied needle needs (every token at int4, or kvzip-pool's 69% at int4 at 20% of a 16-bit
-    cache, answered a RULER essay needle's first digits only, 18 of 20 against int8's 19). From
-    ``PROMPT_FROM`` x r4 to r4 it keeps three tiers, its top at int8 in ``PROMPT_HEAD_BYTES`` of the bytes (half: the needles it ranks highest stay
-    sharp), the next at int4: at 20% on SmolLM2 that found 20 of 20 essay needles, returned 73% of
-    the full cache's multi-query values against int8 alone's 59%, and cost +1.5% continuation
-    perplexity against +4.0% (docs/ruler.md, docs/quality-per-byte.md). Elsewhere it evicts and
-    keeps int8 (memory / r8 of the tokens; from r4 to r8 not measured with tiers). A model with
-    sliding-window layers keeps one tier below r4 (three tiers are not solved per layer), int8 or
-    int4 by the prompt's length: KVzip
-    pools its layers' budgets by score, and on Gemma 3 at 20% of a 16-bit cache and 3.9K tokens
-    the int8 pool held 95% of its tokens in two of the three global layers, leaving the third 58
-    and each sliding layer 12-31 of its 511; over int4 the pool holds almost twice the tokens and
-    found 10 of the full cache's 16 multi-key needles where int8 found 5. At 1.7K, where the int8
-    pool could hold 92-95% of the global layers' tokens, int8 found 10 pass keys and int4 8: so
-    int8 while its tokens could hold ``GLOBAL_HOLD`` of the global layers' tokens, int4 past that
-    (``PromptShare.coarser``; docs/ruler.md, "A second model").
+  - a policy that ranks the whole prompt before decoding (``kvzip-pool``) never keeps int4 alone on
+    a model without sliding layers (see below): per-token int4 keys blur the sharp attention a
+    copied needle needs (every token at int4, or kvzip-pool's 69% at int4 at 20% of a 16-bit cache,
+    answered a RULER essay needle's first digits only, 18 of 20 against int8's 19). From
+    ``PROMPT_FROM`` x r4 to r4 it keeps three tiers, its top at int8 in ``PROMPT_HEAD_BYTES`` of the
+    bytes (half: the needles it ranks highest stay sharp), the next at int4: at 20% on SmolLM2 that
+    found 20 of 20 essay needles, returned 73% of the full cache's multi-query values against int8
+    alone's 59%, and cost +1.5% continuation perplexity against +4.0% (docs/ruler.md,
+    docs/quality-per-byte.md). Elsewhere it evicts and keeps int8 (memory / r8 of the tokens; from
+    r4 to r8 not measured with tiers). A model with sliding-window layers keeps one tier below r4
+    (three tiers are not solved per layer), int8 or int4 by the prompt's length: KVzip pools its layers' budgets
+    by score, and on Gemma 3 at 20% of a 16-bit cache and 3.9K tokens the int8 pool held 95% of its
+    tokens in two of the three global layers, leaving the third 58 and each sliding layer 12-31 of
+    its 511; over int4 the pool holds almost twice the tokens and found 10 of the full cache's 16
+    multi-key needles where int8 found 5. At 1.7K, where the int8 pool could hold 92-95% of the
+    global layers' tokens, int8 found 10 pass keys and int4 8: so int8 while its tokens could hold
+    ``GLOBAL_HOLD`` of the global layers' tokens, int4 past that (``PromptShare.coarser``;
+    docs/ruler.md, "A second model").
 
 A fractional budget never cuts a short prompt: it keeps at least ``MIN_TOKENS`` tokens per layer
 and KV head (as the server's ``--min-budget`` does for token budgets; two tiers together, split as
@@ -295,7 +295,7 @@ def plan(memory, head_dim_k: int, head_dim_v: int, dtype_bytes: int, stats_bytes
         return Plan(PromptShare(min(1.0, value), memory, ratio[8], windows, floor, short,
                                 coarse=share(memory / ratio[4], 4)), Storage(kv_bits=8, group=group))
     if kind is None and scores_prompt:  # three tiers where measured, else evict at int8 (module's rule)
-        kind = "int8+int4" if PROMPT_FROM * ratio[4] <= memory < ratio[4] and not sliding else "int8"
+        kind = "int8+int4" if PROMPT_FROM * ratio[4] <= memory < ratio[4] else "int8"  # a sliding model: above
     if kind is None:
         kind = ("int8" if memory >= ratio[8] else "int8+int4" if memory >= ratio[4]
                 or (memory >= head_from * ratio[4] and not sliding) else "int4")
