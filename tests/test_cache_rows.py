@@ -4,7 +4,7 @@ DynamicCache for the full policy); a row that joins or leaves mid-decode changes
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import decode_joining, tiny_model
 from kvevict.serve.batch import DecodeBatch
 
 
@@ -26,30 +26,7 @@ def test_rows_joining_and_leaving_mid_decode_each_equal_their_answer_alone(polic
     torch.manual_seed(5)
     prompts = [torch.randint(1, 128, (n,)).tolist() for n in (30, 9, 21)]
     want = [_alone(model, p, policy, budget, 16) for p in prompts]
-    got = [[] for _ in prompts]
-    with torch.no_grad():
-        batch, logits = DecodeBatch.prefill(model, prompts[0], policy, budget, None)
-        rows, last = [0], {0: int(logits.argmax(-1))}
-        got[0].append(last[0])
-        for step in range(30):
-            if step in (4, 7):  # a newcomer joins the running batch, at a different fill level
-                i = 1 if step == 4 else 2
-                other, logits = DecodeBatch.prefill(model, prompts[i], policy, budget, None)
-                assert batch.can_join(other)
-                batch.join(other)
-                rows.append(i)
-                last[i] = int(logits.argmax(-1))
-                got[i].append(last[i])
-            done = [r for r in rows if len(got[r]) == 16]
-            if done:  # finished rows leave at once
-                batch.keep([k for k, r in enumerate(rows) if r not in done])
-                rows = [r for r in rows if r not in done]
-            if not rows:
-                break
-            logits = batch.step([last[r] for r in rows])
-            for k, r in enumerate(rows):
-                last[r] = int(logits[k].argmax())
-                got[r].append(last[r])
+    got = decode_joining(lambda p: DecodeBatch.prefill(model, p, policy, budget, None), prompts, (4, 7), 16, 30)
     assert got == want
 
 

@@ -60,8 +60,9 @@ class EvictingLayer(CacheLayerMixin):
     is_croppable = False
 
     def __init__(self, policy: Policy, budget, layer_idx: int, inv_freq=None, storage: "Storage | None" = None,
-                 window: int | None = None):
+                 window: int | None = None, pages=None):
         super().__init__()
+        self.pages = pages  # a kvevict.pages.Pools: each row its own pages of a shared pool (None: rectangles)
         self.policy = policy
         self.window = window  # a sliding-window layer's ``sliding_window`` (None: global attention)
         self.inv_freq = inv_freq  # set: compact positions (keys re-rotated to their rank each step)
@@ -97,7 +98,8 @@ class EvictingLayer(CacheLayerMixin):
             raise ValueError(f"adaptive budgets record a slot's head in one byte: at most 256 KV heads, got {h}.")
         self.prompt_end = None  # (b, 1, 1) real prompt tokens per row, where the question ends
         args = (b, h // self.shared, dk, value_states.shape[-1], self.dtype, self.device, policy.stats)
-        self.tiers = [Tier(self.budget * self.shared, *args, bits=st.kv_bits, group=st.group, heads=self.shared)]
+        self.tiers = [Tier(self.budget * self.shared, *args, bits=st.kv_bits, group=st.group, heads=self.shared,
+                           pages=self.pages)]
         if st.evicted_bits is not None:
             check_group(st.group, dk, st.evicted_bits)
             check_group(st.group, value_states.shape[-1], st.evicted_bits)
@@ -109,7 +111,7 @@ class EvictingLayer(CacheLayerMixin):
                 low = min(low, self.window - 1 - self.budget)
             if low > 0:
                 self.tiers.append(Tier(low * self.shared, *args, bits=st.evicted_bits, group=st.group,
-                                       heads=self.shared))
+                                       heads=self.shared, pages=self.pages))
         self.n_real = torch.zeros(b, dtype=torch.long, device=self.device)
         self.rows = Rows(policy, self.budget, b, self.device)  # every row: this policy and budget
         self._expose()
@@ -166,7 +168,8 @@ class EvictingLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         prompt_len = self.prompt_len
-        self.__init__(self.policy, self.budget_spec, self.layer_idx, self.inv_freq, self.storage, self.window)
+        self.__init__(self.policy, self.budget_spec, self.layer_idx, self.inv_freq, self.storage, self.window,
+                      self.pages)
         self.prompt_len = prompt_len
 
     def _map_batch(self, fn) -> None:
@@ -198,6 +201,7 @@ class EvictingLayer(CacheLayerMixin):
         return (self.is_initialized and other.is_initialized and self.storage == other.storage
                 and self.dims == other.dims and self.dtype == other.dtype and len(self.tiers) == len(other.tiers)
                 and self.shared == other.shared and self.inv_freq is None and other.inv_freq is None
+                and self.pages is other.pages
                 and shareable(self.rows.policies + other.rows.policies))
 
     def append_rows(self, other: "EvictingLayer") -> None:
@@ -232,6 +236,8 @@ class EvictingLayer(CacheLayerMixin):
         ends = [] if other.prompt_end is None else [other.prompt_end]
         rows = iter([*theirs, other.n_real, *ends, other.rows.kind])
         self._map_batch(lambda t: torch.cat([t, next(rows)]))
+        for tier in other.tiers:  # paged: their rows' pages are this cache's now
+            getattr(tier.store, "disown", lambda: None)()
         # rows of different fills: slots below ``filled`` that a row has not used are empty, masked
         self._padded = self._padded or any(len(set(t.fills)) > 1 for t in self.tiers)
         self._padded = self._padded or other._padded or any(t.caps is not None for t in self.tiers)
@@ -365,11 +371,11 @@ class EvictingCache(Cache):
     max_positions: int | None = None  # make_cache sets the model's, unless compact; None once warned
 
     def __init__(self, policy: Policy, budget, num_layers: int, inv_freq=None, storage: Storage | None = None,
-                 windows: list | None = None):
+                 windows: list | None = None, pages=None):
         windows = windows or [None] * num_layers
         budgets = layer_budgets(policy, budget, num_layers, windows)
         self.storage = storage or Storage()
-        super().__init__(layers=[EvictingLayer(policy, b, i, inv_freq, self.storage, w)
+        super().__init__(layers=[EvictingLayer(policy, b, i, inv_freq, self.storage, w, pages)
                                  for i, (b, w) in enumerate(zip(budgets, windows))])
         self.policy = policy
 
@@ -503,7 +509,7 @@ def _head_dim(model) -> int | None:
 
 
 def make_cache(model, policy=None, budget=0.2, recent=None, compact=False, kv_bits=None, group=None,
-               evicted_bits=None, evicted_budget=None, memory=None, question=None, plan=None,
+               evicted_bits=None, evicted_budget=None, memory=None, question=None, plan=None, pages=None,
                **policy_params) -> EvictingCache:
     """A cache for ``model.generate(..., cache=cache)`` that keeps at most ``budget``
     tokens per layer and KV head, evicting with ``policy``.
@@ -533,6 +539,9 @@ def make_cache(model, policy=None, budget=0.2, recent=None, compact=False, kv_bi
     question: the prompt's last N tokens are its question: never evicted, and the observation
     window of the policies that have one (SnapKV, expected attention). Honest only when the whole
     question is in the prompt at prefill (kvevict.generate.question_tokens counts it).
+    pages: a ``kvevict.pages.Pools``: every row holds only its own pages of pools shared by the caches
+    made with it, so caches appended to one another (continuous batching) keep each row's own size
+    and move no bytes; None (default): each layer's storage is one rectangle as wide as its widest row.
     adaptive=True (a policy parameter; or the name ``ada-<policy>``, ``adakv`` = Ada-SnapKV): Ada-KV
     head-adaptive budgets, the layer's kv_heads x budget slots shared by its heads (see policies/adakv.py).
     Switches the model's attention to the ``kvevict`` implementation (exact with any other cache).
@@ -586,8 +595,11 @@ def make_cache(model, policy=None, budget=0.2, recent=None, compact=False, kv_bi
     model.set_attn_implementation(ATTN_NAME)
     if model.config._attn_implementation != ATTN_NAME:
         raise ValueError(f"{type(model).__name__} refused attn_implementation={ATTN_NAME!r}; kvevict cannot hook it.")
+    if pages is not None and not hasattr(pages, "get"):
+        raise ValueError(f"pages must be a kvevict.pages.Pools (shared by the caches whose rows may be batched "
+                         f"together) or None; got {type(pages).__name__}.")
     cache = EvictingCache(pol, budget, num_layers, rope_inv_freq(model) if compact else None, storage,
-                          layer_windows(model))
+                          layer_windows(model), pages)
     if not compact:  # compact positions never pass the cache size
         cache.max_positions = max_positions(model)
     return cache

@@ -103,6 +103,21 @@ class DenseStore:
         if dtype == torch.float16:
             self.bits = 16
 
+    @classmethod
+    def over(cls, keys, values, compute_dtype) -> "DenseStore":
+        """A store reading the given (b, h, n, d) tensors (a paged store's rows laid out in a rectangle)."""
+        self = cls.__new__(cls)
+        self.compute_dtype, self.keys, self.values = compute_dtype, keys, values
+        if keys.dtype == torch.float16:
+            self.bits = 16
+        return self
+
+    def ensure(self, fills) -> None:
+        """Every row's slots below its fill exist already: the rectangle is ``capacity`` wide."""
+
+    def resize(self, n: int, fn) -> None:
+        self.map_batch(fn)
+
     def write(self, idx, k, v, take=None) -> None:
         scatter(self.keys, idx, k.to(self.keys.dtype), take)
         scatter(self.values, idx, v.to(self.values.dtype), take)
@@ -215,6 +230,20 @@ class PackedStore:
         self.bits, self.group, self.compute_dtype = bits, group, compute_dtype
         self.k = _Packed(b, h, n, dk, device, bits, group)
         self.v = _Packed(b, h, n, dv, device, bits, group)
+
+    @classmethod
+    def over(cls, parts: list, bits: int, group: int, compute_dtype) -> "PackedStore":
+        """A store reading the given codes, zeros and steps of K then V (each (b, h, n, width))."""
+        self = cls.__new__(cls)
+        self.bits, self.group, self.compute_dtype = bits, group, compute_dtype
+        self.k, self.v = _Packed.__new__(_Packed), _Packed.__new__(_Packed)
+        for part, (codes, zero, step) in ((self.k, parts[:3]), (self.v, parts[3:])):
+            part.bits, part.group, part.d = bits, group, codes.shape[-1] * 8 // bits
+            part.codes, part.zero, part.step = codes, zero, step
+        return self
+
+    ensure = DenseStore.ensure
+    resize = DenseStore.resize
 
     def write(self, idx, k, v, take=None) -> None:
         for part, x in ((self.k, k), (self.v, v)):

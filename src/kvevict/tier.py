@@ -11,6 +11,9 @@ different lengths each row stores its own tokens only (``_append``). ``capacity`
 ``budget`` the most it may grow to. Rows that leave a shared batch give their pages back
 (``fit``). Growth copies the tier once per page (amortised: a 2K-token tier copies 2K slots every
 ``PAGE`` steps, against 2K slots read by attention every step).
+With ``pages`` (a ``kvevict.pages.Pools``, the server's) the keys and values are each row's own
+pages of a shared pool instead of one rectangle (``PagedStore``): only the positions and
+statistics stay ``capacity`` wide, a few bytes a slot.
 
 A layer has one tier, or two for mixed precision (MiKV, Yang et al. 2024, "No Token Left Behind"):
 the tokens the first tier evicts are demoted into a second, low-bit tier instead of being
@@ -47,7 +50,7 @@ def pages(n: int, budget: int) -> int:
 
 class Tier:
     def __init__(self, budget: int, b, h, dk, dv, dtype, device, stats: tuple, bits=None, group: int = 32,
-                 heads: int = 1):
+                 heads: int = 1, pages=None):
         self.budget, self.filled, self.heads = budget, 0, heads
         self.capacity = 0  # slots allocated: pages, grown on demand up to ``budget``
         # slots each row has used: a row writes its next tokens at its own fill, so rows that joined
@@ -60,7 +63,13 @@ class Tier:
         # row's own, slots past it unavailable (never written, never ranked); None: every row has budget
         self.caps: torch.Tensor | None = None
         self._cols: dict = {}  # (cap, budget, candidates) -> the columns a cap group ranks
-        self.store = make_store(b, h, 0, dk, dv, dtype, device, bits, group)
+        if pages is None:  # one rectangle: every row as wide as the widest
+            self.store = make_store(b, h, 0, dk, dv, dtype, device, bits, group)
+        else:  # each row its own pages of a shared pool (kvevict.pages)
+            from .pages import PagedStore
+
+            self.store = PagedStore(pages, b, h, dk, dv, torch.float16 if bits == 16 else dtype, dtype, device, bits,
+                                    group)
         if heads > 1:  # shared by the heads: whose each slot is
             self.head = torch.zeros(b, h, 0, dtype=torch.uint8, device=device)
         self.pos = torch.zeros(b, h, 0, dtype=torch.int16, device=device)
@@ -112,6 +121,8 @@ class Tier:
         real, adds = self._padding(new["pos"], caps)
         fills = [min(c, f + a) for f, c, a in zip(self.fills, caps, adds)]  # every row takes its free slots first
         self.reserve(max(fills, default=0))
+        if fills != self.fills:  # rows that grow: a paged store gives them their pages first
+            self.store.ensure(fills)
         gone = None
         if all(f + a <= c for f, c, a in zip(self.fills, caps, adds)):  # room everywhere: append at each row's fill
             self._append(new, real)
@@ -252,8 +263,9 @@ class Tier:
         if self.caps is not None:
             self.caps = fn(self.caps)
 
-    def _map_slots(self, fn) -> None:
-        self.store.map_batch(fn)
+    def _map_slots(self, fn, store: bool = True) -> None:
+        if store:
+            self.store.map_batch(fn)
         for name in self.names():
             if name not in self.stats:
                 setattr(self, name, fn(getattr(self, name)))
@@ -318,7 +330,8 @@ class Tier:
                 return t[:, :, :n].clone()  # a view would keep the whole old storage alive
             return torch.cat([t, t.new_zeros(*t.shape[:2], extra, *t.shape[3:])], dim=2)
 
-        self._map_slots(fn)
+        self.store.resize(n, fn)
+        self._map_slots(fn, store=False)
         if extra > 0:
             self.pos[:, :, self.capacity:] = -1  # the new slots are empty
         self.capacity = n

@@ -37,14 +37,16 @@ class Backend:
     fn: Callable  # (q, runs, k_new, v_new, mask, scale, softcap) -> (out, pg) | NotImplemented
     available: Callable[[], tuple[bool, str]]  # () -> (usable here, why not)
     device: str  # "cpu" or "cuda": the queries auto picks it for
+    paged: bool = False  # reads paged runs (a page table per row); else they are laid out in rectangles first
 
 
 BACKENDS: dict[str, Backend] = {}
 _logged: set = set()
 
 
-def register_backend(name: str, fn: Callable, available: Callable[[], tuple[bool, str]], device: str) -> None:
-    BACKENDS[name] = Backend(fn, available, device)
+def register_backend(name: str, fn: Callable, available: Callable[[], tuple[bool, str]], device: str,
+                     paged: bool = False) -> None:
+    BACKENDS[name] = Backend(fn, available, device, paged)
 
 
 def _cpu_fn(*args):
@@ -60,7 +62,7 @@ def _cpu_available():
 
 
 register_backend("torch", decode_attention_reference, lambda: (True, ""), "any")
-register_backend("cpu", _cpu_fn, _cpu_available, "cpu")
+register_backend("cpu", _cpu_fn, _cpu_available, "cpu", paged=True)
 
 
 def _load_triton() -> None:
@@ -125,6 +127,8 @@ def decode_attention(q, runs: list, k_new, v_new, mask, scale, softcap=None, bac
     or None; the new key is always visible."""
     name = resolve_backend(q.device.type, backend)
     if name != "torch":
+        if not BACKENDS[name].paged:
+            runs = [r.rect() for r in runs]
         got = BACKENDS[name].fn(q, runs, k_new, v_new, mask, scale, softcap)
         if got is not NotImplemented:
             return got

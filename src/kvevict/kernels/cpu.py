@@ -21,7 +21,8 @@ _DENSE_KIND = {torch.float32: 3, torch.float16: 4, torch.bfloat16: 5}
 # masked scores are -inf and must stay so
 _REASSOCIATE = ["-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 _NO_MASK = torch.empty(0, 0, 0, dtype=torch.bool)
-_VERSION = 2  # bump when the build flags change (the source is hashed by load_inline)
+_NO_TABLE = torch.empty(0, 0, dtype=torch.long)
+_VERSION = 3  # bump when the build flags change (the source is hashed by load_inline)
 
 
 def _isa_flags() -> tuple[str, list[str]]:
@@ -87,7 +88,7 @@ def decode_attention_cpu(q, runs, k_new, v_new, mask, scale, softcap=None):
     if (q.device.type != "cpu" or dv != d or hq % hkv or q.dtype not in _DENSE_KIND
             or k_new.dtype not in _DENSE_KIND):
         return NotImplemented
-    tensors, meta = [], []
+    tensors, meta, tables = [], [], []
     for r in [*runs, new]:
         if r.n == 0:
             continue
@@ -101,11 +102,12 @@ def decode_attention_cpu(q, runs, k_new, v_new, mask, scale, softcap=None):
         if any(t.stride(-1) != 1 or t.device.type != "cpu" for t in parts):
             return NotImplemented
         tensors += parts
-        meta += [kind, r.group, r.n, r.heads]
+        meta += [kind, r.group, r.n, r.heads, r.page if r.paged else 0]
+        tables.append(r.table.contiguous() if r.paged else _NO_TABLE)
     if mask is None:
         mask_t = _NO_MASK
     else:
         mask_t = mask if mask.stride(-1) == 1 else mask.contiguous()
     qs = (q * scale).reshape(b, hq, d).float().contiguous()  # scaled in q's dtype first, as attend does
-    out, pg = load().decode(qs, tensors, meta, mask_t, float(softcap or 0.0), hkv, dv)
+    out, pg = load().decode(qs, tensors, meta, tables, mask_t, float(softcap or 0.0), hkv, dv)
     return out.to(q.dtype).view(b, hq, 1, dv), pg

@@ -27,7 +27,19 @@ struct Part {  // the keys or the values of one run
   int64_t s0, s1, s2;   // strides (batch, head, slot) in elements
   const uint8_t* zero; int64_t z0, z1, z2;  // zero bytes z: zero = -z * step / 2^(8 - bits)
   const uint8_t* step; int64_t t0, t1, t2;  // step bytes (kvevict.store.step_value)
+  // paged (kvevict.pages): the tensors are pools (pages, head, slot in page, ...), s0/z0/t0 the page
+  // strides, and row b's slot i is slot i % page of page tab[b * tb + i / page]; null: not paged
+  const int64_t* tab = nullptr; int64_t tb = 0, page = 1;
 };
+
+// (row, slot) -> (page, slot in page) for a paged part; unchanged otherwise
+inline void locate(const Part& p, int64_t& b, int64_t& i) {
+  if (p.tab) {
+    const int64_t pg = p.tab[b * p.tb + i / p.page];
+    i %= p.page;
+    b = pg;
+  }
+}
 
 constexpr int32_t STEP_BASE = (127 - 16) << 23;  // kvevict.store.STEP_BIAS
 
@@ -76,6 +88,7 @@ inline float fast_exp(float x) {
 // Row i of a part as d floats: a pointer into the storage (fp32), or ``buf`` filled in place.
 template <int KIND, int D>
 inline const float* row(const Part& p, int64_t b, int64_t h, int64_t i, int d_rt, int group, float* buf) {
+  locate(p, b, i);
   const int d = D ? D : d_rt;
   const int64_t off = b * p.s0 + h * p.s1 + i * p.s2;
   if constexpr (KIND == F32) {
@@ -129,6 +142,7 @@ inline const float* row(const Part& p, int64_t b, int64_t h, int64_t i, int d_rt
 // 4-bit; a group a multiple of 16 channels, so one vector lies in one group).
 template <int KIND, int D>
 inline void row_vec(const Part& p, int64_t b, int64_t h, int64_t i, int gshift, __m512* x) {
+  locate(p, b, i);
   constexpr int NV = D / 16;
   const int64_t off = b * p.s0 + h * p.s1 + i * p.s2;
   if constexpr (KIND == F32) {
@@ -334,24 +348,33 @@ Part part_of(const at::Tensor& data, const at::Tensor& zero, const at::Tensor& s
 }  // namespace
 
 // q: (b, hq, d) float32 contiguous, already scaled. tensors: 6 per run (k codes|rows, k zeros,
-// k steps, v codes|rows, v zeros, v steps; dense runs repeat their rows), meta: 4 per run (kind,
-// group, n, heads); the last run is the new key (one slot, always visible). mask: (b, hm, n_mask)
+// k steps, v codes|rows, v zeros, v steps; dense runs repeat their rows), meta: 5 per run (kind,
+// group, n, heads, page: 0 unless paged), tables: one per run (int64 (b, pages) contiguous, or
+// empty); the last run is the new key (one slot, always visible). mask: (b, hm, n_mask)
 // bool with unit stride along the slots, or an empty tensor. Returns out (b, hq, dv) and pg
 // (b, hkv, N) float32.
 std::vector<at::Tensor> decode(at::Tensor q, std::vector<at::Tensor> tensors, std::vector<int64_t> meta,
-                               at::Tensor mask, double softcap, int64_t hkv, int64_t dv) {
+                               std::vector<at::Tensor> tables, at::Tensor mask, double softcap, int64_t hkv,
+                               int64_t dv) {
   const int64_t B = q.size(0), hq = q.size(1), d = q.size(2), g = hq / hkv;
-  const int64_t nruns = static_cast<int64_t>(meta.size()) / 4;
+  const int64_t nruns = static_cast<int64_t>(meta.size()) / 5;
   std::vector<RunView> runs(nruns);
   int64_t N = 0;
   for (int64_t r = 0; r < nruns; ++r) {
     RunView& v = runs[r];
-    v.kind = static_cast<int>(meta[4 * r]);
-    v.group = static_cast<int>(meta[4 * r + 1]);
-    v.n = meta[4 * r + 2];
-    v.heads = meta[4 * r + 3];
+    v.kind = static_cast<int>(meta[5 * r]);
+    v.group = static_cast<int>(meta[5 * r + 1]);
+    v.n = meta[5 * r + 2];
+    v.heads = meta[5 * r + 3];
     v.k = part_of(tensors[6 * r], tensors[6 * r + 1], tensors[6 * r + 2]);
     v.v = part_of(tensors[6 * r + 3], tensors[6 * r + 4], tensors[6 * r + 5]);
+    if (meta[5 * r + 4] > 0) {
+      for (Part* p : {&v.k, &v.v}) {
+        p->tab = tables[r].data_ptr<int64_t>();
+        p->tb = tables[r].stride(0);
+        p->page = meta[5 * r + 4];
+      }
+    }
     N += v.n;
   }
   auto f32 = q.options().dtype(at::kFloat);

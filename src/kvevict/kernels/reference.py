@@ -31,6 +31,7 @@ def _chunks(run, part: tuple, dtype):
 
 def decode_attention_reference(q, runs, k_new, v_new, mask, scale, softcap=None):
     """Returns (out (b, hq, 1, d) in q's dtype, pg (b, hkv, n_total + 1) float32); see the module doc."""
+    runs = [r.rect() for r in runs]  # paged runs: each row's pages in order
     b, hq, _, d = q.shape
     hkv = k_new.shape[1]
     g = hq // hkv

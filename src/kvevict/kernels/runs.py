@@ -19,6 +19,8 @@ class Run:
     h is the number of KV heads, or 1 for an Ada-KV pooled tier (one pool shared by the heads; the
     attention mask then says which head sees which slot). Tensors may be slices [:, :, :n] of larger
     storage: kernels take their strides, they do not copy.
+    table: None, or paged storage (``kvevict.pages``): every tensor is a pool (pages, h, page, width)
+    and row b's slot i lives at (table[b, i // page], i % page).
     """
 
     bits: int
@@ -26,6 +28,19 @@ class Run:
     k: tuple
     v: tuple
     n: int
+    table: object = None  # (b, ceil(n / page)) int64 page ids, or None
+    page: int = 0
+
+    def rect(self) -> "Run":
+        """The same slots as (b, h, n, width) rectangles (a copy of what is stored, still packed)."""
+        if self.table is None:
+            return self
+        b, cols = self.table.shape
+
+        def lay(t):
+            return t[self.table].permute(0, 2, 1, 3, 4).reshape(b, t.shape[1], cols * self.page, t.shape[-1])[:, :, :self.n]
+
+        return Run(self.bits, self.group, tuple(map(lay, self.k)), tuple(map(lay, self.v)), self.n)
 
     @property
     def packed(self) -> bool:
@@ -34,3 +49,7 @@ class Run:
     @property
     def heads(self) -> int:
         return self.k[0].shape[1]
+
+    @property
+    def paged(self) -> bool:
+        return self.table is not None

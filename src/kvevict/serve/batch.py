@@ -27,14 +27,14 @@ class DecodeBatch:
 
     @classmethod
     def prefill(cls, model, prompt: list[int], policy: str, budget_tokens: int | None, recent: int | None,
-                kv_bits: int | None = None):
-        """One prompt into a fresh cache (a budgeted one stores ``kv_bits`` per channel); returns
-        (batch of one row, its last logits (1, vocab))."""
-        return cls.prefill_many(model, [prompt], policy, budget_tokens, recent, kv_bits)
+                kv_bits: int | None = None, pages=None):
+        """One prompt into a fresh cache (a budgeted one stores ``kv_bits`` per channel, in pages of
+        ``pages`` when given: ``kvevict.pages.Pools``); returns (batch of one row, its last logits (1, vocab))."""
+        return cls.prefill_many(model, [prompt], policy, budget_tokens, recent, kv_bits, pages)
 
     @classmethod
     def prefill_many(cls, model, prompts: list[list[int]], policy: str, budget_tokens: int | None,
-                     recent: int | None, kv_bits: int | None = None):
+                     recent: int | None, kv_bits: int | None = None, pages=None):
         """Prompts of one policy and budget into one fresh cache in one forward, left-padded to the
         longest (a short prompt's padding is masked, and an evicting cache stores none of it);
         returns (the batch of their rows, each row's last logits (rows, vocab)). One forward over
@@ -43,7 +43,7 @@ class DecodeBatch:
             # kvevict attention is exact with a DynamicCache, so the model keeps one implementation
             cache = DynamicCache(config=model.config)
         else:
-            cache = make_cache(model, policy, budget_tokens, recent=recent, kv_bits=kv_bits)
+            cache = make_cache(model, policy, budget_tokens, recent=recent, kv_bits=kv_bits, pages=pages)
         n = max(len(p) for p in prompts)
         ids = torch.tensor([[0] * (n - len(p)) + list(p) for p in prompts], dtype=torch.long)
         mask = torch.tensor([[0] * (n - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)

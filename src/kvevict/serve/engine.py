@@ -20,6 +20,7 @@ from collections import deque
 import torch
 
 from ..attention import ATTN_NAME, register
+from ..pages import Pools
 from ..rows import shareable
 from .batch import DecodeBatch
 from .detokenize import TextStream
@@ -92,6 +93,8 @@ class Engine:
         register()
         model.set_attn_implementation(ATTN_NAME)
         self.budgeter = Budgeter(model, settings.kv_bits)
+        # every budgeted row's keys and values: its own pages of these pools (kvevict.pages)
+        self.pages = Pools(limit=settings.kv_memory)
         if settings.budget is None:
             settings.budget = self.default_budget()
         self.metrics.set("kvevict_kv_memory_bytes", settings.kv_memory)
@@ -127,8 +130,8 @@ class Engine:
         """The most K/V bytes ``req`` holds; a BadRequest when that alone exceeds ``kv_memory``."""
         if req.policy != "full" and req.policy not in self.budgeter.slots_of:
             raise BadRequest(f"kv_policy {req.policy!r} cannot serve requests.", "kv_policy")
-        need = self.budgeter.row_bytes(req.policy, req.budget_tokens, req.recent,
-                                       len(req.prompt_ids) + req.max_tokens)
+        need = self.budgeter.batch_bytes([(req.policy, req.budget_tokens, req.recent,
+                                           len(req.prompt_ids) + req.max_tokens)], paged=True)
         if need > self.settings.kv_memory:
             what = ("lower max_tokens or shorten the prompt" if req.policy == "full"
                     else "lower kv_budget")
@@ -170,12 +173,12 @@ class Engine:
         batches = [[r.handle.spec for r in run.rows] for run in self._running]
         for h in extra:
             for specs in batches:
-                if _joins(specs, h.spec, self.budgeter.width_bucket):
+                if _joins(specs, h.spec):
                     specs.append(h.spec)
                     break
             else:
                 batches.append([h.spec])
-        return sum(self.budgeter.batch_bytes(specs) for specs in batches)
+        return sum(self.budgeter.batch_bytes(specs, paged=True) for specs in batches)
 
     def _admit(self) -> list[Handle] | None:
         """Waiting requests that fit now, oldest first (the oldest that does not fit blocks the rest,
@@ -209,11 +212,16 @@ class Engine:
 
     def _groups(self, handles: list[Handle]) -> list[list[Handle]]:
         """Admitted requests that are prefilled in one forward: the same policy, budget and recent
-        window, in the same width bucket (so they join the same running batch), in arrival order."""
+        window, in arrival order; prompts that enter every layer without evicting apart from longer
+        ones (a short prompt's padding then takes no slot: it holds only its own pages), and an
+        Ada-KV prompt only with prompts of its length (a pooled tier stores padding)."""
         groups: dict[tuple, list[Handle]] = {}
         for h in handles:
             p, budget, recent, _ = h.spec
-            key = (p,) if p == "full" else (p, budget, recent, self.budgeter.width_bucket(h.spec))
+            n = len(h.req.prompt_ids)
+            pol = None if p == "full" else spec_policy(p, recent)
+            key = (p,) if p == "full" else (p, budget, recent, self.budgeter.fits(pol, budget, n),
+                                            n if getattr(pol, "adaptive", False) else None)
             groups.setdefault(key, []).append(h)
         return list(groups.values())
 
@@ -230,7 +238,8 @@ class Engine:
         req = handles[0].req
         try:
             batch, logits = DecodeBatch.prefill_many(self.model, [h.req.prompt_ids for h in handles], req.policy,
-                                                     req.budget_tokens, req.recent, self.settings.kv_bits)
+                                                     req.budget_tokens, req.recent, self.settings.kv_bits,
+                                                     self.pages)
         except Exception as err:  # these requests fail alone; the running batches go on
             self._fail(rows, err)
             return
@@ -245,7 +254,7 @@ class Engine:
             rows = [rows[i] for i in keep]
         spec = rows[0].handle.spec
         for run in self._running:
-            if _joins([r.handle.spec for r in run.rows], spec, self.budgeter.width_bucket) and run.batch.can_join(batch):
+            if _joins([r.handle.spec for r in run.rows], spec) and run.batch.can_join(batch):
                 run.batch.join(batch)
                 run.rows += rows
                 for r in rows:
@@ -354,21 +363,20 @@ class Engine:
         m.set("kvevict_running_batches", len(self._running))
         m.set("kvevict_kv_bytes_held", held)
         m.set("kvevict_kv_bytes_reserved", self._bound())
+        m.set("kvevict_kv_pool_bytes", self.pages.nbytes())
         m.set("kvevict_kv_bytes_full", sum(self.budgeter.stock_bytes(r.fed) for run in self._running for r in run.rows))
         m.peak("kvevict_kv_bytes_peak", held)
 
 
-def _joins(specs: list[tuple], spec: tuple, bucket) -> bool:
+def _joins(specs: list[tuple], spec: tuple) -> bool:
     """Whether a row of ``spec`` (policy, budget_tokens, recent, length) can join a batch of rows
     ``specs``: full-cache rows share a DynamicCache, budgeted rows of policies that can share one
-    forward (``rows.shareable``) an EvictingCache, when their widths are in one ``bucket`` (a
-    short chat does not take a long prompt's width)."""
+    forward (``rows.shareable``) an EvictingCache (each row its own pages: a short chat does not
+    take a long prompt's width)."""
     if not specs or (specs[0][0] == "full") != (spec[0] == "full"):
         return False
     if spec[0] == "full":
         return True
-    if bucket(spec) != bucket(specs[0]):
-        return False
     return shareable([spec_policy(p, recent) for p, _, recent, _ in (*specs, spec)])
 
 

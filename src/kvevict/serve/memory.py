@@ -2,11 +2,11 @@
 of every running batch, with it added, stay within ``Settings.kv_memory``; otherwise it waits.
 
 Budgeted rows of any policies and budgets share one ``EvictingCache``. Storage grows in pages
-(``tier.PAGE`` slots) as a sequence does, never past its budget, so a row holds
-``pages(tokens, budget)`` slots per layer and KV head. Rows of one batch share one rectangle: each
-layer is as wide as ``pages(longest row, widest budget)``, and each slot carries the statistics of
-every policy in the batch. So that a short chat never pays for a long prompt's width, rows join a
-batch only when their page counts are in the same power-of-two bucket (``width_bucket``).
+(``tier.PAGE`` slots) as a sequence does, never past its budget. In the server each row's keys and
+values are its own pages of one pool (``kvevict.pages``): a row holds ``ceil(min(tokens, budget) /
+PAGE)`` pages per layer, whatever the other rows of its batch hold. What stays one rectangle per
+batch is the bookkeeping beside them (each slot's position and every policy's statistics, a few
+bytes a slot, and the page table): as wide as ``pages(longest row, widest budget)``.
 
 Bytes are measured, not derived from a formula: at start-up one token runs through the model into
 a ``DynamicCache`` (a full-cache token's K + V bytes), and two budgeted caches per policy are
@@ -31,7 +31,7 @@ from ..storage import stat_bytes
 from ..tier import PAGE, pages
 
 PROBES = (64, 128)  # budgets of the two probe caches
-SMALL = 4  # rows of at most this many pages per layer share a batch whatever their widths
+TABLE_BYTES = 8  # a page table entry (int64), per row, layer and page column
 
 
 @functools.lru_cache(maxsize=None)
@@ -52,6 +52,7 @@ class Budgeter:
         self.per_layer = [layer.keys.nbytes + layer.values.nbytes for layer in full.layers if layer.is_initialized]
         self.token_bytes = sum(self.per_layer)  # one token of one sequence in a full cache, every layer
         self.entries_per_token = sum(layer.keys.shape[1] for layer in full.layers if layer.is_initialized)
+        self.heads = next(layer.keys.shape[1] for layer in full.layers if layer.is_initialized)  # KV heads
         # the denominator of usage's kv_bytes_full: a stock cache in 16 bits, sliding layers at their window
         self.stock_per_layer = [n * STOCK_BYTES // model.dtype.itemsize for n in self.per_layer]
         self.slots_of = {}  # policy -> per layer (bytes per slot, bytes per sequence besides)
@@ -61,6 +62,9 @@ class Budgeter:
             except (ValueError, TypeError):  # a policy that cannot serve (the oracle needs a recording)
                 continue
             self.slots_of[name] = [_line(a, b) for a, b in zip(small.layers, big.layers)]
+            if name == "recency":  # K/V bytes of one slot per KV head, every head, per layer (the pages' share)
+                self.kv_slot = [layer.tiers[0].store.nbytes() // (layer.tiers[0].capacity // layer.shared)
+                                for layer in big.layers]
         # per layer: bytes of a slot with no statistic (recency keeps none), per byte of statistic
         # a slot of one KV head holds (H2O keeps "sum", ``stat_bytes``), and per row besides; a
         # shared batch's slot carries the union's
@@ -94,15 +98,17 @@ class Budgeter:
         widths = self.slots(spec_policy(policy, recent), budget_tokens, length)
         return sum(per_slot * w + rest for w, (per_slot, rest) in zip(widths, self.slots_of[policy]))
 
-    def width_bucket(self, spec: tuple) -> int:
-        """Rows whose widest layer holds pages in the same power-of-two range share a batch, and
-        rows of up to ``SMALL`` pages all share one: a short chat is never laid out as wide as a
-        long prompt (it pays at most twice its own pages, or ``SMALL`` pages)."""
-        policy, budget, recent, length = spec
-        if policy == "full":
-            return 0
-        widest = max(self.slots(spec_policy(policy, recent), budget, length))
-        return max(0, (max(1, -(-widest // PAGE)) - 1).bit_length() - SMALL.bit_length() + 1)
+    def fits(self, policy, budget_tokens: int, length: int) -> bool:
+        """Whether a prompt of ``length`` tokens enters every layer without evicting (its budget
+        there, a sliding layer's window)."""
+        budgets = layer_budgets(policy, budget_tokens, len(self.per_layer))
+        return all(length <= (b if w is None else min(b, w)) for b, w in zip(budgets, self.windows))
+
+    def own_pages(self, policy, budget_tokens: int, length: int) -> list[int]:
+        """Pages of K/V per layer one row of ``length`` tokens holds in a pool (``kvevict.pages``):
+        its first min(length, budget) slots per KV head (Ada-KV: x heads, one pooled slot each)."""
+        shared = self.heads if getattr(policy, "adaptive", False) and self.heads > 1 else 1
+        return [-(-min(length, w) * shared // PAGE) for w in self.slots(policy, budget_tokens, length)]
 
     def per_token(self, policy: str) -> tuple[int, int]:
         """(bytes per token one sequence keeps, its bytes besides), every layer, under ``policy``."""
@@ -112,15 +118,17 @@ class Budgeter:
         per = (b - a) // (PROBES[1] - PROBES[0])
         return per, a - per * PROBES[0]
 
-    def batch_bytes(self, rows: list[tuple]) -> int:
+    def batch_bytes(self, rows: list[tuple], paged: bool = False) -> int:
         """The most a batch of rows sharing one cache can hold; ``rows``: (policy, budget_tokens,
         recent, prompt + max_tokens) each. Full-cache rows are left-padded to the longest: rows x
         the longest. Budgeted rows share one EvictingCache: rows x (per layer, the pages of the
         longest row under the largest budget any row has there x the bytes of a slot carrying
-        every row's policy statistics, + the bytes per row besides)."""
-        return self._batch_bytes(tuple(rows))
+        every row's policy statistics, + the bytes per row besides). ``paged`` (the server's caches,
+        ``kvevict.pages``): each row's keys and values are only its own pages (``own_pages``), the
+        rectangle holds the rest of a slot (position, statistics) and each row's page table."""
+        return self._batch_bytes(tuple(rows), paged)
 
-    def _bytes_of(self, rows: tuple) -> int:
+    def _bytes_of(self, rows: tuple, paged: bool = False) -> int:
         if not rows:
             return 0
         if rows[0][0] == "full":
@@ -133,7 +141,17 @@ class Budgeter:
         for i, (w, (bare, stat, rest)) in enumerate(zip(widths, self.slot_parts)):
             # what a policy's slot holds besides K/V, position, validity and statistics (Ada-KV: its head id)
             extra = max(self.slots_of[r[0]][i][0] - bare - stat_bytes(pol.stats) * stat for pol, r in zip(pols, rows))
-            total += w * (bare + union * stat + extra) + rest
+            per_slot = bare + union * stat + extra
+            if paged:  # the rectangle keeps the bookkeeping and the tables; K/V are each row's pages
+                shared = self.heads if getattr(pols[0], "adaptive", False) and self.heads > 1 else 1
+                per_slot -= self.kv_slot[i]
+                rest += -(-w * shared // PAGE) * TABLE_BYTES
+            total += w * per_slot + rest
+        if paged:
+            page = [PAGE * kv // (self.heads if getattr(pols[0], "adaptive", False) and self.heads > 1 else 1)
+                    for kv in self.kv_slot]
+            return len(rows) * total + sum(n * b for pol, r in zip(pols, rows)
+                                           for n, b in zip(self.own_pages(pol, r[1], r[3]), page))
         return len(rows) * total
 
 
