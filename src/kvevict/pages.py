@@ -29,7 +29,7 @@ import torch
 
 from . import tier as _tier
 from .kernels.runs import Run
-from .store import DenseStore, PackedStore, _Packed, dequantize, quantize, trailing
+from .store import DenseStore, PackedStore, Piece, _Packed, _spans, dequantize, quantize, trailing
 
 
 class PagePool:
@@ -57,8 +57,8 @@ class PagePool:
     def alloc(self, n: int) -> list[int]:
         if len(self.free) < n:
             self._grow(n - len(self.free))
-        got, self.free = self.free[-n:] if n else [], self.free[:-n] if n else self.free
-        return got
+        got, self.free = (self.free[-n:][::-1], self.free[:-n]) if n else ([], self.free)
+        return got  # ascending ids: a row's consecutive pages lie forward in memory when they can
 
     def release(self, ids) -> None:
         self.free.extend(int(i) for i in ids if int(i) > 0)
@@ -214,9 +214,20 @@ class PagedStore:
         return DenseStore.over(parts[0], parts[1], self.compute_dtype)
 
     def pieces(self, n: int) -> list:
-        """Slots [0, n) for attention's torch path: the rows' pages laid out in a rectangle first."""
-        r = self.run(n).rect()
-        return self._view([*r.k, *r.v]).pieces(n)
+        """Slots [0, n) for attention's torch path, the rows' pages laid out in a rectangle when a
+        piece is first read (decoding reads ``run`` instead: then never)."""
+        laid: list = []
+
+        def view():
+            if not laid:
+                r = self.run(n).rect()
+                laid.append(self._view([*r.k, *r.v]).pieces(n))
+            return laid[0]
+
+        whole = not self.packed and self.pool.tensors[0].dtype == self.compute_dtype  # DenseStore: one piece
+        spans = [(0, n)] if whole else _spans(n)
+        return [Piece(e - s, lambda i=i: view()[i].keys(), lambda i=i: view()[i].values())
+                for i, (s, e) in enumerate(spans)]
 
     def run(self, n: int) -> Run:
         """Slots [0, n) as stored, in pages: the pool's tensors and each row's table."""

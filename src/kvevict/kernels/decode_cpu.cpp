@@ -29,15 +29,15 @@ struct Part {  // the keys or the values of one run
   const uint8_t* step; int64_t t0, t1, t2;  // step bytes (kvevict.store.step_value)
   // paged (kvevict.pages): the tensors are pools (pages, head, slot in page, ...), s0/z0/t0 the page
   // strides, and row b's slot i is slot i % page of page tab[b * tb + i / page]; null: not paged
-  const int64_t* tab = nullptr; int64_t tb = 0, page = 1;
+  const int64_t* tab = nullptr; int64_t tb = 0, page = 1, pshift = -1;  // pshift: log2(page), or -1
 };
 
 // (row, slot) -> (page, slot in page) for a paged part; unchanged otherwise
 inline void locate(const Part& p, int64_t& b, int64_t& i) {
   if (p.tab) {
-    const int64_t pg = p.tab[b * p.tb + i / p.page];
-    i %= p.page;
-    b = pg;
+    const int64_t q = p.pshift >= 0 ? i >> p.pshift : i / p.page;  // a shift for pages of 2^k slots
+    i -= q * p.page;
+    b = p.tab[b * p.tb + q];
   }
 }
 
@@ -373,6 +373,8 @@ std::vector<at::Tensor> decode(at::Tensor q, std::vector<at::Tensor> tensors, st
         p->tab = tables[r].data_ptr<int64_t>();
         p->tb = tables[r].stride(0);
         p->page = meta[5 * r + 4];
+        if ((p->page & (p->page - 1)) == 0)
+          for (p->pshift = 0; (int64_t{1} << p->pshift) < p->page; ++p->pshift) {}
       }
     }
     N += v.n;
