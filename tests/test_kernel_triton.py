@@ -199,11 +199,14 @@ def build(fn, const, ptrs):
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32))
 
 bf = "*bf16"
-k = build(tk._split_kernel, dict(HKV=8, G=4, GP=16, D=128, D_P=128, DV=128, DV_P=128, BITS=4, GROUP=32, BLOCK_N=64,
-          HAS_MASK=True, SOFTCAP=True, CDT=tl.bfloat16, EMU=False, GROUPED_K=True, GROUPED_V=True),
-          dict(q_ptr=bf, kc_ptr="*u8", vc_ptr="*u8", kz_ptr="*fp16", ks_ptr="*fp16", vz_ptr="*fp16", vs_ptr="*fp16",
-               mask_ptr="*u8", score_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32"))
-assert "mma" in k.asm["ptx"], "the scores should run on tensor cores"
+for paged in (False, True):  # storage in rectangles, and in pages read through a table (kvevict.pages)
+    k = build(tk._split_kernel, dict(HKV=8, G=4, GP=16, D=128, D_P=128, DV=128, DV_P=128, BITS=4, GROUP=32,
+              BLOCK_N=64, HAS_MASK=True, SOFTCAP=True, CDT=tl.bfloat16, EMU=False, GROUPED_K=True, GROUPED_V=True,
+              PAGED=paged, PAGE=32),
+              dict(q_ptr=bf, kc_ptr="*u8", vc_ptr="*u8", kz_ptr="*fp16", ks_ptr="*fp16", vz_ptr="*fp16",
+                   vs_ptr="*fp16", mask_ptr="*u8", score_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32",
+                   tab_ptr="*i64"))
+    assert "mma" in k.asm["ptx"], "the scores should run on tensor cores"
 build(tk._combine, dict(HKV=8, G=4, GP=4, DV=128, DV_P=128, CDT=tl.bfloat16, EMU=False),
       dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr=bf, mfin_ptr="*fp32", lfin_ptr="*fp32"))
 build(tk._group_probs, dict(G=4, GP=4, BLOCK=256),

@@ -16,37 +16,45 @@ from kvevict.store import quantize
 from kvevict.tier import PAGE, pages
 
 
-def _model():
-    model = tiny_model("llama-gqa")
+def _model(arch="llama-gqa"):
+    model = tiny_model(arch)
     register()
     model.set_attn_implementation(ATTN_NAME)
     return model
 
 
-def _serve(model, policy, budget, kv_bits, pool):
+def _serve(model, policy, budget, kv_bits, pool, new=20, joins=(4, 7, 9)):
     """Rows joining a running batch mid-decode and leaving when done (as the server does); every
     row's greedy tokens, and the pool's pages in use after each step and at the end."""
     torch.manual_seed(5)
     prompts = [torch.randint(1, 128, (n,)).tolist() for n in (30, 9, 21, 45)]
     in_use = []
     outs = decode_joining(lambda p: DecodeBatch.prefill(model, p, policy, budget, None, kv_bits, pool), prompts,
-                          (4, 7, 9), 20, 60, None if pool is None else lambda: in_use.append(pool.pages_in_use()))
+                          joins, new, 60, None if pool is None else lambda: in_use.append(pool.pages_in_use()))
     if pool is not None:
         in_use.append(pool.pages_in_use())
     return outs, in_use
 
 
-@pytest.mark.parametrize("kernel", ["torch", "cpu"])
+@pytest.mark.parametrize("kernel", ["torch", "cpu", "triton"])
 @pytest.mark.parametrize("policy, budget, kv_bits", [("h2o", 8, None), ("h2o", 64, None), ("h2o", 40, 8),
                                                       ("tova", 12, 4), ("adakv", 16, 8)])
 def test_paged_rows_equal_the_rectangle_and_give_every_page_back(monkeypatch, kernel, policy, budget, kv_bits):
     if kernel == "cpu" and not BACKENDS["cpu"].available()[0]:
         pytest.skip("no compiler here: the cpu kernel cannot be built")
+    if kernel == "triton":
+        from kvevict.kernels.triton_decode import interpreting
+
+        if not interpreting():
+            pytest.skip("the Triton kernel runs here only in triton's CPU interpreter")
+        if policy != "h2o" or budget != 40:
+            pytest.skip("interpreted Triton is slow: one packed case covers its page tables")
     monkeypatch.setenv("KVEVICT_KERNEL", kernel)
-    model = _model()
-    want, _ = _serve(model, policy, budget, kv_bits, None)
+    model = _model("llama-mha" if kernel == "triton" else "llama-gqa")  # Triton's tiles need head_dim >= 16
+    short = dict(new=5, joins=(1, 2, 3)) if kernel == "triton" else {}  # interpreted: a few steps
+    want, _ = _serve(model, policy, budget, kv_bits, None, **short)
     pool = Pools()
-    got, in_use = _serve(model, policy, budget, kv_bits, pool)
+    got, in_use = _serve(model, policy, budget, kv_bits, pool, **short)
     assert got == want
     assert max(in_use) > 0 and in_use[-1] == 0  # the last row left: every page is free again
     gc.collect()
@@ -99,7 +107,8 @@ def test_repeated_rows_get_their_own_copies_of_the_pages():
 @pytest.mark.parametrize("bits", [8, 4, 2, None])
 def test_a_paged_run_reads_as_its_rectangle(bits):
     """The kernels' page-table addressing against the same slots laid out in a rectangle: the
-    reference and the compiled cpu kernel, padding masked, rows of different page counts."""
+    reference, the compiled cpu kernel and the Triton kernel (interpreted), padding masked, rows of
+    different page counts."""
     torch.manual_seed(0)
     b, h, g, d, n = 3, 2, 3, 64, 70
     cols = -(-n // PAGE)
@@ -122,6 +131,10 @@ def test_a_paged_run_reads_as_its_rectangle(bits):
     q, k_new, v_new = torch.randn(b, h * g, 1, d), torch.randn(b, h, 1, d), torch.randn(b, h, 1, d)
     want = decode_attention_reference(q, [rect], k_new, v_new, mask, 0.125)
     backends = ["torch"] + (["cpu"] if BACKENDS["cpu"].available()[0] else [])
+    from kvevict.kernels.triton_decode import interpreting
+
+    if interpreting():  # the Triton kernel's table addressing, in triton's CPU interpreter
+        backends.append("triton")
     for name in backends:
         out, pg = decode_attention(q, [paged], k_new, v_new, mask, 0.125, backend=name)
         assert torch.allclose(out, want[0], atol=2e-5), name

@@ -70,7 +70,7 @@ def _load_triton() -> None:
     mod = importlib.import_module(".triton_decode", __name__)
     got: dict = {}
     mod.register(got)  # its own registration: {"triton": fn}
-    register_backend("triton", got["triton"], mod.available, "cuda")
+    register_backend("triton", got["triton"], mod.available, "cuda", paged=True)
 
 
 _OPTIONAL = {"triton": _load_triton}  # backends whose module is imported when first asked for

@@ -82,10 +82,11 @@ def decode_attention_triton(q, runs, k_new, v_new, mask, scale, softcap=None, *,
     gp = max(16, _pow2(g))  # tl.dot needs at least 16 rows: the group's heads padded
     d_p, dv_p = max(16, _pow2(d)), max(16, _pow2(dv))
     block_n = _block(split, 64 if max(d_p, dv_p) <= 128 else 32)
-    every = [(r.bits, r.group, r.k, r.v, r.n) for r in runs if r.n > 0]
-    every.append((32, 1, (k_new,), (v_new,), 1))  # the new key: a dense run of one, always visible
-    split = _split(split, block_n, b * hkv, sum(r[-1] for r in every), q.device)
-    splits = [math.ceil(n / split) for *_, n in every]
+    every = [(r.bits, r.group, r.k, r.v, r.n, getattr(r, "table", None), getattr(r, "page", 0))
+             for r in runs if r.n > 0]
+    every.append((32, 1, (k_new,), (v_new,), 1, None, 0))  # the new key: a dense run of one, always visible
+    split = _split(split, block_n, b * hkv, sum(r[4] for r in every), q.device)
+    splits = [math.ceil(r[4] / split) for r in every]
     n_splits = sum(splits)
 
     dev, f32 = q.device, torch.float32
@@ -104,18 +105,23 @@ def decode_attention_triton(q, runs, k_new, v_new, mask, scale, softcap=None, *,
     m_strides = (m.stride(0), m.stride(1) if m.shape[1] > 1 else 0, m.stride(2)) if mask is not None else (0, 0, 0)
 
     key_off = split_off = 0
-    for (bits, group, kt, vt, n), ns in zip(every, splits):
+    for (bits, group, kt, vt, n, table, page), ns in zip(every, splits):
         is_new = split_off + ns == n_splits
+        paged = table is not None
+        if paged:
+            table = table.contiguous()
         tk._split_kernel[(b * hkv, ns)](
             q, q.stride(0), q.stride(1), q.stride(3),
-            *_operand(kt), *_operand(vt),
+            *_operand(kt, paged), *_operand(vt, paged),
             m, *m_strides,
             scores, m_part, l_part, acc_part,
             n, key_off, split_off, split, n_splits, nt1, float(scale), float(softcap or 1.0),
+            table if paged else scores, table.stride(0) if paged else 0, _page_rows(kt, vt) if paged else 0,
             HKV=hkv, G=g, GP=gp, D=d, D_P=d_p, DV=dv, DV_P=dv_p,
             BITS=bits, GROUP=group if bits in PACKED else 1, BLOCK_N=block_n,
             HAS_MASK=mask is not None and not is_new, SOFTCAP=softcap is not None, CDT=cdt, EMU=emu,
             GROUPED_K=_grouped(bits, group, d), GROUPED_V=_grouped(bits, group, dv),
+            PAGED=paged, PAGE=page if paged else 1,
         )
         key_off += n
         split_off += ns
@@ -163,14 +169,24 @@ def _split(split, block_n: int, programs: int, n_keys: int, device) -> int:
     return max(4 * block_n, triton_cdiv(triton_cdiv(n_keys, want), block_n) * block_n)
 
 
-def _operand(t: tuple) -> tuple:
+def _operand(t: tuple, paged: bool = False) -> tuple:
     """(codes, zeros, steps) pointers then their (b, h, n, d) strides; a head stride of 0 for a pooled
-    (one-head) run; dense runs pass their keys three times (zeros and steps are never read)."""
+    (one-head) run; dense runs pass their keys three times (zeros and steps are never read). Paged
+    (pools (pages, h, page, d)): no batch stride, the kernel finds a row's slots through its table."""
     ts = t if len(t) == 3 else (t[0], t[0], t[0])
     strides = []
     for x in ts:
-        strides += [x.stride(0), x.stride(1) if x.shape[1] > 1 else 0, x.stride(2), x.stride(3)]
+        strides += [0 if paged else x.stride(0), x.stride(1) if x.shape[1] > 1 else 0, x.stride(2), x.stride(3)]
     return (*ts, *strides)
+
+
+def _page_rows(kt: tuple, vt: tuple) -> int:
+    """A page's stride in slot strides, the same for every pool of a paged run (each is (pages, h,
+    page, width), contiguous): the kernel turns (page, slot) into one row index with it."""
+    got = {x.stride(0) // x.stride(2) for x in (*kt, *vt)}
+    if len(got) != 1 or any(x.stride(0) % x.stride(2) for x in (*kt, *vt)):
+        raise ValueError("a paged run's pools must be contiguous (pages, heads, page, width) tensors.")
+    return got.pop()
 
 
 def _check(q, runs, k_new, v_new, mask):
@@ -207,11 +223,19 @@ def _check(q, runs, k_new, v_new, mask):
                           (width // r.group, torch.uint8)]
             else:
                 shapes = [(width, torch.float16 if r.bits == 16 else None)]
+            table = getattr(r, "table", None)
+            if table is not None and (table.dim() != 2 or table.shape[0] != b or table.dtype != torch.long
+                                      or table.shape[1] * r.page < r.n or table.device != q.device):
+                raise ValueError(f"runs[{i}].table must be int64 ({b}, >= {-(-r.n // max(1, r.page))}) on "
+                                 f"{q.device}, got {table.dtype} {tuple(table.shape)}.")
             for x, (last, dtype) in zip(t, shapes):
-                if (x.dim() != 4 or x.shape[0] != b or x.shape[1] not in (hkv, 1) or x.shape[2] < r.n
+                rows_ok = x.shape[0] == b and x.shape[2] >= r.n if table is None else x.shape[2] == r.page
+                if (x.dim() != 4 or not rows_ok or x.shape[1] not in (hkv, 1)
                         or x.shape[3] != last or x.device != q.device):
-                    raise ValueError(f"runs[{i}].{side} tensors must be ({b}, {hkv} or 1, >= {r.n}, {last}) on "
-                                     f"{q.device}, got {tuple(x.shape)} on {x.device}.")
+                    want = f"({b}, {hkv} or 1, >= {r.n}, {last})" if table is None else \
+                        f"pools (pages, {hkv} or 1, {r.page}, {last})"
+                    raise ValueError(f"runs[{i}].{side} tensors must be {want} on {q.device}, got "
+                                     f"{tuple(x.shape)} on {x.device}.")
                 if dtype is not None and x.dtype != dtype:
                     raise ValueError(f"runs[{i}].{side} (bits={r.bits}) must be {dtype}, got {x.dtype}.")
                 if dtype is None and x.dtype not in _DTYPES:

@@ -114,11 +114,12 @@ def _split_kernel(
     mask_ptr, sm_b, sm_h, sm_n,
     score_ptr, m_ptr, l_ptr, acc_ptr,
     n, key_off, split_off, split, n_splits, nt1, scale, softcap,
+    tab_ptr, tab_b, page_rows,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
     D: tl.constexpr, D_P: tl.constexpr, DV: tl.constexpr, DV_P: tl.constexpr,
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, CDT: tl.constexpr, EMU: tl.constexpr,
-    GROUPED_K: tl.constexpr, GROUPED_V: tl.constexpr,
+    GROUPED_K: tl.constexpr, GROUPED_V: tl.constexpr, PAGED: tl.constexpr = False, PAGE: tl.constexpr = 1,
 ):
     """One (sequence, KV head, split) of one run: partial m, l, acc and the raw scores. The scaled
     query, the keys, the values and the probabilities are rounded to the compute dtype CDT where
@@ -150,7 +151,11 @@ def _split_kernel(
     for t in range(start, end, BLOCK_N):
         offs = t + tl.arange(0, BLOCK_N)
         nm = offs < end
-        k = _tile(kc_ptr, kz_ptr, ks_ptr, skc_n, skc_d, skz_n, skz_d, sks_n, sks_d, offs, nm, dk,
+        slots = offs
+        if PAGED:  # slot i of row bi: slot i % PAGE of page tab[bi, i // PAGE], in slot-stride units
+            pg = tl.load(tab_ptr + bi * tab_b + offs // PAGE, mask=nm, other=0)
+            slots = pg * page_rows + offs % PAGE
+        k = _tile(kc_ptr, kz_ptr, ks_ptr, skc_n, skc_d, skz_n, skz_d, sks_n, sks_d, slots, nm, dk,
                   BITS, GROUP, D, CDT, EMU, GROUPED_K, BLOCK_N)
         s = tl.dot(q, tl.trans(_operand(k, CDT, EMU)), input_precision="ieee")  # (GP, BLOCK_N), fp32
         if SOFTCAP:
@@ -167,7 +172,7 @@ def _split_kernel(
         alpha = tl.exp(m_i - m_ref)
         p = tl.exp(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = _tile(vc_ptr, vz_ptr, vs_ptr, svc_n, svc_d, svz_n, svz_d, svs_n, svs_d, offs, nm, dv,
+        v = _tile(vc_ptr, vz_ptr, vs_ptr, svc_n, svc_d, svz_n, svz_d, svs_n, svs_d, slots, nm, dv,
                   BITS, GROUP, DV, CDT, EMU, GROUPED_V, BLOCK_N)
         pv = tl.dot(_operand(_rnd(p, CDT, EMU), CDT, EMU), _operand(v, CDT, EMU), input_precision="ieee")
         acc = acc * alpha[:, None] + pv
