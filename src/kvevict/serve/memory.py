@@ -104,11 +104,14 @@ class Budgeter:
         budgets = layer_budgets(policy, budget_tokens, len(self.per_layer))
         return all(length <= (b if w is None else min(b, w)) for b, w in zip(budgets, self.windows))
 
+    def shared(self, policy) -> int:
+        """Slots a token takes per slot of one KV head: the KV heads in an Ada-KV pooled tier, else 1."""
+        return self.heads if getattr(policy, "adaptive", False) and self.heads > 1 else 1
+
     def own_pages(self, policy, budget_tokens: int, length: int) -> list[int]:
         """Pages of K/V per layer one row of ``length`` tokens holds in a pool (``kvevict.pages``):
         its first min(length, budget) slots per KV head (Ada-KV: x heads, one pooled slot each)."""
-        shared = self.heads if getattr(policy, "adaptive", False) and self.heads > 1 else 1
-        return [-(-min(length, w) * shared // PAGE) for w in self.slots(policy, budget_tokens, length)]
+        return [-(-min(length, w) * self.shared(policy) // PAGE) for w in self.slots(policy, budget_tokens, length)]
 
     def per_token(self, policy: str) -> tuple[int, int]:
         """(bytes per token one sequence keeps, its bytes besides), every layer, under ``policy``."""
@@ -143,13 +146,11 @@ class Budgeter:
             extra = max(self.slots_of[r[0]][i][0] - bare - stat_bytes(pol.stats) * stat for pol, r in zip(pols, rows))
             per_slot = bare + union * stat + extra
             if paged:  # the rectangle keeps the bookkeeping and the tables; K/V are each row's pages
-                shared = self.heads if getattr(pols[0], "adaptive", False) and self.heads > 1 else 1
                 per_slot -= self.kv_slot[i]
-                rest += -(-w * shared // PAGE) * TABLE_BYTES
+                rest += -(-w * self.shared(pols[0]) // PAGE) * TABLE_BYTES
             total += w * per_slot + rest
         if paged:
-            page = [PAGE * kv // (self.heads if getattr(pols[0], "adaptive", False) and self.heads > 1 else 1)
-                    for kv in self.kv_slot]
+            page = [PAGE * kv // self.shared(pols[0]) for kv in self.kv_slot]  # one page's K/V bytes
             return len(rows) * total + sum(n * b for pol, r in zip(pols, rows)
                                            for n, b in zip(self.own_pages(pol, r[1], r[3]), page))
         return len(rows) * total
