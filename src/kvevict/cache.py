@@ -25,6 +25,7 @@ from .rope import compact_positions, rope_inv_freq, shift_keys
 from .rows import Rows, shareable
 from .stock import STOCK_BYTES
 from .storage import DEFAULT_GROUP, Storage
+from .pages import Pools
 from .store import DenseStore, Piece, check_group
 from .tier import Tier
 
@@ -546,6 +547,9 @@ def make_cache(model, policy=None, budget=0.2, recent=None, compact=False, kv_bi
     head-adaptive budgets, the layer's kv_heads x budget slots shared by its heads (see policies/adakv.py).
     Switches the model's attention to the ``kvevict`` implementation (exact with any other cache).
     """
+    if pages is not None and not isinstance(pages, Pools):  # before the model's attention is switched
+        raise ValueError(f"pages must be a kvevict.pages.Pools (shared by the caches whose rows may be batched "
+                         f"together) or None; got {type(pages).__name__}.")
     if recent is not None:
         if isinstance(recent, bool) or not isinstance(recent, int):
             raise ValueError(f"recent must be an int number of tokens, got {recent!r}.")
@@ -595,9 +599,6 @@ def make_cache(model, policy=None, budget=0.2, recent=None, compact=False, kv_bi
     model.set_attn_implementation(ATTN_NAME)
     if model.config._attn_implementation != ATTN_NAME:
         raise ValueError(f"{type(model).__name__} refused attn_implementation={ATTN_NAME!r}; kvevict cannot hook it.")
-    if pages is not None and not hasattr(pages, "get"):
-        raise ValueError(f"pages must be a kvevict.pages.Pools (shared by the caches whose rows may be batched "
-                         f"together) or None; got {type(pages).__name__}.")
     cache = EvictingCache(pol, budget, num_layers, rope_inv_freq(model) if compact else None, storage,
                           layer_windows(model), pages)
     if not compact:  # compact positions never pass the cache size
