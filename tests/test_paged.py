@@ -18,20 +18,28 @@ def _stock_bytes(cache: DynamicCache) -> int:
     return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.is_initialized)
 
 
-def _expected(cache, tokens: int, batch: int, kv_bits, stats_bytes: int) -> int:
+def _expected(cache, tokens: int, batch: int, kv_bits, stats_bytes: int, paged: bool = False) -> int:
     """Per layer pages(tokens, budget) slots of (key + value + position + statistics),
-    plus each row's count of real tokens (int64)."""
+    plus each row's count of real tokens (int64). Paged (``kvevict.pages``): each row's own pages
+    of each of the three per-slot tensors (K/V, position, statistic), whole pages of min(tokens,
+    budget) slots, and a page table (int64) per tensor and row."""
     slot = Storage(kv_bits=kv_bits, group=8).slot_bytes(D, D, 4, stats_bytes)
+    if paged:
+        return sum(batch * H * -(-min(tokens, layer.budget) // PAGE) * PAGE * slot + 8 * batch
+                   + 3 * batch * -(-pages(tokens, layer.budget) // PAGE) * 8 for layer in cache.layers)
     return sum(batch * H * pages(tokens, layer.budget) * slot + 8 * batch for layer in cache.layers)
 
 
+@pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("budget", [1024, 40, 0.5])
 @pytest.mark.parametrize("kv_bits", [None, 4])
-def test_bytes_are_exact_at_every_length_and_within_a_page_of_the_stock_cache(budget, kv_bits):
+def test_bytes_are_exact_at_every_length_and_within_a_page_of_the_stock_cache(budget, kv_bits, paged):
+    from kvevict.pages import Pools
+
     model = tiny_model("llama-gqa")
     for prompt in (5, 33, 70):
         ids = torch.randint(0, 128, (2, prompt))
-        cache = kvevict.make_cache(model, "h2o", budget, kv_bits=kv_bits, group=8)
+        cache = kvevict.make_cache(model, "h2o", budget, kv_bits=kv_bits, group=8, pages=Pools() if paged else None)
         stock = DynamicCache(config=model.config)
         with torch.no_grad():
             out = model(ids, cache=cache, use_cache=True)
@@ -39,11 +47,12 @@ def test_bytes_are_exact_at_every_length_and_within_a_page_of_the_stock_cache(bu
             for step in range(40):
                 tokens = prompt + step
                 held = cache.kv_bytes()
-                assert held == _expected(cache, tokens, 2, kv_bits, stats_bytes=2)
+                assert held == _expected(cache, tokens, 2, kv_bits, stats_bytes=2, paged=paged)
                 # the bound: the stock cache's bytes + one page per (layer, KV head) + bookkeeping
                 page = 3 * 2 * H * (PAGE - 1) * 2 * D * 4
                 per_slot_book = 2 + 2  # position (int16; -1: empty), H2O's statistic (float16)
                 book = 3 * 2 * H * (tokens + PAGE - 1) * per_slot_book + 3 * 2 * 8
+                book += 3 * 3 * 2 * -(-tokens // PAGE) * 8 if paged else 0  # a page table per tensor and row
                 assert held <= _stock_bytes(stock) + page + book
                 nxt = out.logits[:, -1:].argmax(-1)
                 out = model(nxt, cache=cache, use_cache=True)

@@ -7,6 +7,7 @@ import gc
 import pytest
 import torch
 
+import kvevict
 from conftest import decode_joining, tiny_model
 from kvevict.attention import ATTN_NAME, register
 from kvevict.kernels import BACKENDS, Run, decode_attention, decode_attention_reference
@@ -72,21 +73,77 @@ def test_a_short_row_beside_a_long_one_holds_its_own_pages():
         long.join(short)
         rect_long.join(rect_short)
     layers = len(long.cache.layers)
-    page_bytes = next(iter(pool.pools.values())).page_bytes()
     for layer in long.cache.layers:
-        store = layer.tiers[0].store
-        assert store.own == [pages(200, 256) // PAGE, 1]  # 7 pages and 1, not 7 and 7
-        assert store.nbytes() == 8 * page_bytes + store.table.nbytes
-    assert pool.pages_in_use() == 8 * layers
+        t = layer.tiers[0]
+        # keys and values, and each bookkeeping tensor (position, H2O's statistic): pages of their own
+        holders = [t.store, *t.bookkeeping.values()]
+        assert len(holders) == 3
+        assert all(x.own == [pages(200, 256) // PAGE, 1] for x in holders)  # 7 pages and 1, not 7 and 7
+        assert t.nbytes() == sum(8 * x.pool.page_bytes() + x.table.nbytes for x in holders)
+        kv_page = t.store.pool.page_bytes()
+    assert pool.pages_in_use() == 8 * 3 * layers
     # the rectangle gives the short row the long one's width: its K/V alone are 7 pages a layer
     rect_kv = sum(layer.tiers[0].store.nbytes() for layer in rect_long.cache.layers)
-    assert rect_kv == 14 * page_bytes * layers
+    assert rect_kv == 14 * kv_page * layers
     with torch.no_grad():
         long.keep([1])  # the long row leaves: its pages go back at once
-    assert pool.pages_in_use() == layers
-    del long, store, layer
+    assert pool.pages_in_use() == 3 * layers
+    del long, t, holders, layer
     gc.collect()  # a cache dropped whole gives its pages back too
     assert pool.pages_in_use() == 0
+
+
+@pytest.mark.parametrize("kv_bits", [None, 4])
+def test_rows_of_different_policies_bring_and_take_their_statistics_pages(kv_bits):
+    """Rows of policies with different statistics join (the tier takes a statistic's pages for
+    every row) and leave (a statistic no row reads any more gives its pages back): the tokens equal
+    the rectangle's, and every page is free at the end."""
+    model = _model()
+    policies = ["recency", "h2o", "tova", "h2o"]
+
+    def run(pool):
+        torch.manual_seed(5)
+        prompts = [torch.randint(1, 128, (n,)).tolist() for n in (30, 9, 21, 45)]
+        it = iter(policies)
+        in_use = []
+        outs = decode_joining(lambda p: DecodeBatch.prefill(model, p, next(it), 16, None, kv_bits, pool), prompts,
+                              (2, 5, 8), 12, 40, None if pool is None else lambda: in_use.append(pool.pages_in_use()))
+        return outs, in_use + ([pool.pages_in_use()] if pool is not None else [])
+
+    want, _ = run(None)
+    pool = Pools()
+    got, in_use = run(pool)
+    assert got == want
+    assert max(in_use) > 0 and in_use[-1] == 0
+    gc.collect()
+    assert pool.pages_in_use() == 0
+
+
+def test_positions_past_int16_move_a_paged_tier_to_int32_pages():
+    """A sequence past 32,767 positions: the paged positions move to int32 pages (the int16 ones
+    go back), read as the rectangle's, and decoding goes on as with the rectangle."""
+    model = _model()
+    pool = Pools()
+    ids = torch.randint(1, 128, (2, 40))
+    caches = [kvevict.make_cache(model, "h2o", 16, pages=p) for p in (None, pool)]
+    with torch.no_grad():
+        for c in caches:
+            model(ids, cache=c, use_cache=True)
+    before = pool.pages_in_use()
+    for c in caches:
+        for layer in c.layers:
+            for t in layer.tiers:
+                t.widen_positions(40_000)
+    assert pool.pages_in_use() == before  # the same pages, now int32: the int16 ones were given back
+    for rect, paged in zip(caches[0].layers, caches[1].layers):
+        assert paged.tiers[0].pos_dtype == torch.int32
+        assert torch.equal(paged.tiers[0].pos, rect.tiers[0].pos)
+    with torch.no_grad():
+        nxt = torch.randint(1, 128, (2, 1))
+        for _ in range(5):
+            a, b = (model(nxt, cache=c, use_cache=True).logits for c in caches)
+            assert torch.allclose(a, b, atol=1e-5)
+            nxt = a[:, -1:].argmax(-1)
 
 
 def test_repeated_rows_get_their_own_copies_of_the_pages():

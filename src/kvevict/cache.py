@@ -185,7 +185,7 @@ class EvictingLayer(CacheLayerMixin):
         self.rows.map_batch(fn)
         wanted = set(self.rows.stats)
         for tier in self.tiers:  # statistics only the rows that left read: dropped with them
-            tier.stats = {n: t for n, t in tier.stats.items() if n in wanted}
+            tier.keep_stats(wanted)
         self.budget = self.tiers[0].budget // self.shared
         self._expose()
 
@@ -215,12 +215,12 @@ class EvictingLayer(CacheLayerMixin):
         (``rows.Rows``). ``seen`` becomes the longer history: the caller left-pads the shorter
         rows' attention masks to it."""
         for mine, their in zip(self.tiers, other.tiers):
-            names = tuple(dict.fromkeys((*mine.stats, *their.stats)))
+            names = tuple(dict.fromkeys((*mine.stat_names, *their.stat_names)))
             width = max(mine.budget, their.budget)
             mine.widen(width, names)
             their.widen(width, names)
             for a, z in ((mine, their), (their, mine)):  # one position dtype: the wider
-                a.widen_positions(torch.iinfo(z.pos.dtype).max)
+                a.widen_positions(torch.iinfo(z.pos_dtype).max)
             pages = max(mine.capacity, their.capacity)  # one rectangle: the fuller one's pages
             mine.grow_to(pages)
             their.grow_to(pages)
@@ -238,7 +238,7 @@ class EvictingLayer(CacheLayerMixin):
         rows = iter([*theirs, other.n_real, *ends, other.rows.kind])
         self._map_batch(lambda t: torch.cat([t, next(rows)]))
         for tier in other.tiers:  # paged: their rows' pages are this cache's now
-            getattr(tier.store, "disown", lambda: None)()
+            tier.disown()
         # rows of different fills: slots below ``filled`` that a row has not used are empty, masked
         self._padded = self._padded or any(len(set(t.fills)) > 1 for t in self.tiers)
         self._padded = self._padded or other._padded or any(t.caps is not None for t in self.tiers)
@@ -267,7 +267,7 @@ class EvictingLayer(CacheLayerMixin):
     def attention_request(self) -> tuple[tuple, dict]:
         """The statistics attention must collect for this layer (every one its tiers carry: the
         union of its rows' policies') and the parameters they need."""
-        return tuple(self.tiers[0].stats), self.rows.attention_params()
+        return self.tiers[0].stat_names, self.rows.attention_params()
 
     def kv_bytes(self) -> int:
         """Every byte this layer holds: keys and values (codes, steps and zeros when packed),
@@ -323,7 +323,7 @@ class EvictingLayer(CacheLayerMixin):
         if valid_new is not None:  # a padding token's position is -1: a slot that holds no token
             pos_new = pos_new.masked_fill(~valid_new, -1)
         new = {"k": k_new, "v": v_new, "pos": pos_new.view(-1, 1, m).expand(b, h, m)}
-        new.update({n: stats[n][..., n_past:] for n in self.tiers[0].stats})
+        new.update({n: stats[n][..., n_past:] for n in self.tiers[0].stat_names})
         if self.shared > 1:
             stats, new = self._pooled(stats, new, n_past)
         offset, decay = 0, self.rows.decay()
@@ -346,7 +346,7 @@ class EvictingLayer(CacheLayerMixin):
         laid out head after head in one row ((b, h, m) -> (b, 1, h x m)), with their head ids."""
         b, h, m = new["pos"].shape
         whose = _cat([t.head[:, :, : t.filled] for t in self.tiers]).long()  # (b, 1, n_past)
-        stats = {n: stats[n][..., :n_past].gather(1, whose) for n in self.tiers[0].stats}
+        stats = {n: stats[n][..., :n_past].gather(1, whose) for n in self.tiers[0].stat_names}
         new = {n: t.reshape(b, 1, h * m, *t.shape[3:]) for n, t in new.items()}
         new["head"] = torch.arange(h, device=self.device).repeat_interleave(m).view(1, 1, -1).expand(b, 1, h * m)
         return stats, new

@@ -1,5 +1,5 @@
-"""Per-row pages: a tier's keys and values in pages of ``PAGE`` slots taken from a pool that every
-cache made with it shares, each row (sequence) holding only its own pages (vLLM's PagedAttention,
+"""Per-row pages: a tier's keys, values and bookkeeping in pages of ``PAGE`` slots taken from pools
+that every cache made with them shares, each row (sequence) holding only its own pages (vLLM's PagedAttention,
 Kwon et al. 2023: a block table per sequence over one pool of blocks).
 
 Without a pool a tier's storage is one rectangle per layer: every row of a shared batch as wide as
@@ -15,9 +15,12 @@ the widest. With one (``make_cache(..., pages=Pools())``; the server makes one p
   rows that leave (``map_batch`` with a selection) give theirs back at once; a store that is
   dropped gives back what it held (a finalizer); rows appended to another cache on the same pool
   move with their pages (no copy, ``disown``).
+- ``PagedField``: one bookkeeping tensor of a tier (positions, an Ada-KV slot's head id, a policy
+  statistic) the same way, each in a pool of its own (a statistic comes and goes with the rows of
+  the policy that reads it); the policy ranks it as a rectangle laid out once per step, never kept.
 
 ``nbytes`` counts the row's own pages and the table: what the stock cache would hold for the same
-tokens, rounded up to a page per (layer, KV head). The pool's own size (``PagePool.nbytes``, free
+tokens, rounded up to a page per (layer, KV head), and the bookkeeping of those slots. The pool's own size (``PagePool.nbytes``, free
 pages included) is the server's to report.
 """
 
@@ -36,9 +39,9 @@ class PagePool:
     """Pages of one storage format; ``parts``: (h, width, dtype) of each stored tensor. ``room``:
     () -> bytes the pool may still grow by before a growth takes only what is asked (None: no limit)."""
 
-    def __init__(self, parts: list, device, page: int | None = None, room=None):
-        self.page, self.room = page or _tier.PAGE, room
-        self.tensors = [torch.zeros(1, h, self.page, w, dtype=dt, device=device) for h, w, dt in parts]
+    def __init__(self, parts: list, device, page: int | None = None, room=None, empty=0):
+        self.page, self.room, self.empty = page or _tier.PAGE, room, empty
+        self.tensors = [torch.full((1, h, self.page, w), empty, dtype=dt, device=device) for h, w, dt in parts]
         self.free: list[int] = []
 
     @property
@@ -68,7 +71,7 @@ class PagePool:
         if self.room is not None:  # never past the limit for the slack alone
             extra = max(n, min(extra, self.room() // self.page_bytes()))
         old = self.pages
-        self.tensors = [torch.cat([t, t.new_zeros(extra, *t.shape[1:])]) for t in self.tensors]
+        self.tensors = [torch.cat([t, t.new_full((extra, *t.shape[1:]), self.empty)]) for t in self.tensors]
         self.free = list(range(old + extra - 1, old - 1, -1)) + self.free  # lowest ids handed out first
 
 
@@ -81,11 +84,11 @@ class Pools:
         self.page, self.limit = page, limit
         self.pools: dict = {}
 
-    def get(self, parts: list, device) -> PagePool:
-        key = (tuple(parts), str(device))
+    def get(self, parts: list, device, empty=0) -> PagePool:
+        key = (tuple(parts), str(device), empty)
         if key not in self.pools:
             room = None if self.limit is None else (lambda: max(0, self.limit - self.nbytes()))
-            self.pools[key] = PagePool(parts, device, self.page, room)
+            self.pools[key] = PagePool(parts, device, self.page, room, empty)
         return self.pools[key]
 
     def nbytes(self) -> int:
@@ -102,27 +105,24 @@ def _release(pool: PagePool, held: list) -> None:
         held[0] = None
 
 
-class PagedStore:
-    """A tier's keys and values in pages of a shared pool (see the module doc)."""
+class _PageRows:
+    """Rows that hold pages of one pool: each row's table of page ids, how many it holds, and the
+    page life cycle (given on growth, back when a row leaves or the holder is dropped)."""
 
-    def __init__(self, pools: Pools, b, h, dk, dv, dtype, compute_dtype, device, bits=None, group: int = 32):
-        self.bits, self.group, self.compute_dtype = bits, group, compute_dtype
-        self.packed = bits in (8, 4, 2)
-        if self.packed:
-            k, v = _Packed(0, h, 0, dk, device, bits, group), _Packed(0, h, 0, dv, device, bits, group)
-            parts = [(h, t.shape[-1], t.dtype) for part in (k, v) for t in part.tensors()]
-        else:
-            parts = [(h, dk, dtype), (h, dv, dtype)]
-        self.pool = pools.get(parts, device)
-        self.page, self.h = self.pool.page, h
+    def _take_pool(self, pool: PagePool, b, device) -> None:
+        self.pool, self.page = pool, pool.page
         self.table = torch.zeros(b, 0, dtype=torch.long, device=device)
         self.own = [0] * b  # pages each row holds (on the host)
         self._held = [self.table]
         weakref.finalize(self, _release, self.pool, self._held)
 
+    def _fresh(self, ids: list) -> None:
+        """Pages just handed out (content of an earlier holder): what a new holder needs there."""
+
     # -- pages ---------------------------------------------------------------------------------
-    def ensure(self, fills: list[int]) -> None:
-        """Give each row the pages its first ``fills[r]`` slots need (called before they are written)."""
+    def ensure(self, fills: list[int]) -> bool:
+        """Give each row the pages its first ``fills[r]`` slots need (called before they are written);
+        whether any row took one."""
         need = [-(-f // self.page) for f in fills]
         rows, cols = [], []
         for r, (n, o) in enumerate(zip(need, self.own)):
@@ -131,12 +131,14 @@ class PagedStore:
                 cols += range(o, n)
                 self.own[r] = n
         if not rows:
-            return
+            return False
         if max(cols) >= self.table.shape[1]:
             self.resize((max(cols) + 1) * self.page)
         got = self.pool.alloc(len(rows))
+        self._fresh(got)
         dev = self.table.device
         self.table[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = torch.tensor(got, device=dev)
+        return True
 
     def resize(self, n: int, fn=None) -> None:
         """The table covers ``n`` logical slots (new columns: page 0; cut columns hold no page)."""
@@ -173,7 +175,7 @@ class PagedStore:
         self._held[0] = self.table
 
     def disown(self) -> None:
-        """Its rows moved to another store on the same pool: their pages are that store's now."""
+        """Its rows moved to another holder on the same pool: their pages are that holder's now."""
         self._held[0] = None
         self.table = self.table[:0]
         self.own = []
@@ -181,7 +183,6 @@ class PagedStore:
     def nbytes(self) -> int:
         return sum(self.own) * self.pool.page_bytes() + self.table.nbytes
 
-    # -- reading and writing -------------------------------------------------------------------
     def _where(self, idx):
         """Physical (page, head, slot) of logical slots ``idx`` (b, h, j)."""
         b, h, j = idx.shape
@@ -189,6 +190,102 @@ class PagedStore:
         head = torch.arange(h, device=idx.device).view(1, h, 1).expand(b, h, j)
         return page, head, idx % self.page
 
+
+class PagedField(_PageRows):
+    """One per-slot bookkeeping tensor of a tier (positions, head ids, a statistic) in pages of its
+    own pool, each row holding the pages its fill needs: a short row beside a long one keeps its
+    own few, as its keys and values do. ``empty``: what a slot no token holds reads (positions:
+    -1); page 0 and every page handed out start so. ``rect(n)`` lays slots [0, n) out as the
+    (b, h, n) rectangle the policy ranks, built once until the next change and not kept past it."""
+
+    def __init__(self, pools: Pools, b, h, dtype, empty, device):
+        self.empty, self.h, self._rect, self._full = empty, h, None, None
+        self._take_pool(pools.get([(h, 1, dtype)], device, empty), b, device)
+
+    @property
+    def dtype(self):
+        return self.pool.tensors[0].dtype
+
+    def _fresh(self, ids: list) -> None:
+        self.pool.tensors[0][torch.tensor(ids, device=self.table.device)] = self.empty
+
+    def _changed(self):
+        self._rect = self._full = None
+
+    def ensure(self, fills):
+        if super().ensure(fills):  # a page more: the rectangle reads it
+            self._changed()
+
+    def resize(self, n, fn=None):
+        self._changed()
+        super().resize(n, fn)
+
+    def map_batch(self, fn):
+        self._changed()
+        super().map_batch(fn)
+
+    def disown(self):
+        self._changed()
+        super().disown()
+
+    def rect(self, n: int) -> torch.Tensor:
+        if self._rect is None or self._rect.shape[-1] != n:
+            b, cols = self.table.shape[0], -(-n // self.page)
+            got = self.pool.tensors[0].index_select(0, self.table[:, :cols].reshape(-1))  # whole pages at once
+            self._full = got.view(b, cols, self.h, self.page).permute(0, 2, 1, 3).reshape(b, self.h, cols * self.page)
+            self._rect = self._full[..., :n]
+        return self._rect
+
+    def write(self, idx, src, take=None) -> None:
+        """Slots ``idx`` (b, h, j) <- ``src`` where ``take`` (all where None)."""
+        self._changed()
+        t = self.pool.tensors[0]
+        page, head, slot = self._where(idx)
+        src = src.to(t.dtype)
+        if take is not None:
+            src = torch.where(take, src, t[page, head, slot, 0])
+        t[page, head, slot, 0] = src
+
+    def sync(self) -> None:
+        """The rectangle ``rect`` gave was changed in place (a statistic accumulated): its pages
+        take it back, whole pages at once; it stays current. Page 0 (the slots past a row's own
+        pages) is written too and then emptied again: what was written there belongs to no token."""
+        if self._rect is None:
+            raise RuntimeError("sync writes back the rectangle rect() laid out; none is laid out.")
+        b, h, w = self._full.shape
+        cols = w // self.page
+        laid = self._full.view(b, h, cols, self.page).permute(0, 2, 1, 3).reshape(b * cols, h, self.page, 1)
+        t = self.pool.tensors[0]
+        t.index_copy_(0, self.table[:, :cols].reshape(-1), laid)
+        t[0] = self.empty
+
+    def astype(self, pools: Pools, dtype) -> "PagedField":
+        """The same rows and slots in a field of ``dtype`` (positions past int16), this one's pages freed."""
+        out = PagedField(pools, self.table.shape[0], self.h, dtype, self.empty, self.table.device)
+        out.resize(self.table.shape[1] * self.page)
+        out.ensure([o * self.page for o in self.own])
+        held = self.table > 0
+        out.pool.tensors[0][out.table[held]] = self.pool.tensors[0][self.table[held]].to(dtype)
+        self.pool.release(self.table[held].tolist())
+        self.disown()
+        return out
+
+
+class PagedStore(_PageRows):
+    """A tier's keys and values in pages of a shared pool (see the module doc)."""
+
+    def __init__(self, pools: Pools, b, h, dk, dv, dtype, compute_dtype, device, bits=None, group: int = 32):
+        self.bits, self.group, self.compute_dtype = bits, group, compute_dtype
+        self.packed = bits in (8, 4, 2)
+        if self.packed:
+            k, v = _Packed(0, h, 0, dk, device, bits, group), _Packed(0, h, 0, dv, device, bits, group)
+            parts = [(h, t.shape[-1], t.dtype) for part in (k, v) for t in part.tensors()]
+        else:
+            parts = [(h, dk, dtype), (h, dv, dtype)]
+        self.h = h
+        self._take_pool(pools.get(parts, device), b, device)
+
+    # -- reading and writing -------------------------------------------------------------------
     def write(self, idx, k, v, take=None) -> None:
         where = self._where(idx)
         if self.packed:

@@ -11,9 +11,11 @@ different lengths each row stores its own tokens only (``_append``). ``capacity`
 ``budget`` the most it may grow to. Rows that leave a shared batch give their pages back
 (``fit``). Growth copies the tier once per page (amortised: a 2K-token tier copies 2K slots every
 ``PAGE`` steps, against 2K slots read by attention every step).
-With ``pages`` (a ``kvevict.pages.Pools``, the server's) the keys and values are each row's own
-pages of a shared pool instead of one rectangle (``PagedStore``): only the positions and
-statistics stay ``capacity`` wide, a few bytes a slot.
+With ``pages`` (a ``kvevict.pages.Pools``, the server's) every per-slot tensor is each row's own
+pages of a shared pool instead of one rectangle: the keys and values (``PagedStore``) and the
+bookkeeping, positions, head ids and statistics (``PagedField`` each), so a short row beside a
+long one holds its own pages only. The policy still ranks a (b, h, capacity) rectangle of the
+bookkeeping: laid out when first read in a step and dropped at the next write, never held.
 
 A layer has one tier, or two for mixed precision (MiKV, Yang et al. 2024, "No Token Left Behind"):
 the tokens the first tier evicts are demoted into a second, low-bit tier instead of being
@@ -63,6 +65,7 @@ class Tier:
         # row's own, slots past it unavailable (never written, never ranked); None: every row has budget
         self.caps: torch.Tensor | None = None
         self._cols: dict = {}  # (cap, budget, candidates) -> the columns a cap group ranks
+        self.pages, self.h, self.device = pages, h, device
         if pages is None:  # one rectangle: every row as wide as the widest
             self.store = make_store(b, h, 0, dk, dv, dtype, device, bits, group)
         else:  # each row its own pages of a shared pool (kvevict.pages)
@@ -70,31 +73,94 @@ class Tier:
 
             self.store = PagedStore(pages, b, h, dk, dv, torch.float16 if bits == 16 else dtype, dtype, device, bits,
                                     group)
+        # per-slot bookkeeping, by name: a (b, h, capacity) tensor, or a PagedField on ``pages``
+        self._meta = {"pos": self._field(b, torch.int16, -1)}
         if heads > 1:  # shared by the heads: whose each slot is
-            self.head = torch.zeros(b, h, 0, dtype=torch.uint8, device=device)
-        self.pos = torch.zeros(b, h, 0, dtype=torch.int16, device=device)
-        self.stats = {n: torch.zeros(b, h, 0, dtype=stat_dtype(n), device=device) for n in stats}
+            self._meta["head"] = self._field(b, torch.uint8, 0)
+        self._stats = tuple(stats)
+        for n in stats:
+            self._meta[n] = self._field(b, stat_dtype(n), 0)
+
+    def _field(self, b, dtype, empty):
+        """A new per-slot tensor of ``b`` rows, every slot ``empty``, as many slots as the tier's."""
+        if self.pages is None:
+            return torch.full((b, self.h, self.capacity), empty, dtype=dtype, device=self.device)
+        from .pages import PagedField
+
+        f = PagedField(self.pages, b, self.h, dtype, empty, self.device)
+        f.resize(self.capacity)
+        f.ensure(self.fills)
+        return f
+
+    @property
+    def pos(self) -> torch.Tensor:
+        """(b, h, capacity) each slot's position, -1 where it holds no token."""
+        return self.meta("pos")
+
+    @property
+    def head(self) -> torch.Tensor:
+        """(b, h, capacity) a shared tier's: whose head each slot is."""
+        return self.meta("head")
+
+    @property
+    def stats(self) -> dict:
+        return {n: self.meta(n) for n in self._stats}
+
+    @property
+    def bookkeeping(self) -> dict:
+        """Each per-slot tensor besides keys and values, by name: a rectangle, or a PagedField."""
+        return dict(self._meta)
+
+    @property
+    def stat_names(self) -> tuple:
+        return self._stats
+
+    @property
+    def pos_dtype(self):
+        return self._meta["pos"].dtype
 
     @property
     def valid(self) -> torch.Tensor:
         """(b, h, capacity) whether a slot holds a token."""
         return self.pos >= 0
 
+    def keep_stats(self, wanted) -> None:
+        """Drop the statistics not in ``wanted`` (only rows that left read them)."""
+        for n in self._stats:
+            if n not in wanted:
+                self._drop(self._meta.pop(n))
+        self._stats = tuple(n for n in self._stats if n in wanted)
+
+    def _drop(self, field) -> None:
+        if not isinstance(field, torch.Tensor):  # its pages back to the pool now, not at collection
+            field.resize(0)
+            field.disown()
+
     def widen_positions(self, last: int) -> None:
         """Make room for positions up to ``last`` (int16 -> int32 once a sequence passes 32,767)."""
-        if last > POS16_MAX and self.pos.dtype == torch.int16:
-            self.pos = self.pos.int()
+        if last > POS16_MAX and self.pos_dtype == torch.int16:
+            f = self._meta["pos"]
+            self._meta["pos"] = f.int() if isinstance(f, torch.Tensor) else f.astype(self.pages, torch.int32)
 
     def meta(self, name: str) -> torch.Tensor:
-        return self.stats[name] if name in self.stats else getattr(self, name)
+        f = self._meta[name]
+        return f if isinstance(f, torch.Tensor) else f.rect(self.capacity)
 
     def names(self):
-        return (*_META, *(("head",) if self.heads > 1 else ()), *self.stats)
+        return (*_META, *(("head",) if self.heads > 1 else ()), *self._stats)
+
+    def disown(self) -> None:
+        """Paged: this tier's rows were appended to another cache's; their pages are that one's now."""
+        if self.pages is not None:
+            self.store.disown()
+            for f in self._meta.values():
+                f.disown()
 
     def accumulate(self, stats: dict, offset: int, decay: float, m: int) -> None:
         """Add this step's statistics of this tier's slots (columns [offset, offset + filled))."""
         f = self.filled
-        for name, st in self.stats.items():
+        for name in self._stats:
+            st = self.meta(name)
             got = stats[name][..., offset: offset + f]
             if name == "last":
                 st[..., :f] = got
@@ -104,11 +170,13 @@ class Tier:
                 st[..., :f] += got
             if st.dtype == torch.float16:  # a sum past float16's range stays the largest, not inf
                 st[..., :f].clamp_(max=FP16_MAX)
+            if not isinstance(self._meta[name], torch.Tensor):  # paged: the rectangle is a copy of the pages
+                self._meta[name].sync()
 
     def candidates(self, new: dict | None, newest, budget: int, layer_idx: int, prompt_len=None) -> Candidates:
         """All slots (empty ones invalid) followed by the new entries; the slots alone if ``new`` is None."""
         cat = {n: self.meta(n) if new is None else torch.cat([self.meta(n), new[n]], dim=-1) for n in self.names()}
-        return Candidates(stats={n: cat[n].float() for n in self.stats}, pos=cat["pos"].long(), valid=cat["pos"] >= 0,
+        return Candidates(stats={n: cat[n].float() for n in self._stats}, pos=cat["pos"].long(), valid=cat["pos"] >= 0,
                           newest=newest, budget=budget, layer_idx=layer_idx, head=cat.get("head"),
                           heads=self.heads, prompt_len=prompt_len)
 
@@ -123,6 +191,9 @@ class Tier:
         self.reserve(max(fills, default=0))
         if fills != self.fills:  # rows that grow: a paged store gives them their pages first
             self.store.ensure(fills)
+            for f in self._meta.values():
+                if not isinstance(f, torch.Tensor):
+                    f.ensure(fills)
         gone = None
         if all(f + a <= c for f, c, a in zip(self.fills, caps, adds)):  # room everywhere: append at each row's fill
             self._append(new, real)
@@ -160,7 +231,7 @@ class Tier:
         slots after them, so no two entries share a slot; a row holds its own tokens, as alone."""
         b, h, m = new["pos"].shape
         if real is None:
-            self._write((self.fill.view(-1, 1, 1) + torch.arange(m, device=self.pos.device)).expand(b, h, m), new, None)
+            self._write((self.fill.view(-1, 1, 1) + torch.arange(m, device=self.device)).expand(b, h, m), new, None)
             return
         r = real.long()
         rank = torch.where(real, r.cumsum(-1) - 1, r.sum(-1, keepdim=True) + (1 - r).cumsum(-1) - 1)
@@ -169,7 +240,7 @@ class Tier:
 
     def _set_fills(self, fills: list[int]) -> None:
         self.fills = fills
-        self.fill = torch.tensor(fills, dtype=torch.long, device=self.pos.device)
+        self.fill = torch.tensor(fills, dtype=torch.long, device=self.device)
         self.filled = max(fills, default=0)
 
     def _priority(self, policy, new: dict | None, ctx: dict) -> torch.Tensor:
@@ -196,7 +267,11 @@ class Tier:
     def _write(self, idx, new: dict, take) -> None:
         self.store.write(idx, new["k"], new["v"], take)
         for name in self.names():
-            scatter(self.meta(name), idx, new[name].to(self.meta(name).dtype), take)
+            f = self._meta[name]
+            if isinstance(f, torch.Tensor):
+                scatter(f, idx, new[name].to(f.dtype), take)
+            else:
+                f.write(idx, new[name], take)
 
     def _read(self, idx) -> dict:
         k, v = self.store.read(idx)
@@ -266,16 +341,18 @@ class Tier:
     def _map_slots(self, fn, store: bool = True) -> None:
         if store:
             self.store.map_batch(fn)
-        for name in self.names():
-            if name not in self.stats:
-                setattr(self, name, fn(getattr(self, name)))
-        self.stats = {n: fn(t) for n, t in self.stats.items()}
+        for name in self.names():  # positions, head ids, then the statistics
+            f = self._meta[name]
+            if isinstance(f, torch.Tensor):
+                self._meta[name] = fn(f)
+            else:
+                f.map_batch(fn)
 
     def row_caps(self) -> torch.Tensor:
         """(b,) each row's own number of slots."""
         if self.caps is not None:
             return self.caps
-        return torch.full((self.pos.shape[0],), self.budget, dtype=torch.long, device=self.pos.device)
+        return torch.full((len(self.fills),), self.budget, dtype=torch.long, device=self.device)
 
     def reserve(self, n: int) -> None:
         """Allocate the pages ``n`` tokens need (never past the budget); the new slots are empty."""
@@ -289,10 +366,11 @@ class Tier:
         """Take rows of up to ``budget`` slots and carry every statistic in ``stats``, so rows of
         another tier can be appended; each row keeps its own cap. No slot is allocated here: the
         pages come as the rows grow into them."""
-        if stats != tuple(self.stats):
-            b, h, n = self.pos.shape
-            self.stats = {s: self.stats.get(s, torch.zeros(b, h, n, dtype=stat_dtype(s), device=self.pos.device))
-                          for s in stats}
+        if stats != self._stats:
+            for s in stats:
+                if s not in self._meta:
+                    self._meta[s] = self._field(len(self.fills), stat_dtype(s), 0)
+            self._stats = tuple(stats)
         if budget > self.budget:
             self.caps = self.row_caps()
             self.budget = budget
@@ -331,13 +409,18 @@ class Tier:
             return torch.cat([t, t.new_zeros(*t.shape[:2], extra, *t.shape[3:])], dim=2)
 
         self.store.resize(n, fn)
-        self._map_slots(fn, store=False)
-        if extra > 0:
-            self.pos[:, :, self.capacity:] = -1  # the new slots are empty
+        if self.pages is None:
+            self._map_slots(fn, store=False)
+            if extra > 0:
+                self._meta["pos"][:, :, self.capacity:] = -1  # the new slots are empty
+        else:  # new columns read page 0, every slot empty
+            for f in self._meta.values():
+                f.resize(n)
         self.capacity = n
         if self.filled > n:  # cut below a row's fill (the budget shrank to the widest cap)
             self._set_fills([min(f, n) for f in self.fills])
 
     def nbytes(self) -> int:
         """Every byte this tier holds: keys and values (codes, steps, zeros), positions, statistics."""
-        return self.store.nbytes() + sum(self.meta(n).nbytes for n in self.names())
+        return self.store.nbytes() + sum(f.nbytes if isinstance(f, torch.Tensor) else f.nbytes()
+                                         for f in self._meta.values())

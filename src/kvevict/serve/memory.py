@@ -3,10 +3,10 @@ of every running batch, with it added, stay within ``Settings.kv_memory``; other
 
 Budgeted rows of any policies and budgets share one ``EvictingCache``. Storage grows in pages
 (``tier.PAGE`` slots) as a sequence does, never past its budget. In the server each row's keys and
-values are its own pages of one pool (``kvevict.pages``): a row holds ``ceil(min(tokens, budget) /
-PAGE)`` pages per layer, whatever the other rows of its batch hold. What stays one rectangle per
-batch is the bookkeeping beside them (each slot's position and every policy's statistics, a few
-bytes a slot, and the page table): as wide as ``pages(longest row, widest budget)``.
+values, and each slot's position and every policy's statistics beside them, are its own pages of
+one pool (``kvevict.pages``): a row holds ``ceil(min(tokens, budget) / PAGE)`` pages per layer
+and per-slot tensor, whatever the other rows of its batch hold. What stays batch-wide is a page
+table per tensor (8 bytes per page column): as wide as ``pages(longest row, widest budget)``.
 
 Bytes are measured, not derived from a formula: at start-up one token runs through the model into
 a ``DynamicCache`` (a full-cache token's K + V bytes), and two budgeted caches per policy are
@@ -62,9 +62,6 @@ class Budgeter:
             except (ValueError, TypeError):  # a policy that cannot serve (the oracle needs a recording)
                 continue
             self.slots_of[name] = [_line(a, b) for a, b in zip(small.layers, big.layers)]
-            if name == "recency":  # K/V bytes of one slot per KV head, every head, per layer (the pages' share)
-                self.kv_slot = [layer.tiers[0].store.nbytes() // (layer.tiers[0].capacity // layer.shared)
-                                for layer in big.layers]
         # per layer: bytes of a slot with no statistic (recency keeps none), per byte of statistic
         # a slot of one KV head holds (H2O keeps "sum", ``stat_bytes``), and per row besides; a
         # shared batch's slot carries the union's
@@ -109,7 +106,7 @@ class Budgeter:
         return self.heads if getattr(policy, "adaptive", False) and self.heads > 1 else 1
 
     def own_pages(self, policy, budget_tokens: int, length: int) -> list[int]:
-        """Pages of K/V per layer one row of ``length`` tokens holds in a pool (``kvevict.pages``):
+        """Pages per layer and per-slot tensor one row of ``length`` tokens holds in a pool (``kvevict.pages``):
         its first min(length, budget) slots per KV head (Ada-KV: x heads, one pooled slot each)."""
         return [-(-min(length, w) * self.shared(policy) // PAGE) for w in self.slots(policy, budget_tokens, length)]
 
@@ -127,8 +124,8 @@ class Budgeter:
         the longest. Budgeted rows share one EvictingCache: rows x (per layer, the pages of the
         longest row under the largest budget any row has there x the bytes of a slot carrying
         every row's policy statistics, + the bytes per row besides). ``paged`` (the server's caches,
-        ``kvevict.pages``): each row's keys and values are only its own pages (``own_pages``), the
-        rectangle holds the rest of a slot (position, statistics) and each row's page table."""
+        ``kvevict.pages``): a row holds only its own pages (``own_pages``) of every per-slot tensor
+        (K/V, positions, statistics), and each row a page table per tensor as wide as the widest."""
         return self._batch_bytes(tuple(rows), paged)
 
     def _bytes_of(self, rows: tuple, paged: bool = False) -> int:
@@ -140,20 +137,22 @@ class Budgeter:
         longest = max(r[3] for r in rows)
         widths = [max(col) for col in zip(*(self.slots(pol, r[1], longest) for pol, r in zip(pols, rows)))]
         union = stat_bytes(stat_names(pols))
-        total = 0
+        shared = self.shared(pols[0])
+        own = [self.own_pages(pol, r[1], r[3]) for pol, r in zip(pols, rows)] if paged else []
+        total = held = 0
         for i, (w, (bare, stat, rest)) in enumerate(zip(widths, self.slot_parts)):
             # what a policy's slot holds besides K/V, position, validity and statistics (Ada-KV: its head id)
             extra = max(self.slots_of[r[0]][i][0] - bare - stat_bytes(pol.stats) * stat for pol, r in zip(pols, rows))
             per_slot = bare + union * stat + extra
-            if paged:  # the rectangle keeps the bookkeeping and the tables; K/V are each row's pages
-                per_slot -= self.kv_slot[i]
-                rest += -(-w * self.shared(pols[0]) // PAGE) * TABLE_BYTES
-            total += w * per_slot + rest
-        if paged:
-            page = [PAGE * kv // self.shared(pols[0]) for kv in self.kv_slot]  # one page's K/V bytes
-            return len(rows) * total + sum(n * b for pol, r in zip(pols, rows)
-                                           for n, b in zip(self.own_pages(pol, r[1], r[3]), page))
-        return len(rows) * total
+            if not paged:
+                total += w * per_slot + rest
+                continue
+            # every per-slot tensor is each row's own pages (a page: PAGE slots of K/V, position, head
+            # id and statistics); what stays batch-wide is a table per tensor, as wide as the widest row
+            tensors = 2 + (shared > 1) + len(stat_names(pols))  # K/V, positions, head ids, each statistic
+            total += rest + -(-w * shared // PAGE) * TABLE_BYTES * tensors
+            held += sum(pages[i] for pages in own) * (PAGE * per_slot // shared)
+        return len(rows) * total + held
 
 
 def _line(small, big) -> tuple[int, int]:
