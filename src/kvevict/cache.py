@@ -339,6 +339,8 @@ class EvictingLayer(CacheLayerMixin):
         if gone is not None and (not self._padded or bool((gone["pos"] >= 0).any())):
             self.tiers[1].insert(self.rows, gone, ctx, protected_newcomer=False, want_evicted=False)
         self.seen += m
+        for tier in self.tiers:  # paged bookkeeping: no rectangle outlives the step
+            tier.drop_views()
         self._expose()  # a tier that grew a page holds new tensors
 
     def _pooled(self, stats: dict, new: dict, n_past: int):

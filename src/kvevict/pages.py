@@ -212,6 +212,8 @@ class PagedField(_PageRows):
     def _changed(self):
         self._rect = self._full = None
 
+    drop_view = _changed
+
     def ensure(self, fills):
         if super().ensure(fills):  # a page more: the rectangle reads it
             self._changed()

@@ -149,6 +149,13 @@ class Tier:
     def names(self):
         return (*_META, *(("head",) if self.heads > 1 else ()), *self._stats)
 
+    def drop_views(self) -> None:
+        """Paged: forget the bookkeeping rectangles laid out this step (a tier that took no token
+        this step was not written, so nothing else drops them): none is held between steps."""
+        for f in self._meta.values():
+            if not isinstance(f, torch.Tensor):
+                f.drop_view()
+
     def disown(self) -> None:
         """Paged: this tier's rows were appended to another cache's; their pages are that one's now."""
         if self.pages is not None:
