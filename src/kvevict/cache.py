@@ -237,7 +237,7 @@ class EvictingLayer(CacheLayerMixin):
         ends = [] if other.prompt_end is None else [other.prompt_end]
         rows = iter([*theirs, other.n_real, *ends, other.rows.kind])
         self._map_batch(lambda t: torch.cat([t, next(rows)]))
-        for tier in other.tiers:  # paged: their rows' pages are this cache's now
+        for tier in other.tiers:  # paged: their rows' pages are this cache's now (a rectangle: copied)
             tier.disown()
         # rows of different fills: slots below ``filled`` that a row has not used are empty, masked
         self._padded = self._padded or any(len(set(t.fills)) > 1 for t in self.tiers)

@@ -1,6 +1,6 @@
 """Per-row pages: a tier's keys, values and bookkeeping in pages of ``PAGE`` slots taken from pools
-that every cache made with them shares, each row (sequence) holding only its own pages (vLLM's PagedAttention,
-Kwon et al. 2023: a block table per sequence over one pool of blocks).
+that every cache made with them shares, each row (sequence) holding only its own pages (vLLM's
+PagedAttention, Kwon et al. 2023: a block table per sequence over one pool of blocks).
 
 Without a pool a tier's storage is one rectangle per layer: every row of a shared batch as wide as
 the widest. With one (``make_cache(..., pages=Pools())``; the server makes one per engine):
@@ -20,8 +20,8 @@ the widest. With one (``make_cache(..., pages=Pools())``; the server makes one p
   the policy that reads it); the policy ranks it as a rectangle laid out once per step, never kept.
 
 ``nbytes`` counts the row's own pages and the table: what the stock cache would hold for the same
-tokens, rounded up to a page per (layer, KV head), and the bookkeeping of those slots. The pool's own size (``PagePool.nbytes``, free
-pages included) is the server's to report.
+tokens, rounded up to a page per (layer, KV head), and the bookkeeping of those slots. The pool's
+own size (``PagePool.nbytes``, free pages included) is the server's to report.
 """
 
 from __future__ import annotations

@@ -118,6 +118,9 @@ class DenseStore:
     def resize(self, n: int, fn) -> None:
         self.map_batch(fn)
 
+    def disown(self) -> None:
+        """A rectangle's rows are copied when appended to another cache: nothing to hand over."""
+
     def write(self, idx, k, v, take=None) -> None:
         scatter(self.keys, idx, k.to(self.keys.dtype), take)
         scatter(self.values, idx, v.to(self.values.dtype), take)
@@ -244,6 +247,7 @@ class PackedStore:
 
     ensure = DenseStore.ensure
     resize = DenseStore.resize
+    disown = DenseStore.disown
 
     def write(self, idx, k, v, take=None) -> None:
         for part, x in ((self.k, k), (self.v, v)):

@@ -84,7 +84,7 @@ class Tier:
     def _field(self, b, dtype, empty):
         """A new per-slot tensor of ``b`` rows, every slot ``empty``, as many slots as the tier's."""
         if self.pages is None:
-            return torch.full((b, self.h, self.capacity), empty, dtype=dtype, device=self.device)
+            return RectField(torch.full((b, self.h, self.capacity), empty, dtype=dtype, device=self.device), empty)
         from .pages import PagedField
 
         f = PagedField(self.pages, b, self.h, dtype, empty, self.device)
@@ -108,7 +108,7 @@ class Tier:
 
     @property
     def bookkeeping(self) -> dict:
-        """Each per-slot tensor besides keys and values, by name: a rectangle, or a PagedField."""
+        """Each per-slot tensor besides keys and values, by name: a RectField, or a PagedField."""
         return dict(self._meta)
 
     @property
@@ -127,24 +127,19 @@ class Tier:
     def keep_stats(self, wanted) -> None:
         """Drop the statistics not in ``wanted`` (only rows that left read them)."""
         for n in self._stats:
-            if n not in wanted:
-                self._drop(self._meta.pop(n))
+            if n not in wanted:  # a paged one's pages back to the pool now, not at collection
+                field = self._meta.pop(n)
+                field.resize(0)
+                field.disown()
         self._stats = tuple(n for n in self._stats if n in wanted)
-
-    def _drop(self, field) -> None:
-        if not isinstance(field, torch.Tensor):  # its pages back to the pool now, not at collection
-            field.resize(0)
-            field.disown()
 
     def widen_positions(self, last: int) -> None:
         """Make room for positions up to ``last`` (int16 -> int32 once a sequence passes 32,767)."""
         if last > POS16_MAX and self.pos_dtype == torch.int16:
-            f = self._meta["pos"]
-            self._meta["pos"] = f.int() if isinstance(f, torch.Tensor) else f.astype(self.pages, torch.int32)
+            self._meta["pos"] = self._meta["pos"].astype(self.pages, torch.int32)
 
     def meta(self, name: str) -> torch.Tensor:
-        f = self._meta[name]
-        return f if isinstance(f, torch.Tensor) else f.rect(self.capacity)
+        return self._meta[name].rect(self.capacity)
 
     def names(self):
         return (*_META, *(("head",) if self.heads > 1 else ()), *self._stats)
@@ -153,15 +148,13 @@ class Tier:
         """Paged: forget the bookkeeping rectangles laid out this step (a tier that took no token
         this step was not written, so nothing else drops them): none is held between steps."""
         for f in self._meta.values():
-            if not isinstance(f, torch.Tensor):
-                f.drop_view()
+            f.drop_view()
 
     def disown(self) -> None:
         """Paged: this tier's rows were appended to another cache's; their pages are that one's now."""
-        if self.pages is not None:
-            self.store.disown()
-            for f in self._meta.values():
-                f.disown()
+        self.store.disown()
+        for f in self._meta.values():
+            f.disown()
 
     def accumulate(self, stats: dict, offset: int, decay: float, m: int) -> None:
         """Add this step's statistics of this tier's slots (columns [offset, offset + filled))."""
@@ -177,8 +170,7 @@ class Tier:
                 st[..., :f] += got
             if st.dtype == torch.float16:  # a sum past float16's range stays the largest, not inf
                 st[..., :f].clamp_(max=FP16_MAX)
-            if not isinstance(self._meta[name], torch.Tensor):  # paged: the rectangle is a copy of the pages
-                self._meta[name].sync()
+            self._meta[name].sync()  # paged: the rectangle is a copy of the pages
 
     def candidates(self, new: dict | None, newest, budget: int, layer_idx: int, prompt_len=None) -> Candidates:
         """All slots (empty ones invalid) followed by the new entries; the slots alone if ``new`` is None."""
@@ -199,8 +191,7 @@ class Tier:
         if fills != self.fills:  # rows that grow: a paged store gives them their pages first
             self.store.ensure(fills)
             for f in self._meta.values():
-                if not isinstance(f, torch.Tensor):
-                    f.ensure(fills)
+                f.ensure(fills)
         gone = None
         if all(f + a <= c for f, c, a in zip(self.fills, caps, adds)):  # room everywhere: append at each row's fill
             self._append(new, real)
@@ -274,11 +265,7 @@ class Tier:
     def _write(self, idx, new: dict, take) -> None:
         self.store.write(idx, new["k"], new["v"], take)
         for name in self.names():
-            f = self._meta[name]
-            if isinstance(f, torch.Tensor):
-                scatter(f, idx, new[name].to(f.dtype), take)
-            else:
-                f.write(idx, new[name], take)
+            self._meta[name].write(idx, new[name], take)
 
     def _read(self, idx) -> dict:
         k, v = self.store.read(idx)
@@ -349,11 +336,7 @@ class Tier:
         if store:
             self.store.map_batch(fn)
         for name in self.names():  # positions, head ids, then the statistics
-            f = self._meta[name]
-            if isinstance(f, torch.Tensor):
-                self._meta[name] = fn(f)
-            else:
-                f.map_batch(fn)
+            self._meta[name].map_batch(fn)
 
     def row_caps(self) -> torch.Tensor:
         """(b,) each row's own number of slots."""
@@ -416,18 +399,58 @@ class Tier:
             return torch.cat([t, t.new_zeros(*t.shape[:2], extra, *t.shape[3:])], dim=2)
 
         self.store.resize(n, fn)
-        if self.pages is None:
-            self._map_slots(fn, store=False)
-            if extra > 0:
-                self._meta["pos"][:, :, self.capacity:] = -1  # the new slots are empty
-        else:  # new columns read page 0, every slot empty
-            for f in self._meta.values():
-                f.resize(n)
+        for f in self._meta.values():  # the new slots are empty
+            f.resize(n, fn)
         self.capacity = n
         if self.filled > n:  # cut below a row's fill (the budget shrank to the widest cap)
             self._set_fills([min(f, n) for f in self.fills])
 
     def nbytes(self) -> int:
         """Every byte this tier holds: keys and values (codes, steps, zeros), positions, statistics."""
-        return self.store.nbytes() + sum(f.nbytes if isinstance(f, torch.Tensor) else f.nbytes()
-                                         for f in self._meta.values())
+        return self.store.nbytes() + sum(f.nbytes() for f in self._meta.values())
+
+
+class RectField:
+    """A per-slot bookkeeping tensor as one (b, h, capacity) rectangle, with ``PagedField``'s
+    interface (kvevict.pages) so that a tier treats both alike; its rectangle is the storage."""
+
+    def __init__(self, t: torch.Tensor, empty):
+        self.t, self.empty = t, empty
+
+    @property
+    def dtype(self):
+        return self.t.dtype
+
+    def rect(self, n: int) -> torch.Tensor:
+        return self.t
+
+    def write(self, idx, src, take=None) -> None:
+        scatter(self.t, idx, src.to(self.t.dtype), take)
+
+    def map_batch(self, fn) -> None:
+        self.t = fn(self.t)
+
+    def resize(self, n: int, fn=None) -> None:
+        """``fn``: the tier's cut-or-pad; new slots are ``empty``."""
+        old = self.t.shape[-1]
+        self.t = fn(self.t) if fn is not None else self.t[..., :n].clone()
+        if n > old:
+            self.t[..., old:] = self.empty
+
+    def astype(self, pools, dtype) -> "RectField":
+        return RectField(self.t.to(dtype), self.empty)
+
+    def nbytes(self) -> int:
+        return self.t.nbytes
+
+    def ensure(self, fills) -> None:
+        """Slots are allocated with the rectangle (``resize``)."""
+
+    def sync(self) -> None:
+        """The rectangle is the storage: nothing to write back."""
+
+    def drop_view(self) -> None:
+        pass
+
+    def disown(self) -> None:
+        pass

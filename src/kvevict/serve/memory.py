@@ -136,8 +136,10 @@ class Budgeter:
         pols = [spec_policy(p, recent) for p, _, recent, _ in rows]
         longest = max(r[3] for r in rows)
         widths = [max(col) for col in zip(*(self.slots(pol, r[1], longest) for pol, r in zip(pols, rows)))]
-        union = stat_bytes(stat_names(pols))
+        names = stat_names(pols)
+        union = stat_bytes(names)
         shared = self.shared(pols[0])
+        tensors = 2 + (shared > 1) + len(names)  # paged: K/V, positions, head ids, each statistic
         own = [self.own_pages(pol, r[1], r[3]) for pol, r in zip(pols, rows)] if paged else []
         total = held = 0
         for i, (w, (bare, stat, rest)) in enumerate(zip(widths, self.slot_parts)):
@@ -149,7 +151,6 @@ class Budgeter:
                 continue
             # every per-slot tensor is each row's own pages (a page: PAGE slots of K/V, position, head
             # id and statistics); what stays batch-wide is a table per tensor, as wide as the widest row
-            tensors = 2 + (shared > 1) + len(stat_names(pols))  # K/V, positions, head ids, each statistic
             total += rest + -(-w * shared // PAGE) * TABLE_BYTES * tensors
             held += sum(pages[i] for pages in own) * (PAGE * per_slot // shared)
         return len(rows) * total + held
