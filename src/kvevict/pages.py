@@ -68,8 +68,9 @@ class PagePool:
 
     def _grow(self, n: int) -> None:
         extra = max(n, self.pages // 4)  # a quarter at a time: one copy of the pool per growth
-        if self.room is not None:  # never past the limit for the slack alone
-            extra = max(n, min(extra, self.room() // self.page_bytes()))
+        if self.room is not None:  # never past the limit for the slack alone, and never all that is left of
+            # it: the pools of a tier's other per-slot tensors grow for the same rows next
+            extra = max(n, min(extra, self.room() // (4 * self.page_bytes())))
         old = self.pages
         self.tensors = [torch.cat([t, t.new_full((extra, *t.shape[1:]), self.empty)]) for t in self.tensors]
         self.free = list(range(old + extra - 1, old - 1, -1)) + self.free  # lowest ids handed out first
