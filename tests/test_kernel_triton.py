@@ -4,8 +4,10 @@ the CPU in triton's interpreter (TRITON_INTERPRET=1, set before triton is first 
 Tolerances, absolute: out 2e-5 in fp32 (the kernel and the reference differ only in summation
 order: split-K partials against one softmax), 1e-2 in bf16 / fp16 (outputs up to ~3 round to 4e-3
 and 5e-4, and the kernel rounds each split's probabilities, the reference the final ones); pg 2e-5
-in every dtype (the kernel rounds dequantized keys and the scaled query exactly as torch does,
-so both take fp32 scores from the same operands)."""
+in every dtype: the kernel rounds the scaled query as torch does, and its keys as the reference's
+(``make_run``: packed groups of 16+ channels are read factored, from the exact dequantized values,
+and the reference takes those; otherwise both round them to the compute dtype), so both take fp32
+scores from the same operands."""
 
 import os
 
@@ -16,7 +18,7 @@ import torch
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install 'kvevict[triton]')")
 
-from kvevict.kernels.triton_decode import decode_attention_triton, interpreting, register  # noqa: E402
+from kvevict.kernels.triton_decode import _factored, decode_attention_triton, interpreting, register  # noqa: E402
 from kvevict.store import dequantize, quantize  # noqa: E402
 
 try:
@@ -45,15 +47,18 @@ pytestmark = [
 ]
 
 
-def make_run(b, h, n, d, bits, group, dtype, gen, spare=0):
+def make_run(b, h, n, d, bits, group, dtype, gen, spare=0, factored=True):
     """A run of n slots (viewed out of n + spare stored slots, as a tier hands them over) and its
-    keys / values dequantized in fp32 for the reference."""
+    keys / values dequantized for the reference, in fp32: as the kernel computes with them, exact
+    where it reads them factored (``_factored``), else rounded to ``dtype`` first."""
     k = torch.randn(b, h, n + spare, d, generator=gen) * 2
     v = torch.randn(b, h, n + spare, d, generator=gen)
     if bits in (8, 4, 2):
         kq, vq = quantize(k, bits, group), quantize(v, bits, group)
         run = Run(bits, group, tuple(t.to(DEVICE)[:, :, :n] for t in kq), tuple(t.to(DEVICE)[:, :, :n] for t in vq), n)
-        deq = [dequantize(*(t[:, :, :n] for t in x), bits, group, dtype).float() for x in (kq, vq)]
+        exact = factored and _factored(bits, group, d)
+        deq = [dequantize(*(t[:, :, :n] for t in x), bits, group, torch.float32 if exact else dtype).float()
+               for x in (kq, vq)]
         return run, deq[0], deq[1]
     store = torch.float16 if bits == 16 else dtype
     ks, vs = k.to(store), v.to(store)
@@ -109,14 +114,16 @@ CASES = {  # name: (tiers as (bits, group, n, pooled), d, hkv, g, masked, softca
 }
 
 
+@pytest.mark.parametrize("factored, prefetch", [(True, True), (False, True), (True, False), (False, False)],
+                         ids=["factored", "registers", "factored-no-prefetch", "registers-no-prefetch"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_matches_torch(name):
+def test_matches_torch(name, factored, prefetch):
     tiers, d, hkv, g, masked, softcap, dtype = CASES[name]
     gen = torch.Generator().manual_seed(sum(map(ord, name)))
     b = 2
     runs, keys, values = [], [], []
     for i, (bits, group, n, pooled) in enumerate(tiers):
-        run, k, v = make_run(b, 1 if pooled else hkv, n, d, bits, group, dtype, gen, spare=3 * i)
+        run, k, v = make_run(b, 1 if pooled else hkv, n, d, bits, group, dtype, gen, spare=3 * i, factored=factored)
         runs.append(run)
         keys.append(k)
         values.append(v)
@@ -130,7 +137,7 @@ def test_matches_torch(name):
         mask[1, 0] = False
     scale = d ** -0.5
     # split 32 < n: several splits per run, and a run that ends inside a key tile
-    out, pg = call(q, runs, k_new, v_new, mask, scale, softcap, split=32)
+    out, pg = call(q, runs, k_new, v_new, mask, scale, softcap, split=32, factored=factored, prefetch=prefetch)
     ref_out, ref_pg, sdpa = reference(q, keys, values, k_new, v_new, mask, scale, softcap)
     tol = 2e-5 if dtype == torch.float32 else 1e-2
     assert out.dtype == dtype and out.shape == (b, hkv * g, 1, d)
@@ -192,21 +199,24 @@ from triton.compiler import ASTSource
 from kvevict.kernels import triton_kernels as tk
 
 def build(fn, const, ptrs):
-    # unit channel strides: the JIT specializes ints equal to 1 the same way
-    const = {**const, **{n: 1 for n in fn.arg_names if n.endswith("_d") and n.startswith("s")}}
+    # unit channel strides: the JIT specializes ints equal to 1 the same way; constexpr defaults as the JIT's
+    const = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **const,
+             **{n: 1 for n in fn.arg_names if n.endswith("_d") and n.startswith("s")}}
     sig = {n: "constexpr" if n in const else ptrs.get(n, "fp32" if n in ("scale", "softcap") else "i32")
            for n in fn.arg_names}
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32))
 
 bf = "*bf16"
+ptrs = dict(q_ptr=bf, kc_ptr="*u8", vc_ptr="*u8", kz_ptr="*u8", ks_ptr="*u8", vz_ptr="*u8", vs_ptr="*u8",
+            mask_ptr="*u8", score_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", tab_ptr="*i64")
+common = dict(HKV=8, G=4, D=128, DV=128, BITS=4, GROUP=32, BLOCK_N=64, HAS_MASK=True, SOFTCAP=True,
+              CDT=tl.bfloat16, EMU=False)
 for paged in (False, True):  # storage in rectangles, and in pages read through a table (kvevict.pages)
-    k = build(tk._split_kernel, dict(HKV=8, G=4, GP=16, D=128, D_P=128, DV=128, DV_P=128, BITS=4, GROUP=32,
-              BLOCK_N=64, HAS_MASK=True, SOFTCAP=True, CDT=tl.bfloat16, EMU=False, GROUPED_K=True, GROUPED_V=True,
-              PAGED=paged, PAGE=32),
-              dict(q_ptr=bf, kc_ptr="*u8", vc_ptr="*u8", kz_ptr="*fp16", ks_ptr="*fp16", vz_ptr="*fp16",
-                   vs_ptr="*fp16", mask_ptr="*u8", score_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32",
-                   tab_ptr="*i64"))
+    k = build(tk._split_kernel, dict(common, GP=16, D_P=128, DV_P=128, GROUPED_K=True, GROUPED_V=True,
+              PAGED=paged, PAGE=32, PREFETCH=paged, LOWP=paged), ptrs)
     assert "mma" in k.asm["ptx"], "the scores should run on tensor cores"
+    k = build(tk._split_rows_kernel, dict(common, GH=4, NGP=4, U=16, PAGED=paged, PAGE=32, PREFETCH=paged), ptrs)
+    assert "mma" in k.asm["ptx"], "the factored products should run on tensor cores"
 build(tk._combine, dict(HKV=8, G=4, GP=4, DV=128, DV_P=128, CDT=tl.bfloat16, EMU=False),
       dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr=bf, mfin_ptr="*fp32", lfin_ptr="*fp32"))
 build(tk._group_probs, dict(G=4, GP=4, BLOCK=256),
@@ -226,3 +236,48 @@ def test_compiles_for_an_h100_without_one():
                                          env.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the whole cache on a GPU: needs CUDA (compiled triton)")
+@pytest.mark.parametrize("kv_bits, paged", [(None, False), (4, False), (4, True), (8, True)])
+def test_the_cache_on_a_gpu_generates_as_the_torch_reference(monkeypatch, kv_bits, paged):
+    """generate() on CUDA with an evicting cache (H2O, budget below the prompt, two padded rows):
+    the triton backend gives the torch reference's greedy tokens, in rectangles and in pages."""
+    from conftest import tiny_model
+
+    from kvevict import ATTN_NAME, make_cache, register as register_attention
+    from kvevict.pages import Pools
+
+    model = tiny_model("llama-mha").to("cuda")
+    register_attention()
+    model.set_attn_implementation(ATTN_NAME)
+    torch.manual_seed(3)
+    ids = torch.randint(1, 128, (2, 48), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, :11] = 0  # the second row left-padded
+    outs = {}
+    for kernel in ("torch", "triton"):
+        monkeypatch.setenv("KVEVICT_KERNEL", kernel)
+        cache = make_cache(model, "h2o", 24, kv_bits=kv_bits, pages=Pools() if paged else None)
+        with torch.no_grad():
+            outs[kernel] = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=16,
+                                          do_sample=False, pad_token_id=0).tolist()
+    assert outs["triton"] == outs["torch"]
+
+
+def test_the_benchmark_configurations_compute_the_same_attention():
+    """kvevict.bench.triton_decode times like with like: each configuration (dense, packed in
+    rectangles or in shuffled pages, factored or per channel, the torch copy) gives the attention
+    of the same keys, within bf16's rounding of the exact dequantized values."""
+    from types import SimpleNamespace
+
+    from kvevict.bench.triton_decode import TINY, build
+
+    args = SimpleNamespace(**TINY, group=32, split=None, page=32, splits=[None], warps=[None], blocks=[None],
+                           prefetch=[True])
+    configs = build(args, torch.device(DEVICE))
+    assert {"triton int4", "triton int4 registers", "triton int4 paged 32", "torch int4 (copy)"} <= set(configs)
+    for name, (fn, _, ref) in configs.items():
+        if ref is not None:
+            out, _ = fn()
+            assert (out.float() - ref.float()).abs().max() < 1e-2, name

@@ -11,36 +11,54 @@ reports the median ms per layer, x ``--layers``, and the median of the per-round
 Configurations: "dense bf16 SDPA" (torch's scaled_dot_product_attention with each KV head's
 query heads as its query rows: no mask, no copy of K/V per query head; out only), "triton bf16"
 (the kernel over the same dense pages: out and pg), "triton int8" and "triton int4" (packed
-pages, ``--group`` channels per zero/step). Each Triton row's output is checked against
-dequantize-then-SDPA first (max abs error reported). Writes JSON to ``--out``.
+pages, ``--group`` channels per zero/step), "triton int4 paged P" (the cache's layout: pools of
+P-slot pages, each row's pages in a random order behind its page table), "torch int4 (copy)" (the
+torch reference: dequantize into a float copy, then attend), and, with ``--splits`` / ``--warps``,
+int4 at other keys per program, warps per program, keys per tile (``--blocks``) and without
+prefetching (``--prefetch 1,0``); "triton intN registers" dequantizes every channel in registers
+before the products (``factored=False``). Each
+row's output is checked first (max abs error reported): the dense rows against SDPA, the packed
+rows against SDPA in fp32 over the exact dequantized values. Writes JSON to ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
 TINY = dict(context=100, batch=2, heads=4, kv_heads=2, head_dim=64, layers=2, iters=2, rounds=2)
 
 
-def make_run(bits, group, k, v, n):
-    try:
-        from ..kernels.runs import Run
-    except ImportError:  # the kernel reads runs by field (bits, group, k, v, n) only
-        return SimpleNamespace(bits=bits, group=group, k=k, v=v, n=n)
-    return Run(bits, group, k, v, n)
+def make_run(bits, group, k, v, n, table=None, page=0):
+    from ..kernels.runs import Run
+
+    return Run(bits, group, k, v, n, table, page)
+
+
+def paged(parts: tuple, page: int, table: torch.Tensor) -> tuple:
+    """(b, h, n, w) rectangles -> pools (pages, h, page, w), row i's page j at table[i, j]."""
+    b, h, n, _ = parts[0].shape
+    cols = table.shape[1]
+    pools = []
+    for x in parts:
+        x = torch.nn.functional.pad(x, (0, 0, 0, cols * page - n))  # the last page's unused slots
+        pool = torch.empty(b * cols, h, page, x.shape[-1], dtype=x.dtype, device=x.device)
+        pool[table.flatten()] = x.reshape(b, h, cols, page, -1).permute(0, 2, 1, 3, 4).reshape(b * cols, h, page, -1)
+        pools.append(pool)
+    return tuple(pools)
 
 
 def build(args, device):
     """{name: (fn, kv bytes, reference out or None)}: every configuration's one-layer call."""
+    from ..kernels.reference import decode_attention_reference
     from ..kernels.triton_decode import decode_attention_triton
     from ..store import dequantize, quantize
 
@@ -59,18 +77,40 @@ def build(args, device):
 
     configs = {"dense bf16 SDPA": (dense, k_all.nbytes + v_all.nbytes, None)}
 
-    def triton_call(runs):
-        return lambda: decode_attention_triton(q, runs, k_new, v_new, None, scale, split=args.split)
+    def triton_call(runs, split=args.split, warps=None, block=None, factored=True, prefetch=True):
+        return lambda: decode_attention_triton(q, runs, k_new, v_new, None, scale, split=split, warps=warps,
+                                               block=block, factored=factored, prefetch=prefetch)
 
     configs["triton bf16"] = (triton_call([make_run(32, 1, (keys,), (values,), n)]),
                               keys.nbytes + values.nbytes, dense().view(b, hq, 1, d))
     for bits in (8, 4):
         kq, vq = quantize(keys, bits, args.group), quantize(values, bits, args.group)
-        kd, vd = (torch.cat([dequantize(*x, bits, args.group, dt), y], 2) for x, y in ((kq, k_new), (vq, v_new)))
-        ref = sdpa(qg, kd, vd, scale=scale).view(b, hq, 1, d)
+        # the exact dequantized values, in fp32: every path's error against them
+        kd, vd = (torch.cat([dequantize(*x, bits, args.group, torch.float32), y.float()], 2)
+                  for x, y in ((kq, k_new), (vq, v_new)))
+        ref = sdpa(qg.float(), kd, vd, scale=scale).reshape(b, hq, 1, d)
         del kd, vd
-        configs[f"triton int{bits}"] = (triton_call([make_run(bits, args.group, kq, vq, n)]),
-                                        sum(t.nbytes for t in kq + vq), ref)
+        nbytes = sum(t.nbytes for t in kq + vq)
+        run = make_run(bits, args.group, kq, vq, n)
+        configs[f"triton int{bits}"] = (triton_call([run]), nbytes, ref)
+        # every channel dequantized in registers before the products (the path before factoring)
+        configs[f"triton int{bits} registers"] = (triton_call([run], factored=False), nbytes, ref)
+        if bits != 4:
+            continue
+        # the cache's own layout: pages of PAGE slots through a page table
+        cols = -(-n // args.page)  # each row's pages scattered in a random order, as a pool gives them out
+        table = torch.randperm(b * cols, generator=gen, device=device).view(b, cols)
+        pk, pv = paged(kq, args.page, table), paged(vq, args.page, table)
+        configs[f"triton int4 paged {args.page}"] = (
+            triton_call([make_run(4, args.group, pk, pv, n, table, args.page)]), nbytes, ref)
+        # no fused kernel: dequantize into a float copy, then attend (the torch reference)
+        configs["torch int4 (copy)"] = (
+            lambda run=run: decode_attention_reference(q, [run], k_new, v_new, None, scale), nbytes, ref)
+        for split, warps, block, prefetch in itertools.product(args.splits, args.warps, args.blocks, args.prefetch):
+            if (split, warps, block, prefetch) == (args.split, None, None, True):
+                continue  # "triton int4"
+            name = f"int4 s{split or '-'} w{warps or '-'} b{block or '-'}{'' if prefetch else ' no-pf'}"
+            configs[name] = (triton_call([run], split, warps, block, prefetch=prefetch), nbytes, ref)
     return configs
 
 
@@ -102,11 +142,20 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=32, help="one layer is timed; this multiplies it")
     p.add_argument("--group", type=int, default=32, help="channels per zero/step group")
     p.add_argument("--split", type=int, default=None, help="keys per Triton program (default: from the GPU)")
+    p.add_argument("--page", type=int, default=32, help="slots per page of the paged int4 configuration")
+    p.add_argument("--splits", default="", help="comma-separated splits to sweep for int4 (0 = auto)")
+    p.add_argument("--warps", default="", help="comma-separated warps per program to sweep for int4 (0 = default)")
+    p.add_argument("--blocks", default="", help="comma-separated keys per tile to sweep for int4 (0 = default)")
+    p.add_argument("--prefetch", default="1", help="comma-separated 1 / 0: sweep int4 with and without prefetch")
     p.add_argument("--iters", type=int, default=20, help="calls per timing")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (runs on a CPU in triton's interpreter)")
     p.add_argument("--out", default="runs/triton_decode.json")
     args = p.parse_args(argv)
+    args.splits = [int(x) or None for x in args.splits.split(",") if x] or [args.split]
+    args.warps = [int(x) or None for x in args.warps.split(",") if x] or [None]
+    args.blocks = [int(x) or None for x in args.blocks.split(",") if x] or [None]
+    args.prefetch = [bool(int(x)) for x in args.prefetch.split(",") if x] or [True]
     try:
         import triton
     except ImportError:
@@ -159,10 +208,10 @@ def main(argv=None) -> int:
     print(f"{where}; torch {torch.__version__}, triton {triton.__version__}")
     print(f"batch {args.batch}, context {args.context}, {args.heads} query / {args.kv_heads} KV heads, head dim "
           f"{args.head_dim}; one layer timed x {args.layers}; median of {args.rounds} rounds of {args.iters} calls")
-    print(f"{'config':<16} {'ms/layer':>9} {'ms x' + str(args.layers):>9} {'ratio':>6} {'KV MiB':>8} {'max err':>8}")
+    print(f"{'config':<24} {'ms/layer':>9} {'ms x' + str(args.layers):>9} {'ratio':>6} {'KV MiB':>8} {'max err':>8}")
     for r in rows:
         err = "" if r["max_abs_err"] is None else f"{r['max_abs_err']:.1e}"
-        print(f"{r['config']:<16} {r['ms_per_layer']:>9.4f} {r['ms_all_layers']:>9.3f} {r['ratio_to_dense']:>6.3g} "
+        print(f"{r['config']:<24} {r['ms_per_layer']:>9.4f} {r['ms_all_layers']:>9.3f} {r['ratio_to_dense']:>6.3g} "
               f"{r['kv_mib']:>8} {err:>8}")
     int4 = next(r for r in rows if r["config"] == "triton int4")
     if cuda:

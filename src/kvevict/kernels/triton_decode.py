@@ -1,17 +1,26 @@
 """The ``"triton"`` backend of ``kvevict.kernels.decode_attention``: fused split-K decode attention
 (FlashDecoding, Dao et al. 2023) that reads kvevict's stored runs as they are -- packed int8 / int4
 / int2 codes with their step and zero bytes, or dense fp16 / model-dtype keys -- and dequantizes in
-registers (x_hat = step * (code - zero / 2^(8 - bits))), so no dequantized copy of the cache is ever written.
+registers (x_hat = step * (code - zero / 2^(8 - bits))) or not at all (factored, below), so no
+dequantized copy of the cache is ever written.
 
 For one new query per sequence, over the runs in order followed by the new key:
 
     s_hi = scale * q_h . k_i  (fp32 accumulate; c * tanh(s / c) with a softcap; -inf where masked)
     out_h = sum_i softmax_i(s_h) v_i,    pg_i = sum_{h in the KV group} softmax_i(s_h)
 
-The programs are in ``triton_kernels.py``: per run one launch of ``_split_kernel`` (a program per
-(sequence, KV head, split of the keys): online-softmax partials and the raw scores), then
-``_combine`` (merges the splits: out, and each head's final max and normalizer) and
-``_group_probs`` (pg from the saved scores).
+The programs are in ``triton_kernels.py``: per run one launch of a split program (a program per
+(sequence, KV head, split of the keys): online-softmax partials and the raw scores) --
+``_split_rows_kernel`` for a packed run it can read factored (the codes straight into the tensor
+cores, a step and a zero per token and group the only arithmetic: ``_factored``), else
+``_split_kernel`` (each channel dequantized in registers) -- then ``_combine`` (merges the splits:
+out, and each head's final max and normalizer) and ``_group_probs`` (pg from the saved scores).
+On an H100 the factored int4 read is 1.05x dense bf16 SDPA's time at 32K context, batch 8
+(docs/performance.md, "On a GPU: the Triton kernel"). The factored read computes with the exact
+dequantized keys and values, where the torch reference (and ``_split_kernel``) rounds them to a
+bf16 / fp16 query's dtype first: in those dtypes its pg is within 3e-7 of attention over the exact
+values, the rounded reference's about 2e-3 (tests/test_kernel_triton.py holds each path to the
+keys it uses).
 
 Registering it (the one line ``kvevict/kernels/__init__.py`` needs; this module imports without
 triton, ``available()`` says whether the backend can run)::
@@ -64,12 +73,19 @@ def register(registry: dict) -> None:
     registry["triton"] = decode_attention_triton
 
 
-def decode_attention_triton(q, runs, k_new, v_new, mask, scale, softcap=None, *, split=None):
+def decode_attention_triton(q, runs, k_new, v_new, mask, scale, softcap=None, *, split=None, warps=None,
+                            block=None, factored=True, prefetch=True, lowp=True):
     """q (b, hq, 1, d) unscaled; runs: ``kvevict.kernels.runs.Run`` objects (read by field: bits,
     group, k, v, n); k_new, v_new (b, hkv, 1, d|dv) in q's dtype; mask (b, hkv|1, n_total) bool
     over the stored slots (True = visible) or None; the new key is always visible.
     Returns (out (b, hq, 1, dv) in q's dtype, pg (b, hkv, n_total + 1) float32).
-    ``split``: keys per program (a multiple of the key tile; None picks one from the GPU's size)."""
+    ``split``: keys per program (a multiple of the key tile; None picks one from the GPU's size);
+    ``warps``: warps per split program (None: triton's default), ``block``: keys per tile (a power
+    of two >= 16; None: 64, 32 past head dim 128), both for tuning on a GPU;
+    ``factored``: packed runs are read factored where they can be (``_factored``), else every
+    channel is dequantized in registers first; ``prefetch``: each tile's bytes are loaded while
+    the tile before it is computed; ``lowp``: bf16 queries dequantize in bf16 arithmetic (the
+    same single rounding; not in the interpreter, whose bf16 arithmetic is not torch's)."""
     ok, why = available()
     if not ok:
         raise ModuleNotFoundError(why)
@@ -81,7 +97,9 @@ def decode_attention_triton(q, runs, k_new, v_new, mask, scale, softcap=None, *,
     g = hq // hkv
     gp = max(16, _pow2(g))  # tl.dot needs at least 16 rows: the group's heads padded
     d_p, dv_p = max(16, _pow2(d)), max(16, _pow2(dv))
-    block_n = _block(split, 64 if max(d_p, dv_p) <= 128 else 32)
+    if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 16 or block & (block - 1)):
+        raise ValueError(f"block must be a power of two >= 16 (keys per tile), got {block!r}.")
+    block_n = _block(split, block or (64 if max(d_p, dv_p) <= 128 else 32))
     every = [(r.bits, r.group, r.k, r.v, r.n, getattr(r, "table", None), getattr(r, "page", 0))
              for r in runs if r.n > 0]
     every.append((32, 1, (k_new,), (v_new,), 1, None, 0))  # the new key: a dense run of one, always visible
@@ -110,18 +128,28 @@ def decode_attention_triton(q, runs, k_new, v_new, mask, scale, softcap=None, *,
         paged = table is not None
         if paged:
             table = table.contiguous()
-        tk._split_kernel[(b * hkv, ns)](
+        common = dict(HKV=hkv, G=g, D=d, DV=dv, BITS=bits, GROUP=group if bits in PACKED else 1, BLOCK_N=block_n,
+                      HAS_MASK=mask is not None and not is_new, SOFTCAP=softcap is not None, CDT=cdt, EMU=emu,
+                      PAGED=paged, PAGE=page if paged else 1, PREFETCH=bool(prefetch),
+                      **({} if warps is None else {"num_warps": int(warps)}))
+        words = factored and _factored(bits, group, d) and _factored(bits, group, dv) and _as_words(kt, vt)
+        if words:
+            kt, vt = words
+            gh = _pow2(g)  # rows of the products: NGP groups x GH heads, at least tl.dot's 16
+            ngp = max(_pow2(max(d, dv) // group), -(-16 // gh))
+            kernel, extra = tk._split_rows_kernel, dict(GH=gh, NGP=ngp, U=1 << (8 - bits))
+        else:
+            kernel, extra = tk._split_kernel, dict(GP=gp, D_P=d_p, DV_P=dv_p, GROUPED_K=_grouped(bits, group, d),
+                                                   GROUPED_V=_grouped(bits, group, dv),
+                                                   LOWP=bool(lowp) and q.dtype == torch.bfloat16 and not emu)
+        kernel[(b * hkv, ns)](
             q, q.stride(0), q.stride(1), q.stride(3),
             *_operand(kt, paged), *_operand(vt, paged),
             m, *m_strides,
             scores, m_part, l_part, acc_part,
             n, key_off, split_off, split, n_splits, nt1, float(scale), float(softcap or 1.0),
             table if paged else scores, table.stride(0) if paged else 0, _page_rows(kt, vt) if paged else 0,
-            HKV=hkv, G=g, GP=gp, D=d, D_P=d_p, DV=dv, DV_P=dv_p,
-            BITS=bits, GROUP=group if bits in PACKED else 1, BLOCK_N=block_n,
-            HAS_MASK=mask is not None and not is_new, SOFTCAP=softcap is not None, CDT=cdt, EMU=emu,
-            GROUPED_K=_grouped(bits, group, d), GROUPED_V=_grouped(bits, group, dv),
-            PAGED=paged, PAGE=page if paged else 1,
+            **common, **extra,
         )
         key_off += n
         split_off += ns
@@ -147,6 +175,24 @@ def _grouped(bits: int, group: int, d: int) -> bool:
     dim and group, each group inside one of the 8 / bits byte parts of a token."""
     pow2 = lambda x: x & (x - 1) == 0  # noqa: E731
     return bits in PACKED and pow2(d) and pow2(group) and (d * bits // 8) % group == 0
+
+
+def _factored(bits: int, group: int, d: int) -> bool:
+    """Whether a packed operand can be read factored (``triton_kernels._split_rows_kernel``): the
+    codes go to the tensor cores as they are, only a step and a zero per (token, group) are
+    arithmetic, not every channel. Needs a power-of-two head dim and group and whole 32-bit words
+    of codes per token."""
+    pow2 = lambda x: x > 0 and x & (x - 1) == 0  # noqa: E731
+    return bits in PACKED and pow2(d) and pow2(group) and d % group == 0 and (d * bits) % 32 == 0
+
+
+def _as_words(kt: tuple, vt: tuple):
+    """(kt, vt) with their codes viewed as int32 words (no copy), or None where the storage's
+    strides or offset are not whole words."""
+    try:
+        return tuple((t[0].view(torch.int32), *t[1:]) for t in (kt, vt))
+    except RuntimeError:
+        return None
 
 
 def _block(split, block_n: int) -> int:

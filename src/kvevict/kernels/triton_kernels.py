@@ -12,6 +12,7 @@ with s_hi = scale * q_h . k_i (fp32 accumulate), softcapped (c * tanh(s / c)) an
 masked. ``_combine`` merges the splits: M = max_j m_j, L = sum_j l_j exp(m_j - M),
 out = sum_j acc_j exp(m_j - M) / L. ``_group_probs`` then turns the saved scores into
 pg_i = sum_h exp(s_hi - M_h) / L_h, each key's probability summed over the group's heads.
+``_split_rows_kernel`` is ``_split_kernel`` for packed runs read factored (its docstring).
 """
 
 from __future__ import annotations
@@ -61,47 +62,106 @@ def _step(u):
 
 
 @triton.jit
-def _tile(c_ptr, z_ptr, s_ptr, sc_n, sc_d, sz_n, sz_d, ss_n, ss_d, rows, nm, cols,
-          BITS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, CDT: tl.constexpr, EMU: tl.constexpr,
-          GROUPED: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(BLOCK_N, D_P) keys or values rounded to the compute dtype CDT (held in fp32). Packed: channel
-    c of a token sits in byte c % W at bit (c // W) * BITS, W = D * BITS / 8 (``kvevict.store.pack``);
-    its group is c // GROUP; x_hat = (step / U) * (U code - zero), U = 2^(8 - BITS), exact before the
-    one rounding to CDT that ``kvevict.store.dequantize`` makes too, so both backends see the same keys.
-    GROUPED (D a power of two and each group inside one W-byte part): the tile is read as
-    (BLOCK_N, groups, GROUP), so a group's bytes load as one contiguous vector and its zero and step
-    once, not once per channel; otherwise per channel."""
+def _slots(offs, nm, tab_ptr, tab_row, page_rows, PAGED: tl.constexpr, PAGE: tl.constexpr):
+    """Row indices of a tile's slots: the slots themselves, or (paged) slot i % PAGE of page
+    tab[i // PAGE] in slot-stride units."""
+    if PAGED:
+        pg = tl.load(tab_ptr + tab_row + offs // PAGE, mask=nm, other=0)
+        return pg * page_rows + offs % PAGE
+    else:
+        return offs
+
+
+@triton.jit
+def _fetch(c_ptr, z_ptr, s_ptr, sc_n, sc_d, sz_n, sz_d, ss_n, ss_d, rows, nm, cols,
+           BITS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, GROUPED: tl.constexpr):
+    """A tile's stored bytes as loaded, not yet used (``_dequant`` reads them): a dense tile's
+    values (its zeros and steps are dummies), or packed codes, zeros and steps. Packed: channel c
+    of a token sits in byte c % W at bit (c // W) * BITS, W = D * BITS / 8 (``kvevict.store.pack``),
+    its group is c // GROUP. GROUPED (D a power of two and each group inside one W-byte part): read
+    as (BLOCK_N, groups, GROUP), a group's bytes one contiguous vector and its zero and step once."""
     valid = nm[:, None] & (cols[None, :] < D)  # rows in the run, channels of the (padded) head dim
     if BITS >= 16:
         x = tl.load(c_ptr + rows[:, None] * sc_n + cols[None, :] * sc_d, mask=valid, other=0.0)
-        x = _rnd(x.to(tl.float32), CDT, EMU)
+        none = tl.zeros([1], tl.uint8)
+        return x, none, none
     elif GROUPED:
-        U: tl.constexpr = 1 << (8 - BITS)  # zero units per step
         NG: tl.constexpr = D // GROUP
         PART: tl.constexpr = D * BITS // 8 // GROUP  # groups per W-byte part
         gi = tl.arange(0, NG)
         byte = (gi % PART)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # (NG, GROUP)
-        shift = ((gi // PART) * BITS)[:, None]
-        raw = tl.load(c_ptr + rows[:, None, None] * sc_n + byte[None, :, :] * sc_d, mask=nm[:, None, None],
-                      other=0).to(tl.int32)
-        code = (raw >> shift[None, :, :]) & ((1 << BITS) - 1)
-        z = tl.load(z_ptr + rows[:, None] * sz_n + gi[None, :] * sz_d, mask=nm[:, None], other=0).to(tl.int32)
-        s = _step(tl.load(s_ptr + rows[:, None] * ss_n + gi[None, :] * ss_d, mask=nm[:, None], other=0))
-        x = _rnd((code * U - z[:, :, None]).to(tl.float32) * (s / U)[:, :, None], CDT, EMU)
-        x = tl.reshape(x, (BLOCK_N, D))
+        raw = tl.load(c_ptr + rows[:, None, None] * sc_n + byte[None, :, :] * sc_d, mask=nm[:, None, None], other=0)
+        z = tl.load(z_ptr + rows[:, None] * sz_n + gi[None, :] * sz_d, mask=nm[:, None], other=0)
+        s = tl.load(s_ptr + rows[:, None] * ss_n + gi[None, :] * ss_d, mask=nm[:, None], other=0)
+        return raw, z, s
+    else:
+        W: tl.constexpr = D * BITS // 8
+        gi = cols // GROUP
+        raw = tl.load(c_ptr + rows[:, None] * sc_n + (cols % W)[None, :] * sc_d, mask=valid, other=0)
+        z = tl.load(z_ptr + rows[:, None] * sz_n + gi[None, :] * sz_d, mask=valid, other=0)
+        s = tl.load(s_ptr + rows[:, None] * ss_n + gi[None, :] * ss_d, mask=valid, other=0)
+        return raw, z, s
+
+
+@triton.jit
+def _dequant(raw, z, s, cols, BITS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, CDT: tl.constexpr,
+             EMU: tl.constexpr, GROUPED: tl.constexpr, BLOCK_N: tl.constexpr, LOWP: tl.constexpr):
+    """(BLOCK_N, D_P) keys or values from ``_fetch``'s bytes, rounded to the compute dtype CDT (held
+    in fp32, or in CDT with LOWP): x_hat = (step / U) * (U code - zero), U = 2^(8 - BITS), exact
+    before the one rounding to CDT that ``kvevict.store.dequantize`` makes too, so both backends see
+    the same keys. LOWP (bf16 only): the product taken in bf16, the same one rounding, since
+    U code - zero (|.| <= 256) and step / U (a 4-bit mantissa) are exact in bf16 and so is no
+    more than their 12-bit product before it rounds."""
+    if BITS >= 16:
+        return _rnd(raw.to(tl.float32), CDT, EMU)
+    elif GROUPED:
+        U: tl.constexpr = 1 << (8 - BITS)  # zero units per step
+        NG: tl.constexpr = D // GROUP
+        PART: tl.constexpr = D * BITS // 8 // GROUP
+        shift = ((tl.arange(0, NG) // PART) * BITS)[:, None]
+        code = (raw.to(tl.int32) >> shift[None, :, :]) & ((1 << BITS) - 1)
+        units = code * U - z.to(tl.int32)[:, :, None]
+        if LOWP:
+            x = units.to(CDT) * (_step(s) / U).to(CDT)[:, :, None]
+        else:
+            x = _rnd(units.to(tl.float32) * (_step(s) / U)[:, :, None], CDT, EMU)
+        return tl.reshape(x, (BLOCK_N, D))
     else:
         U: tl.constexpr = 1 << (8 - BITS)
         W: tl.constexpr = D * BITS // 8
-        byte = cols % W
-        shift = (cols // W) * BITS
-        raw = tl.load(c_ptr + rows[:, None] * sc_n + byte[None, :] * sc_d, mask=valid, other=0).to(tl.int32)
-        code = (raw >> shift[None, :]) & ((1 << BITS) - 1)
-        gi = cols // GROUP
-        z = tl.load(z_ptr + rows[:, None] * sz_n + gi[None, :] * sz_d, mask=valid, other=0).to(tl.int32)
-        s = _step(tl.load(s_ptr + rows[:, None] * ss_n + gi[None, :] * ss_d, mask=valid, other=0))
+        code = (raw.to(tl.int32) >> ((cols // W) * BITS)[None, :]) & ((1 << BITS) - 1)
         # (U code - zero) * (step / U) is exact in fp32; rounded to CDT once, where torch rounds
-        x = _rnd((code * U - z).to(tl.float32) * (s / U), CDT, EMU)
-    return x
+        return _rnd((code * U - z.to(tl.int32)).to(tl.float32) * (_step(s) / U), CDT, EMU)
+
+
+@triton.jit
+def _at_row(kc, kz, ks, vc, vz, vs, skc_b, skc_h, skz_b, skz_h, sks_b, sks_h, svc_b, svc_h, svz_b, svz_h,
+            svs_b, svs_h, bi, kh):
+    """The six stored tensors' pointers at sequence bi, KV head kh (a pooled run, one head, arrives
+    with head strides 0; a paged one with batch strides 0)."""
+    return (kc + bi * skc_b + kh * skc_h, kz + bi * skz_b + kh * skz_h, ks + bi * sks_b + kh * sks_h,
+            vc + bi * svc_b + kh * svc_h, vz + bi * svz_b + kh * svz_h, vs + bi * svs_b + kh * svs_h)
+
+
+@triton.jit
+def _online(s, offs, nm, m_i, l_i, rows, rmask, pid, bi, kh, key_off, nt1, softcap, mask_ptr, sm_b, sm_h, sm_n,
+            score_ptr, G: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr):
+    """One tile's scores s (rows, BLOCK_N) into the online softmax: softcapped, -inf where masked,
+    saved for pg; returns (p, alpha, the new max, the new normalizer)."""
+    if SOFTCAP:
+        s = _tanh(s / softcap) * softcap
+    visible = nm
+    if HAS_MASK:
+        seen = tl.load(mask_ptr + bi * sm_b + kh * sm_h + (key_off + offs) * sm_n, mask=nm, other=0)
+        visible = visible & (seen != 0)
+    s = tl.where(visible[None, :], s, float("-inf"))
+    tl.store(score_ptr + ((pid * G + rows[:, None]) * nt1 + key_off + offs[None, :]), s,
+             mask=rmask[:, None] & nm[None, :])
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far: no NaN from -inf - -inf
+    alpha = tl.exp(m_i - m_ref)
+    p = tl.exp(s - m_ref[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
 
 
 @triton.jit
@@ -120,10 +180,13 @@ def _split_kernel(
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, CDT: tl.constexpr, EMU: tl.constexpr,
     GROUPED_K: tl.constexpr, GROUPED_V: tl.constexpr, PAGED: tl.constexpr = False, PAGE: tl.constexpr = 1,
+    PREFETCH: tl.constexpr = False, LOWP: tl.constexpr = False,
 ):
     """One (sequence, KV head, split) of one run: partial m, l, acc and the raw scores. The scaled
     query, the keys, the values and the probabilities are rounded to the compute dtype CDT where
-    the torch reference holds them in it; products accumulate in fp32."""
+    the torch reference holds them in it; products accumulate in fp32. PREFETCH: the next tile's
+    bytes are loaded before this tile is computed (the loop's runtime bounds keep triton from
+    pipelining it). LOWP: see ``_dequant``."""
     pid = tl.program_id(0).to(tl.int64)  # offsets of big batches overflow int32
     sp = tl.program_id(1)
     bi = pid // HKV
@@ -136,51 +199,209 @@ def _split_kernel(
     q = tl.load(q_ptr + bi * sq_b + (kh * G + rows[:, None]) * sq_h + dk[None, :] * sq_d,
                 mask=rmask[:, None] & (dk[None, :] < D), other=0.0)
     q = _operand(_rnd(q.to(tl.float32) * scale, CDT, EMU), CDT, EMU)
-    # a pooled run (one head) arrives with head strides 0
-    kc_ptr += bi * skc_b + kh * skc_h
-    kz_ptr += bi * skz_b + kh * skz_h
-    ks_ptr += bi * sks_b + kh * sks_h
-    vc_ptr += bi * svc_b + kh * svc_h
-    vz_ptr += bi * svz_b + kh * svz_h
-    vs_ptr += bi * svs_b + kh * svs_h
+    kc_ptr, kz_ptr, ks_ptr, vc_ptr, vz_ptr, vs_ptr = _at_row(
+        kc_ptr, kz_ptr, ks_ptr, vc_ptr, vz_ptr, vs_ptr, skc_b, skc_h, skz_b, skz_h, sks_b, sks_h,
+        svc_b, svc_h, svz_b, svz_h, svs_b, svs_h, bi, kh)
     start = sp * split
     end = tl.minimum(start + split, n)
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, DV_P], tl.float32)
+    if PREFETCH:  # the first tile's bytes
+        offs = start + tl.arange(0, BLOCK_N)
+        nm = offs < end
+        slots = _slots(offs, nm, tab_ptr, bi * tab_b, page_rows, PAGED, PAGE)
+        kr, kz, ks = _fetch(kc_ptr, kz_ptr, ks_ptr, skc_n, skc_d, skz_n, skz_d, sks_n, sks_d, slots, nm, dk,
+                            BITS, GROUP, D, GROUPED_K)
+        vr, vz, vs = _fetch(vc_ptr, vz_ptr, vs_ptr, svc_n, svc_d, svz_n, svz_d, svs_n, svs_d, slots, nm, dv,
+                            BITS, GROUP, DV, GROUPED_V)
     for t in range(start, end, BLOCK_N):
         offs = t + tl.arange(0, BLOCK_N)
         nm = offs < end
-        slots = offs
-        if PAGED:  # slot i of row bi: slot i % PAGE of page tab[bi, i // PAGE], in slot-stride units
-            pg = tl.load(tab_ptr + bi * tab_b + offs // PAGE, mask=nm, other=0)
-            slots = pg * page_rows + offs % PAGE
-        k = _tile(kc_ptr, kz_ptr, ks_ptr, skc_n, skc_d, skz_n, skz_d, sks_n, sks_d, slots, nm, dk,
-                  BITS, GROUP, D, CDT, EMU, GROUPED_K, BLOCK_N)
+        if PREFETCH:  # the next tile's bytes in flight while this one is computed
+            nxt = offs + BLOCK_N
+            nm_next = nxt < end
+            slots = _slots(nxt, nm_next, tab_ptr, bi * tab_b, page_rows, PAGED, PAGE)
+            kr_next, kz_next, ks_next = _fetch(kc_ptr, kz_ptr, ks_ptr, skc_n, skc_d, skz_n, skz_d, sks_n, sks_d,
+                                               slots, nm_next, dk, BITS, GROUP, D, GROUPED_K)
+            vr_next, vz_next, vs_next = _fetch(vc_ptr, vz_ptr, vs_ptr, svc_n, svc_d, svz_n, svz_d, svs_n, svs_d,
+                                               slots, nm_next, dv, BITS, GROUP, DV, GROUPED_V)
+        else:
+            slots = _slots(offs, nm, tab_ptr, bi * tab_b, page_rows, PAGED, PAGE)
+            kr, kz, ks = _fetch(kc_ptr, kz_ptr, ks_ptr, skc_n, skc_d, skz_n, skz_d, sks_n, sks_d, slots, nm, dk,
+                                BITS, GROUP, D, GROUPED_K)
+        k = _dequant(kr, kz, ks, dk, BITS, GROUP, D, CDT, EMU, GROUPED_K, BLOCK_N, LOWP)
         s = tl.dot(q, tl.trans(_operand(k, CDT, EMU)), input_precision="ieee")  # (GP, BLOCK_N), fp32
-        if SOFTCAP:
-            s = _tanh(s / softcap) * softcap
-        visible = nm
-        if HAS_MASK:
-            seen = tl.load(mask_ptr + bi * sm_b + kh * sm_h + (key_off + offs) * sm_n, mask=nm, other=0)
-            visible = visible & (seen != 0)
-        s = tl.where(visible[None, :], s, float("-inf"))
-        tl.store(score_ptr + ((pid * G + rows[:, None]) * nt1 + key_off + offs[None, :]), s,
-                 mask=rmask[:, None] & nm[None, :])
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far: no NaN from -inf - -inf
-        alpha = tl.exp(m_i - m_ref)
-        p = tl.exp(s - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = _tile(vc_ptr, vz_ptr, vs_ptr, svc_n, svc_d, svz_n, svz_d, svs_n, svs_d, slots, nm, dv,
-                  BITS, GROUP, DV, CDT, EMU, GROUPED_V, BLOCK_N)
+        p, alpha, m_new, l_i = _online(s, offs, nm, m_i, l_i, rows, rmask, pid, bi, kh, key_off, nt1, softcap,
+                                       mask_ptr, sm_b, sm_h, sm_n, score_ptr, G, HAS_MASK, SOFTCAP)
+        if not PREFETCH:
+            vr, vz, vs = _fetch(vc_ptr, vz_ptr, vs_ptr, svc_n, svc_d, svz_n, svz_d, svs_n, svs_d, slots, nm, dv,
+                                BITS, GROUP, DV, GROUPED_V)
+        v = _dequant(vr, vz, vs, dv, BITS, GROUP, DV, CDT, EMU, GROUPED_V, BLOCK_N, LOWP)
         pv = tl.dot(_operand(_rnd(p, CDT, EMU), CDT, EMU), _operand(v, CDT, EMU), input_precision="ieee")
         acc = acc * alpha[:, None] + pv
         m_i = m_new
+        if PREFETCH:
+            kr, kz, ks, vr, vz, vs = kr_next, kz_next, ks_next, vr_next, vz_next, vs_next
     part = (pid * n_splits + split_off + sp) * G + rows
     tl.store(m_ptr + part, m_i, mask=rmask)
     tl.store(l_ptr + part, l_i, mask=rmask)
     tl.store(acc_ptr + part[:, None] * DV + dv[None, :], acc, mask=rmask[:, None] & (dv[None, :] < DV))
+
+
+@triton.jit
+def _word_order(D: tl.constexpr, BITS: tl.constexpr):
+    """The order the factored kernel holds a token's channels in: position p = w PER + j (PER =
+    32 / BITS codes per 32-bit word w) is bit 8 (j % 4) + BITS (j // 4) of word w, which is channel
+    (j // 4) W + 4 w + j % 4 (byte 4 w + j % 4, part j // 4; ``kvevict.store.pack``, W = D BITS / 8).
+    Returns each position's channel, (D,)."""
+    W: tl.constexpr = D * BITS // 8
+    PER: tl.constexpr = 32 // BITS
+    pos = tl.arange(0, D)
+    j = pos % PER
+    return (j // 4) * W + 4 * (pos // PER) + j % 4
+
+
+@triton.jit
+def _words(c_ptr, sc_n, sc_d, rows, nm, NW: tl.constexpr):
+    """(BLOCK_N, NW) int32 words of a tile's packed codes (a quarter of the loads of bytes)."""
+    return tl.load(c_ptr + rows[:, None] * sc_n + tl.arange(0, NW)[None, :] * sc_d, mask=nm[:, None], other=0)
+
+
+@triton.jit
+def _unpack(words, D: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(BLOCK_N, D) codes in ``_word_order``, as fp32 integers."""
+    PER: tl.constexpr = 32 // BITS
+    j = tl.arange(0, PER)
+    shift = (j % 4) * 8 + (j // 4) * BITS
+    codes = (words[:, :, None] >> shift[None, None, :]) & ((1 << BITS) - 1)  # >> sign-extends; the mask drops it
+    return tl.reshape(codes, (BLOCK_N, D)).to(tl.float32)
+
+
+@triton.jit
+def _per_group(x_ptr, sx_n, sx_d, rows, nm, NG: tl.constexpr, NGP: tl.constexpr):
+    """(NGP, BLOCK_N) bytes of a group-wise tensor (zeros or steps); groups past NG read 0."""
+    g = tl.arange(0, NGP)
+    return tl.load(x_ptr + rows[None, :] * sx_n + g[:, None] * sx_d, mask=(g < NG)[:, None] & nm[None, :], other=0)
+
+
+@triton.jit
+def _split_rows_kernel(
+    q_ptr, sq_b, sq_h, sq_d,
+    kc_ptr, kz_ptr, ks_ptr,
+    skc_b, skc_h, skc_n, skc_d, skz_b, skz_h, skz_n, skz_d, sks_b, sks_h, sks_n, sks_d,
+    vc_ptr, vz_ptr, vs_ptr,
+    svc_b, svc_h, svc_n, svc_d, svz_b, svz_h, svz_n, svz_d, svs_b, svs_h, svs_n, svs_d,
+    mask_ptr, sm_b, sm_h, sm_n,
+    score_ptr, m_ptr, l_ptr, acc_ptr,
+    n, key_off, split_off, split, n_splits, nt1, scale, softcap,
+    tab_ptr, tab_b, page_rows,
+    HKV: tl.constexpr, G: tl.constexpr, GH: tl.constexpr, NGP: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, U: tl.constexpr,
+    BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, CDT: tl.constexpr,
+    EMU: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, PREFETCH: tl.constexpr = False,
+):
+    """``_split_kernel`` for a packed run read factored (``triton_decode._factored``): with
+    x_hat = step_g / U (U code - zero_g) per group g of a token,
+
+        q . k_hat = sum_g step_g (q_g . code_g - zero_g / U sum(q_g))
+        sum_i p_i v_hat_i[c] = sum_i w_i (U code_ic - zero_i),  w_i = p_i step_i / U, c in group g
+
+    so the codes go to the tensor cores as they are (small integers, exact in any float dtype) and
+    only a zero and a step per (token, group) are arithmetic. The codes are read as 32-bit words
+    (the pointers ``kc_ptr`` / ``vc_ptr`` are int32, their strides in words) and held in
+    ``_word_order``: the query's channels are loaded in that order and the output stored from it.
+    Both products run with M = NGP GH rows, row r = g GH + h pairing query head h with group g: the
+    query's row holds only group g's channels, and the value product's row r is read only at group
+    g's channels. The online softmax runs on the G heads alone. Keys and values are used at their
+    exact dequantized values (no rounding to CDT); the weights w are rounded to CDT, as the
+    reference rounds p. PREFETCH: as in ``_split_kernel`` (a tile's words and group bytes are few
+    registers here)."""
+    pid = tl.program_id(0).to(tl.int64)  # offsets of big batches overflow int32
+    sp = tl.program_id(1)
+    bi = pid // HKV
+    kh = pid % HKV
+    M: tl.constexpr = NGP * GH
+    NGK: tl.constexpr = D // GROUP
+    NGV: tl.constexpr = DV // GROUP
+    NWK: tl.constexpr = D * BITS // 32
+    NWV: tl.constexpr = DV * BITS // 32
+    r = tl.arange(0, M)
+    rg = r // GH  # the row's group
+    rh = r % GH  # the row's query head
+    heads = tl.arange(0, GH)
+    hmask = heads < G
+    ck = _word_order(D, BITS)
+    cv = _word_order(DV, BITS)
+    qx = tl.load(q_ptr + bi * sq_b + (kh * G + rh[:, None]) * sq_h + ck[None, :] * sq_d,
+                 mask=((rg < NGK) & (rh < G))[:, None] & ((ck // GROUP)[None, :] == rg[:, None]), other=0.0)
+    qx = _rnd(qx.to(tl.float32) * scale, CDT, EMU)
+    q_sum = tl.reshape(tl.sum(qx, axis=1), (NGP, GH))  # head h's scaled query summed over group g
+    qx = _operand(qx, CDT, EMU)
+    kc_ptr, kz_ptr, ks_ptr, vc_ptr, vz_ptr, vs_ptr = _at_row(
+        kc_ptr, kz_ptr, ks_ptr, vc_ptr, vz_ptr, vs_ptr, skc_b, skc_h, skz_b, skz_h, sks_b, sks_h,
+        svc_b, svc_h, svz_b, svz_h, svs_b, svs_h, bi, kh)
+    start = sp * split
+    end = tl.minimum(start + split, n)
+    m_i = tl.full([GH], float("-inf"), tl.float32)
+    l_i = tl.zeros([GH], tl.float32)
+    acc = tl.zeros([M, DV], tl.float32)
+    if PREFETCH:  # the first tile's bytes
+        offs = start + tl.arange(0, BLOCK_N)
+        nm = offs < end
+        slots = _slots(offs, nm, tab_ptr, bi * tab_b, page_rows, PAGED, PAGE)
+        kw = _words(kc_ptr, skc_n, skc_d, slots, nm, NWK)
+        kzr = _per_group(kz_ptr, skz_n, skz_d, slots, nm, NGK, NGP)
+        ksr = _per_group(ks_ptr, sks_n, sks_d, slots, nm, NGK, NGP)
+        vw = _words(vc_ptr, svc_n, svc_d, slots, nm, NWV)
+        vzr = _per_group(vz_ptr, svz_n, svz_d, slots, nm, NGV, NGP)
+        vsr = _per_group(vs_ptr, svs_n, svs_d, slots, nm, NGV, NGP)
+    for t in range(start, end, BLOCK_N):
+        offs = t + tl.arange(0, BLOCK_N)
+        nm = offs < end
+        if PREFETCH:  # the next tile's bytes in flight while this one is computed
+            nxt = offs + BLOCK_N
+            nm_next = nxt < end
+            slots = _slots(nxt, nm_next, tab_ptr, bi * tab_b, page_rows, PAGED, PAGE)
+            kw_next = _words(kc_ptr, skc_n, skc_d, slots, nm_next, NWK)
+            kzr_next = _per_group(kz_ptr, skz_n, skz_d, slots, nm_next, NGK, NGP)
+            ksr_next = _per_group(ks_ptr, sks_n, sks_d, slots, nm_next, NGK, NGP)
+            vw_next = _words(vc_ptr, svc_n, svc_d, slots, nm_next, NWV)
+            vzr_next = _per_group(vz_ptr, svz_n, svz_d, slots, nm_next, NGV, NGP)
+            vsr_next = _per_group(vs_ptr, svs_n, svs_d, slots, nm_next, NGV, NGP)
+        else:
+            slots = _slots(offs, nm, tab_ptr, bi * tab_b, page_rows, PAGED, PAGE)
+            kw = _words(kc_ptr, skc_n, skc_d, slots, nm, NWK)
+            kzr = _per_group(kz_ptr, skz_n, skz_d, slots, nm, NGK, NGP)
+            ksr = _per_group(ks_ptr, sks_n, sks_d, slots, nm, NGK, NGP)
+        kc = _unpack(kw, D, BITS, BLOCK_N)
+        qc = tl.dot(qx, tl.trans(_operand(kc, CDT, EMU)), input_precision="ieee")  # (M, BLOCK_N), exact products
+        qc = tl.reshape(qc, (NGP, GH, BLOCK_N))
+        kst = _step(ksr)[:, None, :]
+        s = tl.sum(kst * qc - (kst * (kzr.to(tl.float32) / U)[:, None, :]) * q_sum[:, :, None], axis=0)  # (GH, BLOCK_N)
+        p, alpha, m_new, l_i = _online(s, offs, nm, m_i, l_i, heads, hmask, pid, bi, kh, key_off, nt1, softcap,
+                                       mask_ptr, sm_b, sm_h, sm_n, score_ptr, G, HAS_MASK, SOFTCAP)
+        if not PREFETCH:
+            vw = _words(vc_ptr, svc_n, svc_d, slots, nm, NWV)
+            vzr = _per_group(vz_ptr, svz_n, svz_d, slots, nm, NGV, NGP)
+            vsr = _per_group(vs_ptr, svs_n, svs_d, slots, nm, NGV, NGP)
+        vc = _unpack(vw, DV, BITS, BLOCK_N) * U
+        w = _rnd(p[None, :, :] * (_step(vsr) / U)[:, None, :], CDT, EMU)  # (NGP, GH, BLOCK_N)
+        zc = tl.reshape(tl.sum(w * vzr.to(tl.float32)[:, None, :], axis=2), (M,))
+        pv = tl.dot(_operand(tl.reshape(w, (M, BLOCK_N)), CDT, EMU), _operand(vc, CDT, EMU),
+                    input_precision="ieee")  # (M, DV)
+        a_rows = tl.reshape(tl.broadcast_to(alpha[None, :], (NGP, GH)), (M,))
+        acc = acc * a_rows[:, None] + pv - zc[:, None]
+        m_i = m_new
+        if PREFETCH:
+            kw, kzr, ksr, vw, vzr, vsr = kw_next, kzr_next, ksr_next, vw_next, vzr_next, vsr_next
+    # head h's position p (channel cv[p]) is row (cv[p] // GROUP) GH + h's
+    own = tl.arange(0, NGP)[:, None, None] == (cv // GROUP)[None, None, :]
+    out = tl.sum(tl.where(own, tl.reshape(acc, (NGP, GH, DV)), 0.0), axis=0)  # (GH, DV)
+    part = (pid * n_splits + split_off + sp) * G + heads
+    tl.store(m_ptr + part, m_i, mask=hmask)
+    tl.store(l_ptr + part, l_i, mask=hmask)
+    tl.store(acc_ptr + part[:, None] * DV + cv[None, :], out, mask=hmask[:, None])
 
 
 @triton.jit
