@@ -258,3 +258,55 @@ def test_the_row_pages_benchmark_lays_rows_out_three_ways():
     page = kv["rectangle"] // (3 * 6 * len(model.model.layers))  # the rectangle: 3 rows of 6 pages
     assert (kv["pages"], kv["buckets"]) == (9 * page * len(model.model.layers), 10 * page * len(model.model.layers))
     assert row_pages.steps(made["pages"], 2) > 0
+
+
+@pytest.mark.parametrize("policy, budget, kv_bits", [("h2o", 40, 4), ("tova", 12, None), ("adakv", 16, 8)])
+def test_compacting_between_steps_moves_pages_under_their_rows_and_frees_the_rest(policy, budget, kv_bits):
+    """``Pools.compact`` after every step (rows joining and leaving leave free pages amid used
+    ones): every row decodes the rectangle's tokens, and each pool keeps only page 0 and the pages
+    in use, smaller than before whenever pages were free."""
+    model = _model()
+    want, _ = _serve(model, policy, budget, kv_bits, None)
+    pool = Pools()
+    shrank, kept = [], []
+
+    def squeeze():
+        before = pool.nbytes()
+        pool.compact()
+        shrank.append(pool.nbytes() < before)
+        kept.append(all(p.pages == p.in_use() + 1 and not p.free for p in pool.pools.values()))
+
+    torch.manual_seed(5)
+    prompts = [torch.randint(1, 128, (n,)).tolist() for n in (30, 9, 21, 45)]
+    got = decode_joining(lambda p: DecodeBatch.prefill(model, p, policy, budget, None, kv_bits, pool), prompts,
+                         (4, 7, 9), 20, 60, squeeze)
+    assert got == want
+    assert all(kept) and any(shrank)
+
+
+def test_slack_never_takes_what_the_admitted_rows_may_still_need():
+    """With ``reserved`` (what admitted rows may hold) set, a pool's growth slack comes only out of
+    limit - reserved - idle pages, so reserved + idle <= limit keeps holding while rows take pages
+    (from their reservation) in several pools beside another pool's free pages, and the pools'
+    total never passes the limit."""
+    torch.manual_seed(0)
+    page = 32  # bytes of a page of each pool below
+    pools = Pools(page=4, limit=200 * page)
+    a, b, c = (pools.get([(1, 8, torch.uint8)], "cpu", empty) for empty in range(3))
+    a.release(a.alloc(5))  # rows that left: 5 free pages of a
+    pools.reserved = 190 * page
+    assert pools.reserved + pools.idle_bytes() <= pools.limit  # what admission checks
+    owned = {b: [], c: []}
+    grew = 0
+    for step in range(400):  # rows of b and c grow within the reservation; a row leaving takes its share along
+        pool = b if torch.rand(()) < 0.5 else c
+        if torch.rand(()) < 0.1 and owned[pool]:
+            pool.release([owned[pool].pop()])
+            pools.reserved -= page
+        elif (len(owned[b]) + len(owned[c])) * page < pools.reserved:
+            size = pool.pages
+            owned[pool] += pool.alloc(1)
+            grew += pool.pages > size + 1  # a growth with slack
+        assert pools.nbytes() <= pools.limit
+        assert pools.reserved + pools.idle_bytes() <= pools.limit
+    assert grew and (len(owned[b]) + len(owned[c])) * page == pools.reserved

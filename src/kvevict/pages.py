@@ -43,6 +43,7 @@ class PagePool:
         self.page, self.room, self.empty = page or _tier.PAGE, room, empty
         self.tensors = [torch.full((1, h, self.page, w), empty, dtype=dt, device=device) for h, w, dt in parts]
         self.free: list[int] = []
+        self.holders = weakref.WeakSet()  # the stores and fields whose tables name its pages
 
     @property
     def pages(self) -> int:
@@ -56,6 +57,32 @@ class PagePool:
 
     def in_use(self) -> int:
         return self.pages - 1 - len(self.free)
+
+    def idle_bytes(self) -> int:
+        """Bytes of the pages no row holds: page 0 and the free ones."""
+        return (1 + len(self.free)) * self.page_bytes()
+
+    def compact(self) -> None:
+        """Give the free pages back: the pages in use past the new end move into free ids below it
+        (each holder's table renamed), and the pool keeps page 0 and the pages in use. Only between
+        steps: no rectangle or run laid out from the old ids may be used after it."""
+        keep = self.in_use() + 1
+        if keep == self.pages:
+            return
+        free = set(self.free)
+        low = sorted(i for i in free if i < keep)
+        high = [i for i in range(keep, self.pages) if i not in free]
+        if high:
+            dev = self.tensors[0].device
+            src, dst = torch.tensor(high, device=dev), torch.tensor(low, device=dev)
+            for t in self.tensors:
+                t[dst] = t[src]
+            rename = torch.arange(self.pages, device=dev)
+            rename[src] = dst
+            for holder in list(self.holders):
+                holder._rename(rename)
+        self.tensors = [t[:keep].clone() for t in self.tensors]
+        self.free = []
 
     def alloc(self, n: int) -> list[int]:
         if len(self.free) < n:
@@ -79,21 +106,46 @@ class PagePool:
 class Pools:
     """One ``PagePool`` per storage format, made on first use: what caches sharing pages share.
     ``limit``: bytes the pools grow to for slack (the server's ``kv_memory``); what rows ask for is
-    always given (admission keeps that within the limit)."""
+    always given (admission keeps that within the limit). ``reserved``: the most bytes the rows now
+    admitted can hold (the server's admission bound; None: the pools' own size). A growth takes slack
+    only out of limit - reserved - the idle pages, so that reserved + idle <= limit, which
+    admission checks, keeps holding: then the pools never pass the limit, since a row's next page
+    comes out of its own reservation or out of an idle page."""
 
     def __init__(self, page: int | None = None, limit: int | None = None):
         self.page, self.limit = page, limit
+        self.reserved: int | None = None
         self.pools: dict = {}
+
+    def _room(self) -> int:
+        used = self.nbytes() if self.reserved is None else self.reserved + self.idle_bytes()
+        return max(0, self.limit - used)
 
     def get(self, parts: list, device, empty=0) -> PagePool:
         key = (tuple(parts), str(device), empty)
         if key not in self.pools:
-            room = None if self.limit is None else (lambda: max(0, self.limit - self.nbytes()))
-            self.pools[key] = PagePool(parts, device, self.page, room, empty)
+            self.pools[key] = PagePool(parts, device, self.page, None if self.limit is None else self._room, empty)
         return self.pools[key]
 
     def nbytes(self) -> int:
         return sum(p.nbytes() for p in self.pools.values())
+
+    def idle_bytes(self) -> int:
+        """Bytes of the pages no row holds (each pool's page 0 and free pages)."""
+        return sum(p.idle_bytes() for p in self.pools.values())
+
+    def zero_bytes(self) -> int:
+        """Bytes of the pools' pages 0: what they hold with every free page given back."""
+        return sum(p.page_bytes() for p in self.pools.values())
+
+    def compact(self) -> None:
+        """Every pool gives its free pages back (``PagePool.compact``; only between steps); a pool no
+        store or field uses any more goes, page 0 and all."""
+        for key, pool in list(self.pools.items()):
+            if not pool.holders and not pool.in_use():
+                del self.pools[key]
+            else:
+                pool.compact()
 
     def pages_in_use(self) -> int:
         return sum(p.in_use() for p in self.pools.values())
@@ -116,6 +168,13 @@ class _PageRows:
         self.own = [0] * b  # pages each row holds (on the host)
         self._held = [self.table]
         weakref.finalize(self, _release, self.pool, self._held)
+        pool.holders.add(self)
+
+    def _rename(self, rename: torch.Tensor) -> None:
+        """The pool moved pages: page p is now ``rename[p]`` (``PagePool.compact``)."""
+        if self._held[0] is not None:
+            self.table = rename[self.table]
+            self._held[0] = self.table
 
     def _fresh(self, ids: list) -> None:
         """Pages just handed out (content of an earlier holder): what a new holder needs there."""
@@ -214,6 +273,10 @@ class PagedField(_PageRows):
         self._rect = self._full = None
 
     drop_view = _changed
+
+    def _rename(self, rename):
+        self._changed()
+        super()._rename(rename)
 
     def ensure(self, fills):
         if super().ensure(fills):  # a page more: the rectangle reads it

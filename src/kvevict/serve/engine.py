@@ -95,6 +95,7 @@ class Engine:
         self.budgeter = Budgeter(model, settings.kv_bits)
         # every budgeted row's keys and values: its own pages of these pools (kvevict.pages)
         self.pages = Pools(limit=settings.kv_memory)
+        self._opened: set = set()  # format keys whose page pools are open (their page 0 is idle bytes)
         if settings.budget is None:
             settings.budget = self.default_budget()
         self.metrics.set("kvevict_kv_memory_bytes", settings.kv_memory)
@@ -132,6 +133,7 @@ class Engine:
             raise BadRequest(f"kv_policy {req.policy!r} cannot serve requests.", "kv_policy")
         need = self.budgeter.batch_bytes([(req.policy, req.budget_tokens, req.recent,
                                            len(req.prompt_ids) + req.max_tokens)], paged=True)
+        need += self.budgeter.opening_bytes(req.policy, req.recent)  # alone, its pools' pages 0 too
         if need > self.settings.kv_memory:
             what = ("lower max_tokens or shorten the prompt" if req.policy == "full"
                     else "lower kv_budget")
@@ -200,15 +202,36 @@ class Engine:
                 if self._running or self._pending:
                     break
                 self._cond.wait(0.5)
-            taken, tokens = [], 0
+            taken, tokens, compacted = [], 0, False
             running = sum(len(run.rows) for run in self._running)
-            while (self._pending and running + len(taken) < s.max_batch and tokens < PREFILL_TOKENS_PER_STEP
-                   and self._bound([*taken, self._pending[0]]) <= s.kv_memory):
+            while self._pending and running + len(taken) < s.max_batch and tokens < PREFILL_TOKENS_PER_STEP:
+                need = self._need([*taken, self._pending[0]])
+                if need + self.pages.idle_bytes() > s.kv_memory:
+                    if compacted or need + self.pages.zero_bytes() > s.kv_memory:
+                        break
+                    # free pages of some pool stand in the way: every pool gives its free pages back
+                    # (between steps, no view of the pages is live), then the request fits
+                    self.pages.compact()
+                    self._opened.clear()  # a pool no row used is gone: count its page 0 again
+                    compacted = True
+                    continue
                 h = self._pending.popleft()
                 taken.append(h)
                 tokens += len(h.req.prompt_ids)
+            self._opened.update(self.budgeter.format_key(h.spec[0], h.spec[2]) for h in taken)
+            self.pages.reserved = self._bound(taken)
             self.metrics.set("kvevict_queued_requests", len(self._pending))
             return taken
+
+    def _need(self, extra: list[Handle]) -> int:
+        """What admitting ``extra`` asks of kv_memory besides the pools' idle pages: the running and
+        admitted rows' bound (``_bound``) and the page 0 of every pool the newcomers would open."""
+        keys = {}
+        for h in extra:
+            keys.setdefault(self.budgeter.format_key(h.spec[0], h.spec[2]), h.spec)
+        opening = sum(self.budgeter.opening_bytes(spec[0], spec[2]) for key, spec in keys.items()
+                      if key not in self._opened)
+        return self._bound(extra) + opening
 
     def _groups(self, handles: list[Handle]) -> list[list[Handle]]:
         """Admitted requests that are prefilled in one forward: the same policy, budget and recent
@@ -362,7 +385,9 @@ class Engine:
         m.set("kvevict_running_sequences", sum(len(run.rows) for run in self._running))
         m.set("kvevict_running_batches", len(self._running))
         m.set("kvevict_kv_bytes_held", held)
-        m.set("kvevict_kv_bytes_reserved", self._bound())
+        reserved = self._bound()
+        self.pages.reserved = reserved  # rows that left give the pools room for slack again
+        m.set("kvevict_kv_bytes_reserved", reserved)
         m.set("kvevict_kv_pool_bytes", self.pages.nbytes())
         m.set("kvevict_kv_bytes_full", sum(self.budgeter.stock_bytes(r.fed) for run in self._running for r in run.rows))
         m.peak("kvevict_kv_bytes_peak", held)

@@ -118,6 +118,22 @@ class Budgeter:
         per = (b - a) // (PROBES[1] - PROBES[0])
         return per, a - per * PROBES[0]
 
+    def format_key(self, policy: str, recent: int | None) -> tuple:
+        """What decides which page pools a row of ``policy`` opens: its statistics and pooling (a
+        full-cache row opens none)."""
+        if policy == "full":
+            return ("full",)
+        pol = spec_policy(policy, recent)
+        return tuple(stat_names([pol])), self.shared(pol)
+
+    def opening_bytes(self, policy: str, recent: int | None) -> int:
+        """The most the page pools a row of ``policy`` opens hold before it takes a page: one page
+        (page 0) of every per-slot tensor, per distinct layer format (layers alike share pools)."""
+        if policy == "full":
+            return 0
+        shared = self.shared(spec_policy(policy, recent))
+        return sum(PAGE * per_slot // shared for per_slot in {per for per, _ in self.slots_of[policy]})
+
     def batch_bytes(self, rows: list[tuple], paged: bool = False) -> int:
         """The most a batch of rows sharing one cache can hold; ``rows``: (policy, budget_tokens,
         recent, prompt + max_tokens) each. Full-cache rows are left-padded to the longest: rows x
