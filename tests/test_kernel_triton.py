@@ -178,6 +178,10 @@ def test_bad_input_says_what_to_change():
         decode_attention_triton(q, [Run(3, 32, run.k, run.v, 20)], kn, vn, None, 0.1)
     with pytest.raises(ValueError, match="split must be"):
         decode_attention_triton(q, [run], kn, vn, None, 0.1, split=40)
+    with pytest.raises(ValueError, match="block must be a power of two >= 16"):
+        decode_attention_triton(q, [run], kn, vn, None, 0.1, block=48)
+    with pytest.raises(ValueError, match="warps must be a power of two >= 1"):
+        decode_attention_triton(q, [run], kn, vn, None, 0.1, warps=3)
     with pytest.raises(ValueError, match=r"runs\[0\].k tensors must be"):
         decode_attention_triton(q, [Run(4, 32, run.k, run.v, 21)], kn, vn, None, 0.1)
     with pytest.raises(ValueError, match="group=24 must divide"):

@@ -201,8 +201,9 @@ def main(argv=None) -> int:
                      "kv_mib": round(configs[name][1] / 2**20, 1),
                      "max_abs_err": errors.get(name), "ms_per_layer_rounds": [round(x, 4) for x in ms[name]]})
     where = torch.cuda.get_device_name() if cuda else "CPU, triton interpreter (timings mean nothing)"
+    config = {k: v for k, v in vars(args).items() if k != "out"}  # what was measured, not where it went
     result = {"device": where, "torch": torch.__version__, "triton": triton.__version__,
-              "config": vars(args), "rows": rows}
+              "config": config, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"{where}; torch {torch.__version__}, triton {triton.__version__}")

@@ -97,8 +97,10 @@ def decode_attention_triton(q, runs, k_new, v_new, mask, scale, softcap=None, *,
     g = hq // hkv
     gp = max(16, _pow2(g))  # tl.dot needs at least 16 rows: the group's heads padded
     d_p, dv_p = max(16, _pow2(d)), max(16, _pow2(dv))
-    if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 16 or block & (block - 1)):
-        raise ValueError(f"block must be a power of two >= 16 (keys per tile), got {block!r}.")
+    for name, value, least in (("block", block, 16), ("warps", warps, 1)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least
+                                  or not _pow2_ok(value)):
+            raise ValueError(f"{name} must be a power of two >= {least}, got {value!r}.")
     block_n = _block(split, block or (64 if max(d_p, dv_p) <= 128 else 32))
     every = [(r.bits, r.group, r.k, r.v, r.n, getattr(r, "table", None), getattr(r, "page", 0))
              for r in runs if r.n > 0]
@@ -131,7 +133,7 @@ def decode_attention_triton(q, runs, k_new, v_new, mask, scale, softcap=None, *,
         common = dict(HKV=hkv, G=g, D=d, DV=dv, BITS=bits, GROUP=group if bits in PACKED else 1, BLOCK_N=block_n,
                       HAS_MASK=mask is not None and not is_new, SOFTCAP=softcap is not None, CDT=cdt, EMU=emu,
                       PAGED=paged, PAGE=page if paged else 1, PREFETCH=bool(prefetch),
-                      **({} if warps is None else {"num_warps": int(warps)}))
+                      **({} if warps is None else {"num_warps": warps}))
         words = factored and _factored(bits, group, d) and _factored(bits, group, dv) and _as_words(kt, vt)
         if words:
             kt, vt = words
@@ -170,11 +172,14 @@ def _pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
+def _pow2_ok(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
 def _grouped(bits: int, group: int, d: int) -> bool:
     """Whether a packed tile can be read group by group (``_tile``'s fast path): power-of-two head
     dim and group, each group inside one of the 8 / bits byte parts of a token."""
-    pow2 = lambda x: x & (x - 1) == 0  # noqa: E731
-    return bits in PACKED and pow2(d) and pow2(group) and (d * bits // 8) % group == 0
+    return bits in PACKED and _pow2_ok(d) and _pow2_ok(group) and (d * bits // 8) % group == 0
 
 
 def _factored(bits: int, group: int, d: int) -> bool:
@@ -182,8 +187,7 @@ def _factored(bits: int, group: int, d: int) -> bool:
     codes go to the tensor cores as they are, only a step and a zero per (token, group) are
     arithmetic, not every channel. Needs a power-of-two head dim and group and whole 32-bit words
     of codes per token."""
-    pow2 = lambda x: x > 0 and x & (x - 1) == 0  # noqa: E731
-    return bits in PACKED and pow2(d) and pow2(group) and d % group == 0 and (d * bits) % 32 == 0
+    return bits in PACKED and _pow2_ok(d) and _pow2_ok(group) and d % group == 0 and (d * bits) % 32 == 0
 
 
 def _as_words(kt: tuple, vt: tuple):

@@ -211,8 +211,9 @@ class Engine:
                         break
                     # free pages of some pool stand in the way: every pool gives its free pages back
                     # (between steps, no view of the pages is live), then the request fits
-                    self.pages.compact()
-                    self._opened.clear()  # a pool no row used is gone: count its page 0 again
+                    self.pages.compact()  # a pool no row used is gone: only the running rows' stay open
+                    self._opened = {self.budgeter.format_key(r.handle.spec[0], r.handle.spec[2])
+                                    for run in self._running for r in run.rows}
                     compacted = True
                     continue
                 h = self._pending.popleft()
