@@ -106,11 +106,17 @@ CASES = {  # name: (tiers as (bits, group, n, pooled), d, hkv, g, masked, softca
     "int4-group-spans-parts": ([(4, 64, 50, False)], 64, 2, 3, True, None, torch.bfloat16),
     "fp16-d64-g3": ([(16, 32, 50, False)], 64, 2, 3, True, None, torch.float32),
     "dense-d256-g1": ([(32, 32, 40, False)], 256, 2, 1, False, None, torch.float32),
+    "dense-group-0": ([(32, 0, 40, False)], 64, 2, 3, False, None, torch.bfloat16),  # group 0: as the cache gives it
     "two-tiers-int8-int4": ([(8, 32, 45, False), (4, 32, 60, False)], 64, 2, 3, True, None, torch.float32),
     "pooled-h1-int4": ([(4, 32, 40, False), (4, 32, 50, True)], 64, 2, 3, True, None, torch.float32),
     "softcap-int4": ([(4, 32, 70, False)], 64, 2, 3, True, 5.0, torch.float32),
     "bf16-int4-two-tiers": ([(16, 32, 30, False), (4, 32, 70, False)], 64, 2, 3, True, None, torch.bfloat16),
     "fp16-int8-pooled": ([(8, 32, 40, True)], 64, 2, 3, True, None, torch.float16),
+    # 4 and 2 bits under a half-precision query: codes made from their bits (_unpack's MAGIC)
+    "fp16-int4-d128-g4": ([(4, 32, 70, False)], 128, 2, 4, True, None, torch.float16),
+    "bf16-int2-pooled": ([(2, 16, 50, False), (2, 32, 40, True)], 64, 2, 3, False, None, torch.bfloat16),
+    # 4 groups a token (zeros and steps read as words) and, with 2 heads a group, 8 rows of groups (bytes)
+    "bf16-int4-d128-g2": ([(4, 32, 70, False)], 128, 2, 2, True, None, torch.bfloat16),
 }
 
 
@@ -149,6 +155,23 @@ def test_matches_torch(name, factored, prefetch):
     if mask is not None:  # masked keys get exactly nothing; a fully masked row puts all on the new key
         assert (pg[..., :n_total][~mask.expand(b, hkv, n_total)] == 0).all()
         torch.testing.assert_close(pg[1, 0, -1], torch.tensor(float(g)))
+
+
+@pytest.mark.parametrize("g", [4, 2])
+def test_the_factored_reads_switches_give_the_same_attention(g):
+    """Codes made from their bits or converted, zeros and steps read as words or bytes, keys per tile:
+    the same products of the same exact values, so the same attention (to fp32 summation order)."""
+    gen = torch.Generator().manual_seed(g)
+    b, hkv, d = 2, 2, 128
+    run, _, _ = make_run(b, hkv, 90, d, 4, 32, torch.bfloat16, gen)
+    q = torch.randn(b, hkv * g, 1, d, generator=gen).bfloat16()
+    kn, vn = torch.randn(2, b, hkv, 1, d, generator=gen).bfloat16()
+    mask = torch.rand(b, hkv, 90, generator=gen) > 0.3
+    base = call(q, [run], kn, vn, mask, 0.1, magic=False, zwords=False, split=64, block=64)
+    for magic, zwords, block in ((True, False, 64), (False, True, 32), (True, True, 16)):
+        out, pg = call(q, [run], kn, vn, mask, 0.1, magic=magic, zwords=zwords, split=64, block=block)
+        torch.testing.assert_close(out.float(), base[0].float(), atol=8e-3, rtol=0)  # one bf16 rounding apart
+        torch.testing.assert_close(pg, base[1], atol=1e-6, rtol=0)
 
 
 def test_head_dim_not_power_of_two_and_no_runs():
@@ -196,7 +219,8 @@ def test_register():
     assert registry == {"triton": decode_attention_triton}
 
 
-_COMPILE = """
+_COMPILE = r"""
+import re
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -219,12 +243,19 @@ for paged in (False, True):  # storage in rectangles, and in pages read through 
     k = build(tk._split_kernel, dict(common, GP=16, D_P=128, DV_P=128, GROUPED_K=True, GROUPED_V=True,
               PAGED=paged, PAGE=32, PREFETCH=paged, LOWP=paged), ptrs)
     assert "mma" in k.asm["ptx"], "the scores should run on tensor cores"
-    k = build(tk._split_rows_kernel, dict(common, GH=4, NGP=4, U=16, PAGED=paged, PAGE=32, PREFETCH=paged), ptrs)
-    assert "mma" in k.asm["ptx"], "the factored products should run on tensor cores"
-build(tk._combine, dict(HKV=8, G=4, GP=4, DV=128, DV_P=128, CDT=tl.bfloat16, EMU=False),
-      dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr=bf, mfin_ptr="*fp32", lfin_ptr="*fp32"))
-build(tk._group_probs, dict(G=4, GP=4, BLOCK=256),
-      dict(score_ptr="*fp32", mfin_ptr="*fp32", lfin_ptr="*fp32", pg_ptr="*fp32"))
+    cvts = {}
+    for magic in (True, False):
+        k = build(tk._split_rows_kernel, dict(common, GH=4, NGP=4, U=16, PAGED=paged, PAGE=32, PREFETCH=paged,
+                  MAGIC=magic, ZW=paged), dict(ptrs, kc_ptr="*i32", vc_ptr="*i32",  # codes as words
+                  **({n: "*i32" for n in ("kz_ptr", "ks_ptr", "vz_ptr", "vs_ptr")} if paged else {})))
+        assert "mma" in k.asm["ptx"], "the factored products should run on tensor cores"
+        cvts[magic] = len(re.findall(r"cvt\.rn\.(?:bf16|f16|f32)\.[su](?:8|16|32)", k.asm["ptx"]))
+    # codes made from their bits: int -> float conversions are left for the zeros alone, not every code
+    assert 4 * cvts[True] < cvts[False], cvts
+build(tk._finish, dict(HKV=8, G=4, GP=4, D=128, D_P=128, DV=128, DV_P=128, BLOCK=256, SOFTCAP=True,
+                       CDT=tl.bfloat16, EMU=False),
+      dict(q_ptr=bf, kn_ptr=bf, vn_ptr=bf, m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", score_ptr="*fp32",
+           out_ptr=bf, pg_ptr="*fp32"))
 print("compiled")
 """
 
@@ -277,8 +308,8 @@ def test_the_benchmark_configurations_compute_the_same_attention():
 
     from kvevict.bench.triton_decode import TINY, build
 
-    args = SimpleNamespace(**TINY, group=32, split=None, page=32, splits=[None], warps=[None], blocks=[None],
-                           prefetch=[True])
+    args = SimpleNamespace(**TINY, group=32, split=None, page=32, splits=[None], warps=[None], blocks=[None, 16],
+                           prefetch=[True], regs=[None], magic=[True, False])
     configs = build(args, torch.device(DEVICE))
     assert {"triton int4", "triton int4 registers", "triton int4 paged 32", "torch int4 (copy)"} <= set(configs)
     for name, (fn, _, ref) in configs.items():

@@ -48,8 +48,8 @@ def test_paged_rows_equal_the_rectangle_and_give_every_page_back(monkeypatch, ke
 
         if not interpreting():
             pytest.skip("the Triton kernel runs here only in triton's CPU interpreter")
-        if policy != "h2o" or budget != 40:
-            pytest.skip("interpreted Triton is slow: one packed case covers its page tables")
+        if policy != "h2o" or budget not in (8, 40):
+            pytest.skip("interpreted Triton is slow: one packed and one dense case cover its page tables")
     monkeypatch.setenv("KVEVICT_KERNEL", kernel)
     model = _model("llama-mha" if kernel == "triton" else "llama-gqa")  # Triton's tiles need head_dim >= 16
     short = dict(new=5, joins=(1, 2, 3)) if kernel == "triton" else {}  # interpreted: a few steps

@@ -7,16 +7,20 @@ batch 8, random data (speed does not depend on the values). Target (issue 18): i
 
 Times one layer's attention (``--iters`` calls between CUDA events, after a warm-up), in
 ``--rounds`` interleaved rounds (each round visits every configuration, in a rotated order), and
-reports the median ms per layer, x ``--layers``, and the median of the per-round ratios to dense.
+reports the median ms per layer, x ``--layers``, and the median of the per-round ratios to dense;
+twice: launched one by one from Python (the host's launch overhead included where the GPU waits
+for it), and the same ``--iters`` calls replayed from a CUDA graph (the GPU's time alone, as a
+serving engine that captures its decode step sees it).
 Configurations: "dense bf16 SDPA" (torch's scaled_dot_product_attention with each KV head's
 query heads as its query rows: no mask, no copy of K/V per query head; out only), "triton bf16"
 (the kernel over the same dense pages: out and pg), "triton int8" and "triton int4" (packed
 pages, ``--group`` channels per zero/step), "triton int4 paged P" (the cache's layout: pools of
 P-slot pages, each row's pages in a random order behind its page table), "torch int4 (copy)" (the
 torch reference: dequantize into a float copy, then attend), and, with ``--splits`` / ``--warps``,
-int4 at other keys per program, warps per program, keys per tile (``--blocks``) and without
-prefetching (``--prefetch 1,0``); "triton intN registers" dequantizes every channel in registers
-before the products (``factored=False``). Each
+int4 at other keys per program, warps per program, keys per tile (``--blocks``), without
+prefetching (``--prefetch 1,0``), registers per thread capped (``--regs``) and codes converted
+rather than made from their bits (``--magic 1,0``); "triton intN registers" dequantizes every
+channel in registers before the products (``factored=False``). Each
 row's output is checked first (max abs error reported): the dense rows against SDPA, the packed
 rows against SDPA in fp32 over the exact dequantized values. Writes JSON to ``--out``.
 """
@@ -77,9 +81,9 @@ def build(args, device):
 
     configs = {"dense bf16 SDPA": (dense, k_all.nbytes + v_all.nbytes, None)}
 
-    def triton_call(runs, split=args.split, warps=None, block=None, factored=True, prefetch=True):
+    def triton_call(runs, split=args.split, warps=None, block=None, factored=True, prefetch=True, **tune):
         return lambda: decode_attention_triton(q, runs, k_new, v_new, None, scale, split=split, warps=warps,
-                                               block=block, factored=factored, prefetch=prefetch)
+                                               block=block, factored=factored, prefetch=prefetch, **tune)
 
     configs["triton bf16"] = (triton_call([make_run(32, 1, (keys,), (values,), n)]),
                               keys.nbytes + values.nbytes, dense().view(b, hq, 1, d))
@@ -106,16 +110,27 @@ def build(args, device):
         # no fused kernel: dequantize into a float copy, then attend (the torch reference)
         configs["torch int4 (copy)"] = (
             lambda run=run: decode_attention_reference(q, [run], k_new, v_new, None, scale), nbytes, ref)
-        for split, warps, block, prefetch in itertools.product(args.splits, args.warps, args.blocks, args.prefetch):
-            if (split, warps, block, prefetch) == (args.split, None, None, True):
+        for split, warps, block, prefetch, regs, magic in itertools.product(
+                args.splits, args.warps, args.blocks, args.prefetch, args.regs, args.magic):
+            if (split, warps, block, prefetch, regs, magic) == (args.split, None, None, True, None, True):
                 continue  # "triton int4"
-            name = f"int4 s{split or '-'} w{warps or '-'} b{block or '-'}{'' if prefetch else ' no-pf'}"
-            configs[name] = (triton_call([run], split, warps, block, prefetch=prefetch), nbytes, ref)
+            name = (f"int4 s{split or '-'} w{warps or '-'} b{block or '-'}{'' if prefetch else ' no-pf'}"
+                    f"{f' r{regs}' if regs else ''}{'' if magic else ' no-magic'}")
+            configs[name] = (triton_call([run], split, warps, block, prefetch=prefetch, regs=regs, magic=magic),
+                             nbytes, ref)
     return configs
 
 
-def time_call(fn, iters: int, cuda: bool) -> float:
-    """ms per call, averaged over ``iters`` calls after one warm-up call."""
+def time_call(fn, iters: int, cuda: bool, graph=None) -> float:
+    """ms per call, averaged over ``iters`` calls after one warm-up call; with ``graph`` (a CUDA
+    graph of ``iters`` calls, ``capture``), its replay: the GPU's time without the host's launches."""
+    if graph is not None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / iters
     fn()
     if cuda:
         torch.cuda.synchronize()
@@ -130,6 +145,19 @@ def time_call(fn, iters: int, cuda: bool) -> float:
     for _ in range(iters):
         fn()
     return (time.perf_counter() - t0) * 1000 / iters
+
+
+def capture(fn, iters: int):
+    """A CUDA graph of ``iters`` calls of ``fn`` (warmed up first), as a serving engine captures a
+    decode step to take the host's launch overhead off it."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    torch.cuda.synchronize()
+    return graph
 
 
 def main(argv=None) -> int:
@@ -147,6 +175,9 @@ def main(argv=None) -> int:
     p.add_argument("--warps", default="", help="comma-separated warps per program to sweep for int4 (0 = default)")
     p.add_argument("--blocks", default="", help="comma-separated keys per tile to sweep for int4 (0 = default)")
     p.add_argument("--prefetch", default="1", help="comma-separated 1 / 0: sweep int4 with and without prefetch")
+    p.add_argument("--regs", default="", help="comma-separated registers per thread to sweep for int4 (0 = compiler's)")
+    p.add_argument("--magic", default="1",
+                   help="comma-separated 1 / 0: sweep int4 with codes made from their bits or converted")
     p.add_argument("--iters", type=int, default=20, help="calls per timing")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (runs on a CPU in triton's interpreter)")
@@ -156,6 +187,8 @@ def main(argv=None) -> int:
     args.warps = [int(x) or None for x in args.warps.split(",") if x] or [None]
     args.blocks = [int(x) or None for x in args.blocks.split(",") if x] or [None]
     args.prefetch = [bool(int(x)) for x in args.prefetch.split(",") if x] or [True]
+    args.regs = [int(x) or None for x in args.regs.split(",") if x] or [None]
+    args.magic = [bool(int(x)) for x in args.magic.split(",") if x] or [True]
     try:
         import triton
     except ImportError:
@@ -187,19 +220,28 @@ def main(argv=None) -> int:
                 out, _ = fn()
                 errors[name] = float((out.float() - ref.float()).abs().max())
         names = list(configs)
+        graphs = {name: capture(configs[name][0], args.iters) for name in names} if cuda else {}
         ms = {name: [] for name in names}
+        gms = {name: [] for name in names}
         for r in range(args.rounds):
             for name in names[r % len(names):] + names[: r % len(names)]:
                 ms[name].append(time_call(configs[name][0], args.iters, cuda))
+                if cuda:
+                    gms[name].append(time_call(configs[name][0], args.iters, cuda, graphs[name]))
     dense = names[0]
     rows = []
     for name in names:
         ratios = [a / b for a, b in zip(ms[name], ms[dense])]
         med = statistics.median(ms[name])
-        rows.append({"config": name, "ms_per_layer": round(med, 4), "ms_all_layers": round(med * args.layers, 3),
-                     "ratio_to_dense": round(statistics.median(ratios), 3),
-                     "kv_mib": round(configs[name][1] / 2**20, 1),
-                     "max_abs_err": errors.get(name), "ms_per_layer_rounds": [round(x, 4) for x in ms[name]]})
+        row = {"config": name, "ms_per_layer": round(med, 4), "ms_all_layers": round(med * args.layers, 3),
+               "ratio_to_dense": round(statistics.median(ratios), 3),
+               "kv_mib": round(configs[name][1] / 2**20, 1),
+               "max_abs_err": errors.get(name), "ms_per_layer_rounds": [round(x, 4) for x in ms[name]]}
+        if cuda:  # the same calls replayed from a CUDA graph: the GPU's time alone
+            row.update(graph_ms_per_layer=round(statistics.median(gms[name]), 4),
+                       graph_ratio_to_dense=round(statistics.median(a / b for a, b in zip(gms[name], gms[dense])), 3),
+                       graph_ms_per_layer_rounds=[round(x, 4) for x in gms[name]])
+        rows.append(row)
     where = torch.cuda.get_device_name() if cuda else "CPU, triton interpreter (timings mean nothing)"
     config = {k: v for k, v in vars(args).items() if k != "out"}  # what was measured, not where it went
     result = {"device": where, "torch": torch.__version__, "triton": triton.__version__,
@@ -209,15 +251,17 @@ def main(argv=None) -> int:
     print(f"{where}; torch {torch.__version__}, triton {triton.__version__}")
     print(f"batch {args.batch}, context {args.context}, {args.heads} query / {args.kv_heads} KV heads, head dim "
           f"{args.head_dim}; one layer timed x {args.layers}; median of {args.rounds} rounds of {args.iters} calls")
-    print(f"{'config':<24} {'ms/layer':>9} {'ms x' + str(args.layers):>9} {'ratio':>6} {'KV MiB':>8} {'max err':>8}")
+    print(f"{'config':<30} {'ms/layer':>9} {'ms x' + str(args.layers):>9} {'ratio':>6} {'graph ms':>9} {'ratio':>6} "
+          f"{'KV MiB':>8} {'max err':>8}")
     for r in rows:
         err = "" if r["max_abs_err"] is None else f"{r['max_abs_err']:.1e}"
-        print(f"{r['config']:<24} {r['ms_per_layer']:>9.4f} {r['ms_all_layers']:>9.3f} {r['ratio_to_dense']:>6.3g} "
-              f"{r['kv_mib']:>8} {err:>8}")
+        graph = f"{r['graph_ms_per_layer']:>9.4f} {r['graph_ratio_to_dense']:>6.3g}" if cuda else f"{'':>9} {'':>6}"
+        print(f"{r['config']:<30} {r['ms_per_layer']:>9.4f} {r['ms_all_layers']:>9.3f} {r['ratio_to_dense']:>6.3g} "
+              f"{graph} {r['kv_mib']:>8} {err:>8}")
     int4 = next(r for r in rows if r["config"] == "triton int4")
     if cuda:
-        print(f"target int4 <= 0.5x dense: {'met' if int4['ratio_to_dense'] <= 0.5 else 'NOT met'} "
-              f"({int4['ratio_to_dense']:.3f}x)")
+        for how, key in (("launched one by one", "ratio_to_dense"), ("from a CUDA graph", "graph_ratio_to_dense")):
+            print(f"target int4 <= 0.5x dense, {how}: {'met' if int4[key] <= 0.5 else 'NOT met'} ({int4[key]:.3f}x)")
     print(f"written to {args.out}")
     return 0
 

@@ -13,14 +13,14 @@ The programs are in ``triton_kernels.py``: per run one launch of a split program
 (sequence, KV head, split of the keys): online-softmax partials and the raw scores) --
 ``_split_rows_kernel`` for a packed run it can read factored (the codes straight into the tensor
 cores, a step and a zero per token and group the only arithmetic: ``_factored``), else
-``_split_kernel`` (each channel dequantized in registers) -- then ``_combine`` (merges the splits:
-out, and each head's final max and normalizer) and ``_group_probs`` (pg from the saved scores).
-On an H100 the factored int4 read is 1.05x dense bf16 SDPA's time at 32K context, batch 8
-(docs/performance.md, "On a GPU: the Triton kernel"). The factored read computes with the exact
-dequantized keys and values, where the torch reference (and ``_split_kernel``) rounds them to a
-bf16 / fp16 query's dtype first: in those dtypes its pg is within 3e-7 of attention over the exact
-values, the rounded reference's about 2e-3 (tests/test_kernel_triton.py holds each path to the
-keys it uses).
+``_split_kernel`` (each channel dequantized in registers) -- then one launch of ``_finish`` (the
+new key, the splits merged into out, and pg from the saved scores).
+On an H100 the factored int4 read takes 0.68x dense bf16 SDPA's time at 32K context, batch 8
+(0.66x replayed from a CUDA graph; docs/performance.md, "On a GPU: the Triton kernel"). The
+factored read computes with the exact dequantized keys and values, where the torch reference
+(and ``_split_kernel``) rounds them to a bf16 / fp16 query's dtype first: in those dtypes its pg
+is within 3e-7 of attention over the exact values, the rounded reference's about 2e-3
+(tests/test_kernel_triton.py holds each path to the keys it uses).
 
 Registering it (the one line ``kvevict/kernels/__init__.py`` needs; this module imports without
 triton, ``available()`` says whether the backend can run)::
@@ -74,18 +74,22 @@ def register(registry: dict) -> None:
 
 
 def decode_attention_triton(q, runs, k_new, v_new, mask, scale, softcap=None, *, split=None, warps=None,
-                            block=None, factored=True, prefetch=True, lowp=True):
+                            block=None, factored=True, prefetch=True, lowp=True, magic=True, regs=None, zwords=True):
     """q (b, hq, 1, d) unscaled; runs: ``kvevict.kernels.runs.Run`` objects (read by field: bits,
     group, k, v, n); k_new, v_new (b, hkv, 1, d|dv) in q's dtype; mask (b, hkv|1, n_total) bool
     over the stored slots (True = visible) or None; the new key is always visible.
     Returns (out (b, hq, 1, dv) in q's dtype, pg (b, hkv, n_total + 1) float32).
     ``split``: keys per program (a multiple of the key tile; None picks one from the GPU's size);
     ``warps``: warps per split program (None: triton's default), ``block``: keys per tile (a power
-    of two >= 16; None: 64, 32 past head dim 128), both for tuning on a GPU;
+    of two >= 16; None: 64, 32 past head dim 128), ``regs``: registers per thread the split
+    program may use (triton's ``maxnreg``; None: the compiler's choice), all for tuning on a GPU;
     ``factored``: packed runs are read factored where they can be (``_factored``), else every
     channel is dequantized in registers first; ``prefetch``: each tile's bytes are loaded while
     the tile before it is computed; ``lowp``: bf16 queries dequantize in bf16 arithmetic (the
-    same single rounding; not in the interpreter, whose bf16 arithmetic is not torch's)."""
+    same single rounding; not in the interpreter, whose bf16 arithmetic is not torch's); ``magic``:
+    the factored read turns 2- and 4-bit codes into bf16 / fp16 numbers by their bits
+    (``triton_kernels._unpack``), not by int -> float conversions; ``zwords``: the factored read
+    loads a token's zeros and steps as 32-bit words where they fill whole words."""
     ok, why = available()
     if not ok:
         raise ModuleNotFoundError(why)
@@ -101,11 +105,16 @@ def decode_attention_triton(q, runs, k_new, v_new, mask, scale, softcap=None, *,
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least
                                   or not _pow2_ok(value)):
             raise ValueError(f"{name} must be a power of two >= {least}, got {value!r}.")
+    if regs is not None and (isinstance(regs, bool) or not isinstance(regs, int) or not 24 <= regs <= 248 or regs % 8):
+        raise ValueError(f"regs must be a multiple of 8 from 24 to 248 (registers per thread), got {regs!r}.")
+    # keys per tile, measured on an H100 (docs/performance.md, "On a GPU"): 128 for the factored
+    # read of codes made from their bits up to head dim 128, else 64 (the per-channel read spills
+    # at 128, int8 is slower), 32 past head dim 128
     block_n = _block(split, block or (64 if max(d_p, dv_p) <= 128 else 32))
+    rows_block = _block(split, block or (128 if max(d_p, dv_p) <= 128 else 32))
     every = [(r.bits, r.group, r.k, r.v, r.n, getattr(r, "table", None), getattr(r, "page", 0))
              for r in runs if r.n > 0]
-    every.append((32, 1, (k_new,), (v_new,), 1, None, 0))  # the new key: a dense run of one, always visible
-    split = _split(split, block_n, b * hkv, sum(r[4] for r in every), q.device)
+    split = _split(split, max(block_n, rows_block), b * hkv, max(1, n_total), q.device)
     splits = [math.ceil(r[4] / split) for r in every]
     n_splits = sum(splits)
 
@@ -116,8 +125,6 @@ def decode_attention_triton(q, runs, k_new, v_new, mask, scale, softcap=None, *,
     l_part = torch.empty_like(m_part)
     acc_part = torch.empty(b * hkv, n_splits, g, dv, dtype=f32, device=dev)
     out = torch.empty(b, hq, 1, dv, dtype=q.dtype, device=dev)
-    m_fin = torch.empty(b * hkv, g, dtype=f32, device=dev)
-    l_fin = torch.empty_like(m_fin)
     pg = torch.empty(b, hkv, nt1, dtype=f32, device=dev)
     cdt = {torch.float16: tk.tl.float16, torch.bfloat16: tk.tl.bfloat16, torch.float32: tk.tl.float32}[q.dtype]
     emu = not q.is_cuda  # the interpreter: see _rnd and _operand in triton_kernels
@@ -126,22 +133,28 @@ def decode_attention_triton(q, runs, k_new, v_new, mask, scale, softcap=None, *,
 
     key_off = split_off = 0
     for (bits, group, kt, vt, n, table, page), ns in zip(every, splits):
-        is_new = split_off + ns == n_splits
         paged = table is not None
         if paged:
             table = table.contiguous()
-        common = dict(HKV=hkv, G=g, D=d, DV=dv, BITS=bits, GROUP=group if bits in PACKED else 1, BLOCK_N=block_n,
-                      HAS_MASK=mask is not None and not is_new, SOFTCAP=softcap is not None, CDT=cdt, EMU=emu,
+        common = dict(HKV=hkv, G=g, D=d, DV=dv, BITS=bits, GROUP=group if bits in PACKED else 1,
+                      HAS_MASK=mask is not None, SOFTCAP=softcap is not None, CDT=cdt, EMU=emu,
                       PAGED=paged, PAGE=page if paged else 1, PREFETCH=bool(prefetch),
-                      **({} if warps is None else {"num_warps": warps}))
-        words = factored and _factored(bits, group, d) and _factored(bits, group, dv) and _as_words(kt, vt)
-        if words:
-            kt, vt = words
+                      **({} if warps is None else {"num_warps": warps}),
+                      **({} if regs is None or emu else {"maxnreg": regs}))
+        words = None
+        if factored and _factored(bits, group, d) and _factored(bits, group, dv):
             gh = _pow2(g)  # rows of the products: NGP groups x GH heads, at least tl.dot's 16
             ngp = max(_pow2(max(d, dv) // group), -(-16 // gh))
-            kernel, extra = tk._split_rows_kernel, dict(GH=gh, NGP=ngp, U=1 << (8 - bits))
+            # zeros and steps as words: a multiple of 4 groups per token, none of the NGP rows padding
+            words = _as_words(kt, vt, bool(zwords) and d == dv and ngp == d // group and ngp % 4 == 0)
+        if words:
+            (kt, vt), zw = words
+            magic_ok = bool(magic) and bits in (2, 4) and q.dtype in (torch.bfloat16, torch.float16)
+            kernel, extra = tk._split_rows_kernel, dict(
+                GH=gh, NGP=ngp, U=1 << (8 - bits), BLOCK_N=rows_block if magic_ok else block_n, ZW=zw, MAGIC=magic_ok)
         else:
-            kernel, extra = tk._split_kernel, dict(GP=gp, D_P=d_p, DV_P=dv_p, GROUPED_K=_grouped(bits, group, d),
+            kernel, extra = tk._split_kernel, dict(GP=gp, D_P=d_p, DV_P=dv_p, BLOCK_N=block_n,
+                                                   GROUPED_K=_grouped(bits, group, d),
                                                    GROUPED_V=_grouped(bits, group, dv),
                                                    LOWP=bool(lowp) and q.dtype == torch.bfloat16 and not emu)
         kernel[(b * hkv, ns)](
@@ -155,12 +168,13 @@ def decode_attention_triton(q, runs, k_new, v_new, mask, scale, softcap=None, *,
         )
         key_off += n
         split_off += ns
-    gr = max(2, _pow2(g))
-    tk._combine[(b * hkv,)](m_part, l_part, acc_part, out, out.stride(0), out.stride(1), out.stride(3),
-                            m_fin, l_fin, n_splits, HKV=hkv, G=g, GP=gr, DV=dv, DV_P=dv_p,
-                            CDT=cdt, EMU=emu)
-    block = 256
-    tk._group_probs[(b * hkv, triton_cdiv(nt1, block))](scores, m_fin, l_fin, pg, nt1, G=g, GP=gr, BLOCK=block)
+    block = 256  # keys per _finish program
+    tk._finish[(b * hkv, triton_cdiv(nt1, block))](
+        q, q.stride(0), q.stride(1), q.stride(3), k_new, k_new.stride(0), k_new.stride(1), k_new.stride(3),
+        v_new, v_new.stride(0), v_new.stride(1), v_new.stride(3), m_part, l_part, acc_part, scores,
+        out, out.stride(0), out.stride(1), out.stride(3), pg, n_splits, nt1, float(scale), float(softcap or 1.0),
+        HKV=hkv, G=g, GP=max(2, _pow2(g)), D=d, D_P=d_p, DV=dv, DV_P=dv_p, BLOCK=block,
+        SOFTCAP=softcap is not None, CDT=cdt, EMU=emu)
     return out, pg
 
 
@@ -190,13 +204,22 @@ def _factored(bits: int, group: int, d: int) -> bool:
     return bits in PACKED and _pow2_ok(d) and _pow2_ok(group) and d % group == 0 and (d * bits) % 32 == 0
 
 
-def _as_words(kt: tuple, vt: tuple):
-    """(kt, vt) with their codes viewed as int32 words (no copy), or None where the storage's
-    strides or offset are not whole words."""
+def _as_words(kt: tuple, vt: tuple, zw: bool):
+    """((kt, vt), zw): their codes viewed as int32 words (no copy), and with ``zw`` their zeros and
+    steps too (``triton_kernels._per_group``'s ZW; False where their strides or offset are not
+    whole words); None where the codes cannot be viewed so."""
+    def words(t, parts):
+        return tuple(x.view(torch.int32) if i in parts else x for i, x in enumerate(t))
     try:
-        return tuple((t[0].view(torch.int32), *t[1:]) for t in (kt, vt))
+        codes = tuple(words(t, (0,)) for t in (kt, vt))
     except RuntimeError:
         return None
+    if zw:
+        try:
+            return tuple(words(t, (1, 2)) for t in codes), True
+        except RuntimeError:
+            pass
+    return codes, False
 
 
 def _block(split, block_n: int) -> int:
@@ -211,11 +234,12 @@ def _block(split, block_n: int) -> int:
 
 
 def _split(split, block_n: int, programs: int, n_keys: int, device) -> int:
-    """Keys per split: the caller's, or enough splits for ~8 programs per multiprocessor."""
+    """Keys per split: the caller's, or enough splits for ~4 programs per multiprocessor (on an
+    H100 fewer, longer splits measured faster: 2 or 3 programs fit on one at a time)."""
     if split is not None:
         return split
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    want = max(1, (8 * sms) // max(1, programs))
+    want = max(1, (4 * sms) // max(1, programs))
     return max(4 * block_n, triton_cdiv(triton_cdiv(n_keys, want), block_n) * block_n)
 
 

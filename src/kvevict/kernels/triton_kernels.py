@@ -9,8 +9,8 @@ KV group an online softmax (Milakov & Gimelshein 2018):
     m_h = max_i s_hi,   l_h = sum_i exp(s_hi - m_h),   acc_h = sum_i exp(s_hi - m_h) v_i
 
 with s_hi = scale * q_h . k_i (fp32 accumulate), softcapped (c * tanh(s / c)) and -inf where
-masked. ``_combine`` merges the splits: M = max_j m_j, L = sum_j l_j exp(m_j - M),
-out = sum_j acc_j exp(m_j - M) / L. ``_group_probs`` then turns the saved scores into
+masked. ``_finish`` adds the new key and merges the splits: M = max_j m_j,
+L = sum_j l_j exp(m_j - M), out = sum_j acc_j exp(m_j - M) / L, and turns the saved scores into
 pg_i = sum_h exp(s_hi - M_h) / L_h, each key's probability summed over the group's heads.
 ``_split_rows_kernel`` is ``_split_kernel`` for packed runs read factored (its docstring).
 """
@@ -250,16 +250,21 @@ def _split_kernel(
 
 
 @triton.jit
-def _word_order(D: tl.constexpr, BITS: tl.constexpr):
-    """The order the factored kernel holds a token's channels in: position p = w PER + j (PER =
-    32 / BITS codes per 32-bit word w) is bit 8 (j % 4) + BITS (j // 4) of word w, which is channel
-    (j // 4) W + 4 w + j % 4 (byte 4 w + j % 4, part j // 4; ``kvevict.store.pack``, W = D BITS / 8).
-    Returns each position's channel, (D,)."""
+def _word_order(D: tl.constexpr, BITS: tl.constexpr, MAGIC: tl.constexpr):
+    """The order the factored kernel holds a token's channels in, each 32-bit word's PER = 32 / BITS
+    codes together: position w PER + j holds the code at bit b of word w, which is channel
+    ((b % 8) // BITS) W + 4 w + b // 8 (byte 4 w + b // 8, part (b % 8) // BITS; ``kvevict.store.pack``,
+    W = D BITS / 8), with b = 8 (j % 4) + BITS (j // 4), or with MAGIC (``_unpack``) b = BITS (j // 2)
+    + 16 (j % 2). Returns each position's channel, (D,)."""
     W: tl.constexpr = D * BITS // 8
     PER: tl.constexpr = 32 // BITS
     pos = tl.arange(0, D)
     j = pos % PER
-    return (j // 4) * W + 4 * (pos // PER) + j % 4
+    if MAGIC:
+        b = BITS * (j // 2) + 16 * (j % 2)
+    else:
+        b = 8 * (j % 4) + BITS * (j // 4)
+    return ((b % 8) // BITS) * W + 4 * (pos // PER) + b // 8
 
 
 @triton.jit
@@ -269,20 +274,52 @@ def _words(c_ptr, sc_n, sc_d, rows, nm, NW: tl.constexpr):
 
 
 @triton.jit
-def _unpack(words, D: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(BLOCK_N, D) codes in ``_word_order``, as fp32 integers."""
-    PER: tl.constexpr = 32 // BITS
-    j = tl.arange(0, PER)
-    shift = (j % 4) * 8 + (j // 4) * BITS
-    codes = (words[:, :, None] >> shift[None, None, :]) & ((1 << BITS) - 1)  # >> sign-extends; the mask drops it
-    return tl.reshape(codes, (BLOCK_N, D)).to(tl.float32)
+def _unpack(words, D: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, MAGIC: tl.constexpr,
+            CDT: tl.constexpr, EMU: tl.constexpr):
+    """(BLOCK_N, D) codes in ``_word_order``: fp32 integers, or with MAGIC (2 or 4 bits, a bf16 /
+    fp16 CDT) CDT integers made without an int -> float conversion (a quarter-rate instruction on
+    a GPU): two codes at a time, each code's bits or-ed under the exponent of B = 128 (bf16, 0x4300)
+    or 1024 (fp16, 0x6400) read as the number B + code (exact: the code fits the mantissa), then
+    B subtracted (exact) in CDT's paired arithmetic."""
+    if MAGIC:
+        HALF: tl.constexpr = 16 // BITS  # codes per 16-bit half of a word
+        ONE: tl.constexpr = (1 << BITS) - 1
+        BF: tl.constexpr = CDT == tl.bfloat16
+        EXP: tl.constexpr = 0x4300 if BF else 0x6400
+        BIAS: tl.constexpr = 128.0 if BF else 1024.0
+        sh = tl.arange(0, HALF) * BITS
+        t = ((words[:, :, None] >> sh[None, None, :]) & (ONE * 0x10001)) | (EXP * 0x10001)  # (BLOCK_N, NW, HALF)
+        lo = t & 0xFFFF
+        hi = (t >> 16) & 0xFFFF
+        if EMU and BF:  # the interpreter has no bf16 bitcast: a bf16's bits are the top half of an fp32's
+            x = tl.join((lo << 16).to(tl.float32, bitcast=True), (hi << 16).to(tl.float32, bitcast=True))
+        else:
+            x = tl.join(lo.to(tl.int16).to(CDT, bitcast=True), hi.to(tl.int16).to(CDT, bitcast=True))
+            if EMU:
+                x = x.to(tl.float32)
+        return tl.reshape(x, (BLOCK_N, D)) - BIAS
+    else:
+        PER: tl.constexpr = 32 // BITS
+        j = tl.arange(0, PER)
+        shift = (j % 4) * 8 + (j // 4) * BITS
+        codes = (words[:, :, None] >> shift[None, None, :]) & ((1 << BITS) - 1)  # >> sign-extends; the mask drops it
+        return tl.reshape(codes, (BLOCK_N, D)).to(tl.float32)
 
 
 @triton.jit
-def _per_group(x_ptr, sx_n, sx_d, rows, nm, NG: tl.constexpr, NGP: tl.constexpr):
-    """(NGP, BLOCK_N) bytes of a group-wise tensor (zeros or steps); groups past NG read 0."""
-    g = tl.arange(0, NGP)
-    return tl.load(x_ptr + rows[None, :] * sx_n + g[:, None] * sx_d, mask=(g < NG)[:, None] & nm[None, :], other=0)
+def _per_group(x_ptr, sx_n, sx_d, rows, nm, NG: tl.constexpr, NGP: tl.constexpr, BLOCK_N: tl.constexpr,
+               ZW: tl.constexpr):
+    """(NGP, BLOCK_N) bytes of a group-wise tensor (zeros or steps); groups past NG read 0. ZW (NG =
+    NGP, a multiple of 4; ``x_ptr`` int32, strides in words): a token's bytes loaded as 32-bit
+    words, group 4 i + j in byte j of word i (a quarter of the load instructions of bytes)."""
+    if ZW:
+        NGW: tl.constexpr = NG // 4
+        w = tl.load(x_ptr + rows[None, :] * sx_n + tl.arange(0, NGW)[:, None] * sx_d, mask=nm[None, :], other=0)
+        return tl.reshape((w[:, None, :] >> (8 * tl.arange(0, 4))[None, :, None]) & 255, (NG, BLOCK_N))
+    else:
+        g = tl.arange(0, NGP)
+        return tl.load(x_ptr + rows[None, :] * sx_n + g[:, None] * sx_d, mask=(g < NG)[:, None] & nm[None, :],
+                       other=0)
 
 
 @triton.jit
@@ -300,6 +337,7 @@ def _split_rows_kernel(
     D: tl.constexpr, DV: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, U: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, CDT: tl.constexpr,
     EMU: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, PREFETCH: tl.constexpr = False,
+    MAGIC: tl.constexpr = False, ZW: tl.constexpr = False,
 ):
     """``_split_kernel`` for a packed run read factored (``triton_decode._factored``): with
     x_hat = step_g / U (U code - zero_g) per group g of a token,
@@ -331,8 +369,8 @@ def _split_rows_kernel(
     rh = r % GH  # the row's query head
     heads = tl.arange(0, GH)
     hmask = heads < G
-    ck = _word_order(D, BITS)
-    cv = _word_order(DV, BITS)
+    ck = _word_order(D, BITS, MAGIC)
+    cv = _word_order(DV, BITS, MAGIC)
     qx = tl.load(q_ptr + bi * sq_b + (kh * G + rh[:, None]) * sq_h + ck[None, :] * sq_d,
                  mask=((rg < NGK) & (rh < G))[:, None] & ((ck // GROUP)[None, :] == rg[:, None]), other=0.0)
     qx = _rnd(qx.to(tl.float32) * scale, CDT, EMU)
@@ -351,11 +389,11 @@ def _split_rows_kernel(
         nm = offs < end
         slots = _slots(offs, nm, tab_ptr, bi * tab_b, page_rows, PAGED, PAGE)
         kw = _words(kc_ptr, skc_n, skc_d, slots, nm, NWK)
-        kzr = _per_group(kz_ptr, skz_n, skz_d, slots, nm, NGK, NGP)
-        ksr = _per_group(ks_ptr, sks_n, sks_d, slots, nm, NGK, NGP)
+        kzr = _per_group(kz_ptr, skz_n, skz_d, slots, nm, NGK, NGP, BLOCK_N, ZW)
+        ksr = _per_group(ks_ptr, sks_n, sks_d, slots, nm, NGK, NGP, BLOCK_N, ZW)
         vw = _words(vc_ptr, svc_n, svc_d, slots, nm, NWV)
-        vzr = _per_group(vz_ptr, svz_n, svz_d, slots, nm, NGV, NGP)
-        vsr = _per_group(vs_ptr, svs_n, svs_d, slots, nm, NGV, NGP)
+        vzr = _per_group(vz_ptr, svz_n, svz_d, slots, nm, NGV, NGP, BLOCK_N, ZW)
+        vsr = _per_group(vs_ptr, svs_n, svs_d, slots, nm, NGV, NGP, BLOCK_N, ZW)
     for t in range(start, end, BLOCK_N):
         offs = t + tl.arange(0, BLOCK_N)
         nm = offs < end
@@ -364,17 +402,17 @@ def _split_rows_kernel(
             nm_next = nxt < end
             slots = _slots(nxt, nm_next, tab_ptr, bi * tab_b, page_rows, PAGED, PAGE)
             kw_next = _words(kc_ptr, skc_n, skc_d, slots, nm_next, NWK)
-            kzr_next = _per_group(kz_ptr, skz_n, skz_d, slots, nm_next, NGK, NGP)
-            ksr_next = _per_group(ks_ptr, sks_n, sks_d, slots, nm_next, NGK, NGP)
+            kzr_next = _per_group(kz_ptr, skz_n, skz_d, slots, nm_next, NGK, NGP, BLOCK_N, ZW)
+            ksr_next = _per_group(ks_ptr, sks_n, sks_d, slots, nm_next, NGK, NGP, BLOCK_N, ZW)
             vw_next = _words(vc_ptr, svc_n, svc_d, slots, nm_next, NWV)
-            vzr_next = _per_group(vz_ptr, svz_n, svz_d, slots, nm_next, NGV, NGP)
-            vsr_next = _per_group(vs_ptr, svs_n, svs_d, slots, nm_next, NGV, NGP)
+            vzr_next = _per_group(vz_ptr, svz_n, svz_d, slots, nm_next, NGV, NGP, BLOCK_N, ZW)
+            vsr_next = _per_group(vs_ptr, svs_n, svs_d, slots, nm_next, NGV, NGP, BLOCK_N, ZW)
         else:
             slots = _slots(offs, nm, tab_ptr, bi * tab_b, page_rows, PAGED, PAGE)
             kw = _words(kc_ptr, skc_n, skc_d, slots, nm, NWK)
-            kzr = _per_group(kz_ptr, skz_n, skz_d, slots, nm, NGK, NGP)
-            ksr = _per_group(ks_ptr, sks_n, sks_d, slots, nm, NGK, NGP)
-        kc = _unpack(kw, D, BITS, BLOCK_N)
+            kzr = _per_group(kz_ptr, skz_n, skz_d, slots, nm, NGK, NGP, BLOCK_N, ZW)
+            ksr = _per_group(ks_ptr, sks_n, sks_d, slots, nm, NGK, NGP, BLOCK_N, ZW)
+        kc = _unpack(kw, D, BITS, BLOCK_N, MAGIC, CDT, EMU)
         qc = tl.dot(qx, tl.trans(_operand(kc, CDT, EMU)), input_precision="ieee")  # (M, BLOCK_N), exact products
         qc = tl.reshape(qc, (NGP, GH, BLOCK_N))
         kst = _step(ksr)[:, None, :]
@@ -383,12 +421,13 @@ def _split_rows_kernel(
                                        mask_ptr, sm_b, sm_h, sm_n, score_ptr, G, HAS_MASK, SOFTCAP)
         if not PREFETCH:
             vw = _words(vc_ptr, svc_n, svc_d, slots, nm, NWV)
-            vzr = _per_group(vz_ptr, svz_n, svz_d, slots, nm, NGV, NGP)
-            vsr = _per_group(vs_ptr, svs_n, svs_d, slots, nm, NGV, NGP)
-        vc = _unpack(vw, DV, BITS, BLOCK_N) * U
+            vzr = _per_group(vz_ptr, svz_n, svz_d, slots, nm, NGV, NGP, BLOCK_N, ZW)
+            vsr = _per_group(vs_ptr, svs_n, svs_d, slots, nm, NGV, NGP, BLOCK_N, ZW)
+        vc = _unpack(vw, DV, BITS, BLOCK_N, MAGIC, CDT, EMU)
         w = _rnd(p[None, :, :] * (_step(vsr) / U)[:, None, :], CDT, EMU)  # (NGP, GH, BLOCK_N)
         zc = tl.reshape(tl.sum(w * vzr.to(tl.float32)[:, None, :], axis=2), (M,))
-        pv = tl.dot(_operand(tl.reshape(w, (M, BLOCK_N)), CDT, EMU), _operand(vc, CDT, EMU),
+        # w U (exact: a power of two) times the codes: the products w (U code)
+        pv = tl.dot(_operand(tl.reshape(w * U, (M, BLOCK_N)), CDT, EMU), _operand(vc, CDT, EMU),
                     input_precision="ieee")  # (M, DV)
         a_rows = tl.reshape(tl.broadcast_to(alpha[None, :], (NGP, GH)), (M,))
         acc = acc * a_rows[:, None] + pv - zc[:, None]
@@ -405,52 +444,58 @@ def _split_rows_kernel(
 
 
 @triton.jit
-def _combine(m_ptr, l_ptr, acc_ptr, out_ptr, so_b, so_h, so_d, mfin_ptr, lfin_ptr, n_splits,
-             HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DV: tl.constexpr, DV_P: tl.constexpr,
-             CDT: tl.constexpr, EMU: tl.constexpr):
-    """One (sequence, KV head): merge the splits' partials; write out and the final M, L."""
+def _finish(q_ptr, sq_b, sq_h, sq_d, kn_ptr, skn_b, skn_h, skn_d, vn_ptr, svn_b, svn_h, svn_d,
+            m_ptr, l_ptr, acc_ptr, score_ptr, out_ptr, so_b, so_h, so_d, pg_ptr, n_splits, nt1, scale, softcap,
+            HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
+            DV: tl.constexpr, DV_P: tl.constexpr, BLOCK: tl.constexpr, SOFTCAP: tl.constexpr,
+            CDT: tl.constexpr, EMU: tl.constexpr):
+    """One (sequence, KV head) and BLOCK of its keys, after the split programs: the new key (always
+    visible) joins the splits' partials as one more (m = s_new, l = 1, acc = v_new); M = max_j m_j,
+    L = sum_j l_j exp(m_j - M); pg_i = sum_h exp(s_hi - M_h) / L_h over this block's keys (the
+    last of them the new key); the block-0 program also writes out = sum_j acc_j exp(m_j - M) / L.
+    One launch instead of a new-key split, a merge and a probability pass: each program merges
+    the few partials itself."""
     pid = tl.program_id(0).to(tl.int64)  # offsets of big batches overflow int32
+    blk = tl.program_id(1)
     bi = pid // HKV
     kh = pid % HKV
     rows = tl.arange(0, GP)
     rmask = rows < G
+    dk = tl.arange(0, D_P)
     dv = tl.arange(0, DV_P)
-    amask = rmask[:, None] & (dv[None, :] < DV)
-    big_m = tl.full([GP], float("-inf"), tl.float32)
-    big_l = tl.zeros([GP], tl.float32)
-    o = tl.zeros([GP, DV_P], tl.float32)
+    # the new key's scores: the scaled query and the key rounded to CDT as the split programs do
+    q = tl.load(q_ptr + bi * sq_b + (kh * G + rows[:, None]) * sq_h + dk[None, :] * sq_d,
+                mask=rmask[:, None] & (dk[None, :] < D), other=0.0)
+    q = _rnd(q.to(tl.float32) * scale, CDT, EMU)
+    kn = tl.load(kn_ptr + bi * skn_b + kh * skn_h + dk * skn_d, mask=dk < D, other=0.0).to(tl.float32)
+    s_new = tl.sum(q * kn[None, :], axis=1)
+    if SOFTCAP:
+        s_new = _tanh(s_new / softcap) * softcap
+    big_m = s_new  # finite (a padded row's is 0), so no -inf - -inf below
+    big_l = tl.full([GP], 1.0, tl.float32)
     for j in range(n_splits):
         part = (pid * n_splits + j) * G + rows
         m = tl.load(m_ptr + part, mask=rmask, other=float("-inf"))
         l_j = tl.load(l_ptr + part, mask=rmask, other=0.0)
-        a = tl.load(acc_ptr + part[:, None] * DV + dv[None, :], mask=amask, other=0.0)
         m_new = tl.maximum(big_m, m)
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(big_m - m_ref)
-        w = tl.exp(m - m_ref)
-        big_l = big_l * alpha + l_j * w
-        o = o * alpha[:, None] + a * w[:, None]
+        big_l = big_l * tl.exp(big_m - m_new) + l_j * tl.exp(m - m_new)
         big_m = m_new
-    o = o / tl.where(big_l > 0, big_l, 1.0)[:, None]
-    tl.store(out_ptr + bi * so_b + (kh * G + rows[:, None]) * so_h + dv[None, :] * so_d,
-             _rnd(o, CDT, EMU).to(CDT), mask=amask)
-    tl.store(mfin_ptr + pid * G + rows, big_m, mask=rmask)
-    tl.store(lfin_ptr + pid * G + rows, big_l, mask=rmask)
-
-
-@triton.jit
-def _group_probs(score_ptr, mfin_ptr, lfin_ptr, pg_ptr, nt1,
-                 G: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr):
-    """pg_i = sum_h exp(s_hi - M_h) / L_h over the KV group's query heads, for BLOCK keys."""
-    pid = tl.program_id(0).to(tl.int64)  # offsets of big batches overflow int32
-    blk = tl.program_id(1)
-    rows = tl.arange(0, GP)
-    rmask = rows < G
     keys = blk * BLOCK + tl.arange(0, BLOCK)
-    kmask = keys < nt1
+    stored = keys < nt1 - 1
     s = tl.load(score_ptr + (pid * G + rows[:, None]) * nt1 + keys[None, :],
-                mask=rmask[:, None] & kmask[None, :], other=float("-inf"))
-    big_m = tl.load(mfin_ptr + pid * G + rows, mask=rmask, other=0.0)
-    big_l = tl.load(lfin_ptr + pid * G + rows, mask=rmask, other=1.0)
-    p = tl.exp(s - big_m[:, None]) / big_l[:, None]
-    tl.store(pg_ptr + pid * nt1 + keys, tl.sum(p, axis=0), mask=kmask)
+                mask=rmask[:, None] & stored[None, :], other=float("-inf"))
+    s = tl.where((keys == nt1 - 1)[None, :], s_new[:, None], s)
+    p = tl.where(rmask[:, None], tl.exp(s - big_m[:, None]) / big_l[:, None], 0.0)
+    tl.store(pg_ptr + pid * nt1 + keys, tl.sum(p, axis=0), mask=keys < nt1)
+    if blk == 0:
+        amask = rmask[:, None] & (dv[None, :] < DV)
+        vn = tl.load(vn_ptr + bi * svn_b + kh * svn_h + dv * svn_d, mask=dv < DV, other=0.0).to(tl.float32)
+        o = tl.exp(s_new - big_m)[:, None] * vn[None, :]
+        for j in range(n_splits):
+            part = (pid * n_splits + j) * G + rows
+            m = tl.load(m_ptr + part, mask=rmask, other=float("-inf"))
+            a = tl.load(acc_ptr + part[:, None] * DV + dv[None, :], mask=amask, other=0.0)
+            o += a * tl.exp(m - big_m)[:, None]
+        o = o / big_l[:, None]
+        tl.store(out_ptr + bi * so_b + (kh * G + rows[:, None]) * so_h + dv[None, :] * so_d,
+                 _rnd(o, CDT, EMU).to(CDT), mask=amask)
