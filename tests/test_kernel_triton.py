@@ -205,6 +205,9 @@ def test_bad_input_says_what_to_change():
         decode_attention_triton(q, [run], kn, vn, None, 0.1, block=48)
     with pytest.raises(ValueError, match="warps must be a power of two >= 1"):
         decode_attention_triton(q, [run], kn, vn, None, 0.1, warps=3)
+    for regs in (100, 16, 256, True):
+        with pytest.raises(ValueError, match="regs must be a multiple of 8 from 24 to 248"):
+            decode_attention_triton(q, [run], kn, vn, None, 0.1, regs=regs)
     with pytest.raises(ValueError, match=r"runs\[0\].k tensors must be"):
         decode_attention_triton(q, [Run(4, 32, run.k, run.v, 21)], kn, vn, None, 0.1)
     with pytest.raises(ValueError, match="group=24 must divide"):
