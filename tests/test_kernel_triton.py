@@ -10,6 +10,7 @@ and the reference takes those; otherwise both round them to the compute dtype), 
 scores from the same operands."""
 
 import os
+import re
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -319,3 +320,14 @@ def test_the_benchmark_configurations_compute_the_same_attention():
         if ref is not None:
             out, _ = fn()
             assert (out.float() - ref.float()).abs().max() < 1e-2, name
+
+
+def test_the_profile_script_says_what_its_arguments_may_be():
+    """kvevict.bench.triton_profile checks its arguments before it looks for a GPU."""
+    from kvevict.bench import triton_profile
+
+    for argv, says in ((["dense"], "factored or registers"), (["factored", "{"], "JSON object of keyword"),
+                       (["factored", "[1]"], "must be a JSON object"),
+                       (["factored", '{"blok": 64}'], "unknown switch(es) blok: the JSON may name split")):
+        with pytest.raises(SystemExit, match=re.escape(says)):
+            triton_profile.main(argv)

@@ -161,8 +161,9 @@ def test_repeated_rows_get_their_own_copies_of_the_pages():
     assert len(ids) == len(set(ids)) == 2  # a page each, none written by two rows
 
 
-@pytest.mark.parametrize("bits", [8, 4, 2, None])
-def test_a_paged_run_reads_as_its_rectangle(bits):
+@pytest.mark.parametrize("bits, group", [(8, 32), (4, 32), (2, 32), (None, 0),
+                                         (4, 16)])  # 4 groups a token: Triton loads zeros and steps as words
+def test_a_paged_run_reads_as_its_rectangle(bits, group):
     """The kernels' page-table addressing against the same slots laid out in a rectangle: the
     reference, the compiled cpu kernel and the Triton kernel (interpreted), padding masked, rows of
     different page counts."""
@@ -170,7 +171,7 @@ def test_a_paged_run_reads_as_its_rectangle(bits):
     b, h, g, d, n = 3, 2, 3, 64, 70
     cols = -(-n // PAGE)
     k, v = torch.randn(b, h, n, d), torch.randn(b, h, n, d)
-    parts = [*quantize(k, bits, 32), *quantize(v, bits, 32)] if bits else [k, v]
+    parts = [*quantize(k, bits, group), *quantize(v, bits, group)] if bits else [k, v]
     table = torch.randperm(b * cols).view(b, cols) + 1  # every row's pages somewhere in the pool
     table[1, 1:] = 0  # row 1 holds one page: its later slots read page 0 and are masked
     pools = []
@@ -182,9 +183,9 @@ def test_a_paged_run_reads_as_its_rectangle(bits):
     mask = torch.ones(b, 1, n, dtype=torch.bool)
     mask[1, :, PAGE:] = False
     split = (tuple(pools[:3]), tuple(pools[3:])) if bits else ((pools[0],), (pools[1],))
-    paged = Run(bits or 32, 32 if bits else 0, *split, n, table=table, page=PAGE)
+    paged = Run(bits or 32, group, *split, n, table=table, page=PAGE)
     flat = (tuple(parts[:3]), tuple(parts[3:])) if bits else ((parts[0],), (parts[1],))
-    rect = Run(bits or 32, 32 if bits else 0, *flat, n)
+    rect = Run(bits or 32, group, *flat, n)
     q, k_new, v_new = torch.randn(b, h * g, 1, d), torch.randn(b, h, 1, d), torch.randn(b, h, 1, d)
     want = decode_attention_reference(q, [rect], k_new, v_new, mask, 0.125)
     backends = ["torch"] + (["cpu"] if BACKENDS["cpu"].available()[0] else [])

@@ -82,8 +82,8 @@ def decode_attention_triton(q, runs, k_new, v_new, mask, scale, softcap=None, *,
     ``split``: keys per program (a multiple of the key tile; None picks one from the GPU's size);
     ``warps``: warps per split program (None: triton's default), ``block``: keys per tile (a power
     of two >= 16; None: 128 where 2- or 4-bit codes are made from their bits, else 64; 32 past
-    head dim 128), ``regs``: registers per thread the split
-    program may use (triton's ``maxnreg``; None: the compiler's choice), all for tuning on a GPU;
+    head dim 128), ``regs``: registers per thread the split program may use (triton's
+    ``maxnreg``; None: the compiler's choice), all for tuning on a GPU;
     ``factored``: packed runs are read factored where they can be (``_factored``), else every
     channel is dequantized in registers first; ``prefetch``: each tile's bytes are loaded while
     the tile before it is computed; ``lowp``: bf16 queries dequantize in bf16 arithmetic (the
