@@ -110,20 +110,24 @@ def build(args, device):
         # no fused kernel: dequantize into a float copy, then attend (the torch reference)
         configs["torch int4 (copy)"] = (
             lambda run=run: decode_attention_reference(q, [run], k_new, v_new, None, scale), nbytes, ref)
-        for split, warps, block, prefetch, regs, magic in itertools.product(
-                args.splits, args.warps, args.blocks, args.prefetch, args.regs, args.magic):
-            if (split, warps, block, prefetch, regs, magic) == (args.split, None, None, True, None, True):
+        for split, warps, block, prefetch, regs, magic, fold, vpairs in itertools.product(
+                args.splits, args.warps, args.blocks, args.prefetch, args.regs, args.magic, args.fold, args.vpairs):
+            if (split, warps, block, prefetch, regs, magic, fold, vpairs) == (args.split, None, None, True, None, True,
+                                                                              True, True):
                 continue  # "triton int4"
             name = (f"int4 s{split or '-'} w{warps or '-'} b{block or '-'}{'' if prefetch else ' no-pf'}"
-                    f"{f' r{regs}' if regs else ''}{'' if magic else ' no-magic'}")
-            configs[name] = (triton_call([run], split, warps, block, prefetch=prefetch, regs=regs, magic=magic),
-                             nbytes, ref)
+                    f"{f' r{regs}' if regs else ''}{'' if magic else ' no-magic'}{'' if fold else ' no-fold'}"
+                    f"{'' if vpairs else ' no-vpairs'}")
+            configs[name] = (triton_call([run], split, warps, block, prefetch=prefetch, regs=regs, magic=magic,
+                                         fold=fold, vpairs=vpairs), nbytes, ref)
     return configs
 
 
-def time_call(fn, iters: int, cuda: bool, graph=None) -> float:
+def time_call(fn, iters: int, cuda: bool, graph=None, host=None) -> float:
     """ms per call, averaged over ``iters`` calls after one warm-up call; with ``graph`` (a CUDA
-    graph of ``iters`` calls, ``capture``), its replay: the GPU's time without the host's launches."""
+    graph of ``iters`` calls, ``capture``), its replay: the GPU's time without the host's launches.
+    ``host`` (a list, CUDA): gets the host's ms per call to launch them (where it exceeds the GPU's
+    time, launched one by one is the host's time)."""
     if graph is not None:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -136,8 +140,11 @@ def time_call(fn, iters: int, cuda: bool, graph=None) -> float:
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        t0 = time.perf_counter()
         for _ in range(iters):
             fn()
+        if host is not None:
+            host.append((time.perf_counter() - t0) * 1000 / iters)
         end.record()
         torch.cuda.synchronize()
         return start.elapsed_time(end) / iters
@@ -178,6 +185,10 @@ def main(argv=None) -> int:
     p.add_argument("--regs", default="", help="comma-separated registers per thread to sweep for int4 (0 = compiler's)")
     p.add_argument("--magic", default="1",
                    help="comma-separated 1 / 0: sweep int4 with codes made from their bits or converted")
+    p.add_argument("--fold", default="1",
+                   help="comma-separated 1 / 0: sweep int4 with the codes' bias taken off with the zeros or per code")
+    p.add_argument("--vpairs", default="1",
+                   help="comma-separated 1 / 0: sweep int4 with values paired along the tokens or the channels")
     p.add_argument("--iters", type=int, default=20, help="calls per timing")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (runs on a CPU in triton's interpreter)")
@@ -189,6 +200,8 @@ def main(argv=None) -> int:
     args.prefetch = [bool(int(x)) for x in args.prefetch.split(",") if x] or [True]
     args.regs = [int(x) or None for x in args.regs.split(",") if x] or [None]
     args.magic = [bool(int(x)) for x in args.magic.split(",") if x] or [True]
+    args.fold = [bool(int(x)) for x in args.fold.split(",") if x] or [True]
+    args.vpairs = [bool(int(x)) for x in args.vpairs.split(",") if x] or [True]
     try:
         import triton
     except ImportError:
@@ -223,9 +236,10 @@ def main(argv=None) -> int:
         graphs = {name: capture(configs[name][0], args.iters) for name in names} if cuda else {}
         ms = {name: [] for name in names}
         gms = {name: [] for name in names}
+        host = {name: [] for name in names}
         for r in range(args.rounds):
             for name in names[r % len(names):] + names[: r % len(names)]:
-                ms[name].append(time_call(configs[name][0], args.iters, cuda))
+                ms[name].append(time_call(configs[name][0], args.iters, cuda, host=host[name]))
                 if cuda:
                     gms[name].append(time_call(configs[name][0], args.iters, cuda, graphs[name]))
     dense = names[0]
@@ -238,7 +252,8 @@ def main(argv=None) -> int:
                "kv_mib": round(configs[name][1] / 2**20, 1),
                "max_abs_err": errors.get(name), "ms_per_layer_rounds": [round(x, 4) for x in ms[name]]}
         if cuda:  # the same calls replayed from a CUDA graph: the GPU's time alone
-            row.update(graph_ms_per_layer=round(statistics.median(gms[name]), 4),
+            row.update(host_ms_per_call=round(statistics.median(host[name]), 4),
+                       graph_ms_per_layer=round(statistics.median(gms[name]), 4),
                        graph_ratio_to_dense=round(statistics.median(a / b for a, b in zip(gms[name], gms[dense])), 3),
                        graph_ms_per_layer_rounds=[round(x, 4) for x in gms[name]])
         rows.append(row)
@@ -251,11 +266,12 @@ def main(argv=None) -> int:
     print(f"{where}; torch {torch.__version__}, triton {triton.__version__}")
     print(f"batch {args.batch}, context {args.context}, {args.heads} query / {args.kv_heads} KV heads, head dim "
           f"{args.head_dim}; one layer timed x {args.layers}; median of {args.rounds} rounds of {args.iters} calls")
-    print(f"{'config':<30} {'ms/layer':>9} {'ms x' + str(args.layers):>9} {'ratio':>6} {'graph ms':>9} {'ratio':>6} "
-          f"{'KV MiB':>8} {'max err':>8}")
+    print(f"{'config':<30} {'ms/layer':>9} {'ms x' + str(args.layers):>9} {'ratio':>6} {'host ms':>8} {'graph ms':>9} "
+          f"{'ratio':>6} {'KV MiB':>8} {'max err':>8}")
     for r in rows:
         err = "" if r["max_abs_err"] is None else f"{r['max_abs_err']:.1e}"
-        graph = f"{r['graph_ms_per_layer']:>9.4f} {r['graph_ratio_to_dense']:>6.3g}" if cuda else f"{'':>9} {'':>6}"
+        graph = (f"{r['host_ms_per_call']:>8.4f} {r['graph_ms_per_layer']:>9.4f} {r['graph_ratio_to_dense']:>6.3g}"
+                 if cuda else f"{'':>8} {'':>9} {'':>6}")
         print(f"{r['config']:<30} {r['ms_per_layer']:>9.4f} {r['ms_all_layers']:>9.3f} {r['ratio_to_dense']:>6.3g} "
               f"{graph} {r['kv_mib']:>8} {err:>8}")
     int4 = next(r for r in rows if r["config"] == "triton int4")

@@ -15,8 +15,9 @@ The programs are in ``triton_kernels.py``: per run one launch of a split program
 cores, a step and a zero per token and group the only arithmetic: ``_factored``), else
 ``_split_kernel`` (each channel dequantized in registers) -- then one launch of ``_finish`` (the
 new key, the splits merged into out, and pg from the saved scores).
-On an H100 the factored int4 read takes 0.68x dense bf16 SDPA's time at 32K context, batch 8
-(0.66x replayed from a CUDA graph; docs/performance.md, "On a GPU: the Triton kernel"). The
+On an H100 the factored int4 read takes 0.62x dense bf16 SDPA's GPU time at 32K context, batch 8
+(replayed from a CUDA graph; launched one by one from Python the call waits on the host's launch:
+docs/performance.md, "On a GPU: the Triton kernel"). The
 factored read computes with the exact dequantized keys and values, where the torch reference
 (and ``_split_kernel``) rounds them to a bf16 / fp16 query's dtype first: in those dtypes its pg
 is within 3e-7 of attention over the exact values, the rounded reference's about 2e-3
@@ -74,7 +75,8 @@ def register(registry: dict) -> None:
 
 
 def decode_attention_triton(q, runs, k_new, v_new, mask, scale, softcap=None, *, split=None, warps=None,
-                            block=None, factored=True, prefetch=True, lowp=True, magic=True, regs=None, zwords=True):
+                            block=None, factored=True, prefetch=True, lowp=True, magic=True, regs=None, zwords=True,
+                            fold=True, vpairs=True):
     """q (b, hq, 1, d) unscaled; runs: ``kvevict.kernels.runs.Run`` objects (read by field: bits,
     group, k, v, n); k_new, v_new (b, hkv, 1, d|dv) in q's dtype; mask (b, hkv|1, n_total) bool
     over the stored slots (True = visible) or None; the new key is always visible.
@@ -90,7 +92,10 @@ def decode_attention_triton(q, runs, k_new, v_new, mask, scale, softcap=None, *,
     same single rounding; not in the interpreter, whose bf16 arithmetic is not torch's); ``magic``:
     the factored read turns 2- and 4-bit codes into bf16 / fp16 numbers by their bits
     (``triton_kernels._unpack``), not by int -> float conversions; ``zwords``: the factored read
-    loads a token's zeros and steps as 32-bit words where they fill whole words."""
+    loads a token's zeros and steps as 32-bit words where they fill whole words; ``fold`` (bf16,
+    with ``magic``): those numbers keep their bias, taken off with the zeros once per token and
+    group (``_split_rows_kernel``'s FOLD); ``vpairs`` (with ``magic``): the values' numbers are
+    paired along the tokens, as the value product takes them (``triton_kernels._unpack_pairs``)."""
     ok, why = available()
     if not ok:
         raise ModuleNotFoundError(why)
@@ -152,7 +157,9 @@ def decode_attention_triton(q, runs, k_new, v_new, mask, scale, softcap=None, *,
             (kt, vt), zw = words
             magic_ok = bool(magic) and bits in (2, 4) and q.dtype in (torch.bfloat16, torch.float16)
             kernel, extra = tk._split_rows_kernel, dict(
-                GH=gh, NGP=ngp, U=1 << (8 - bits), BLOCK_N=rows_block if magic_ok else block_n, ZW=zw, MAGIC=magic_ok)
+                GH=gh, NGP=ngp, U=1 << (8 - bits), BLOCK_N=rows_block if magic_ok else block_n, ZW=zw, MAGIC=magic_ok,
+                # fp16's bias (1024, 8x bf16's) would cost pg ~2e-5 to the cancellation: bf16 only
+                FOLD=bool(fold) and q.dtype == torch.bfloat16, VPAIR=magic_ok and bool(vpairs))
         else:
             kernel, extra = tk._split_kernel, dict(GP=gp, D_P=d_p, DV_P=dv_p, BLOCK_N=block_n,
                                                    GROUPED_K=_grouped(bits, group, d),

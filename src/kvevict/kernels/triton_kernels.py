@@ -274,13 +274,40 @@ def _words(c_ptr, sc_n, sc_d, rows, nm, NW: tl.constexpr):
 
 
 @triton.jit
+def _or_magic(x, MASK: tl.constexpr, MAGIC: tl.constexpr, EMU: tl.constexpr):
+    """(x & MASK) | MAGIC, on a GPU as one lop3 (written as and + or, ptxas emits two: the two
+    immediates do not fit one instruction)."""
+    if EMU:
+        return (x & MASK) | MAGIC
+    return tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r",
+                                     [x, tl.full([1], MASK, tl.int32), tl.full([1], MAGIC, tl.int32)],
+                                     dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _halves(t, CDT: tl.constexpr, EMU: tl.constexpr):
+    """int32 t read as two CDT (bf16 / fp16) numbers, low half first: t's shape plus an axis of 2.
+    On a GPU one PTX move splits the register; in the interpreter, which has no 16-bit bitcast of
+    bf16, a bf16's bits are the top half of an fp32's."""
+    lo = t & 0xFFFF
+    hi = (t >> 16) & 0xFFFF
+    if EMU and CDT == tl.bfloat16:
+        return tl.join((lo << 16).to(tl.float32, bitcast=True), (hi << 16).to(tl.float32, bitcast=True))
+    x = tl.join(lo.to(tl.int16).to(CDT, bitcast=True), hi.to(tl.int16).to(CDT, bitcast=True))
+    if EMU:
+        return x.to(tl.float32)
+    return x
+
+
+@triton.jit
 def _unpack(words, D: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, MAGIC: tl.constexpr,
-            CDT: tl.constexpr, EMU: tl.constexpr):
+            CDT: tl.constexpr, EMU: tl.constexpr, FOLD: tl.constexpr = False):
     """(BLOCK_N, D) codes in ``_word_order``: fp32 integers, or with MAGIC (2 or 4 bits, a bf16 /
     fp16 CDT) CDT integers made without an int -> float conversion (a quarter-rate instruction on
     a GPU): two codes at a time, each code's bits or-ed under the exponent of B = 128 (bf16, 0x4300)
     or 1024 (fp16, 0x6400) read as the number B + code (exact: the code fits the mantissa), then
-    B subtracted (exact) in CDT's paired arithmetic."""
+    B subtracted (exact) in CDT's paired arithmetic, or with FOLD left on (B + code: the caller
+    takes B off with the zeros, once per token and group instead of once per code pair)."""
     if MAGIC:
         HALF: tl.constexpr = 16 // BITS  # codes per 16-bit half of a word
         ONE: tl.constexpr = (1 << BITS) - 1
@@ -288,15 +315,10 @@ def _unpack(words, D: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, M
         EXP: tl.constexpr = 0x4300 if BF else 0x6400
         BIAS: tl.constexpr = 128.0 if BF else 1024.0
         sh = tl.arange(0, HALF) * BITS
-        t = ((words[:, :, None] >> sh[None, None, :]) & (ONE * 0x10001)) | (EXP * 0x10001)  # (BLOCK_N, NW, HALF)
-        lo = t & 0xFFFF
-        hi = (t >> 16) & 0xFFFF
-        if EMU and BF:  # the interpreter has no bf16 bitcast: a bf16's bits are the top half of an fp32's
-            x = tl.join((lo << 16).to(tl.float32, bitcast=True), (hi << 16).to(tl.float32, bitcast=True))
-        else:
-            x = tl.join(lo.to(tl.int16).to(CDT, bitcast=True), hi.to(tl.int16).to(CDT, bitcast=True))
-            if EMU:
-                x = x.to(tl.float32)
+        t = _or_magic(words[:, :, None] >> sh[None, None, :], ONE * 0x10001, EXP * 0x10001, EMU)  # (BLOCK_N, NW, HALF)
+        x = _halves(t, CDT, EMU)
+        if FOLD:
+            return tl.reshape(x, (BLOCK_N, D))
         return tl.reshape(x, (BLOCK_N, D)) - BIAS
     else:
         PER: tl.constexpr = 32 // BITS
@@ -304,6 +326,56 @@ def _unpack(words, D: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, M
         shift = (j % 4) * 8 + (j // 4) * BITS
         codes = (words[:, :, None] >> shift[None, None, :]) & ((1 << BITS) - 1)  # >> sign-extends; the mask drops it
         return tl.reshape(codes, (BLOCK_N, D)).to(tl.float32)
+
+
+@triton.jit
+def _word_pairs(c_ptr, sc_n, sc_d, t, end, tab_ptr, tab_row, page_rows, NW: tl.constexpr, BLOCK_N: tl.constexpr,
+                PAGED: tl.constexpr, PAGE: tl.constexpr):
+    """(NW, BLOCK_N / 2, 2) int32 words of a tile's packed codes, [w, i, e] word w of token t + 2 i + e
+    (``_unpack_pairs``)."""
+    offs = t + 2 * tl.arange(0, BLOCK_N // 2)[:, None] + tl.arange(0, 2)[None, :]  # (BLOCK_N / 2, 2)
+    nm = offs < end
+    rows = _slots(offs, nm, tab_ptr, tab_row, page_rows, PAGED, PAGE)
+    return tl.load(c_ptr + rows[None, :, :] * sc_n + tl.arange(0, NW)[:, None, None] * sc_d, mask=nm[None, :, :],
+                   other=0)
+
+
+@triton.jit
+def _pick(a, b, sel, EMU: tl.constexpr):
+    """Byte j of a as byte 0 and byte j of b as byte 2, for the prmt selector sel = j | j << 4 |
+    (4 + j) << 8 | (4 + j) << 12: on a GPU one prmt (bytes 1 and 3 then copies of 0 and 2), in the
+    interpreter shifts (bytes 1 and 3 zero); the caller masks both off."""
+    if EMU:
+        return ((a >> ((sel & 3) * 8)) & 0xFF) | (((b >> (((sel >> 8) & 3) * 8)) & 0xFF) << 16)
+    else:
+        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
+def _unpack_pairs(pairs, D: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, CDT: tl.constexpr,
+                  EMU: tl.constexpr, FOLD: tl.constexpr):
+    """(D, BLOCK_N) codes of ``_word_pairs``' words, channels in ``_word_order`` 0 by tokens: CDT
+    numbers made from their bits as ``_unpack``'s MAGIC makes them, but each 32-bit pair holding one
+    channel of two neighbouring tokens (byte j of both words side by side, one prmt, then the code's
+    shift and one lop3), so the pairs run along the tokens, the axis the value product sums over,
+    as the tensor cores take a second operand's pairs: the tile reaches them without a pass through
+    shared memory. FOLD as in ``_unpack``."""
+    ONE: tl.constexpr = (1 << BITS) - 1
+    CPB: tl.constexpr = 8 // BITS  # codes per byte
+    BF: tl.constexpr = CDT == tl.bfloat16
+    EXP: tl.constexpr = 0x4300 if BF else 0x6400
+    BIAS: tl.constexpr = 128.0 if BF else 1024.0
+    we, wo = tl.split(pairs)  # (NW, BLOCK_N / 2): even and odd tokens' words
+    j = tl.arange(0, 4)
+    sel = (j | (j << 4) | ((4 + j) << 8) | ((4 + j) << 12))[None, :, None]
+    d = _pick(we[:, None, :], wo[:, None, :], sel, EMU)  # (NW, 4, BLOCK_N / 2): byte j of both
+    sh = (tl.arange(0, CPB) * BITS)[None, :, None, None]
+    t = _or_magic(d[:, None, :, :] >> sh, ONE * 0x10001, EXP * 0x10001, EMU)  # (NW, CPB, 4, BLOCK_N / 2)
+    x = tl.reshape(_halves(t, CDT, EMU), (D, BLOCK_N))
+    if FOLD:
+        return x
+    return x - BIAS
 
 
 @triton.jit
@@ -337,7 +409,7 @@ def _split_rows_kernel(
     D: tl.constexpr, DV: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, U: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, CDT: tl.constexpr,
     EMU: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, PREFETCH: tl.constexpr = False,
-    MAGIC: tl.constexpr = False, ZW: tl.constexpr = False,
+    MAGIC: tl.constexpr = False, ZW: tl.constexpr = False, FOLD: tl.constexpr = False, VPAIR: tl.constexpr = False,
 ):
     """``_split_kernel`` for a packed run read factored (``triton_decode._factored``): with
     x_hat = step_g / U (U code - zero_g) per group g of a token,
@@ -354,12 +426,16 @@ def _split_rows_kernel(
     g's channels. The online softmax runs on the G heads alone. Keys and values are used at their
     exact dequantized values (no rounding to CDT); the weights w are rounded to CDT, as the
     reference rounds p. PREFETCH: as in ``_split_kernel`` (a tile's words and group bytes are few
-    registers here)."""
+    registers here). FOLD (with MAGIC): the codes arrive as B + code (``_unpack``), B = 128 (bf16) or
+    1024 (fp16), and B joins the zeros: zero_g / U + B for the keys, zero_i + U B for the values
+    (exact in fp32; the products' sums then carry B sum(q_g) or U B sum(w), which fp32 holds to a
+    relative 2^-24 of that, about 1e-6 of a score)."""
     pid = tl.program_id(0).to(tl.int64)  # offsets of big batches overflow int32
     sp = tl.program_id(1)
     bi = pid // HKV
     kh = pid % HKV
     M: tl.constexpr = NGP * GH
+    B: tl.constexpr = (128.0 if CDT == tl.bfloat16 else 1024.0) if (MAGIC and FOLD) else 0.0
     NGK: tl.constexpr = D // GROUP
     NGV: tl.constexpr = DV // GROUP
     NWK: tl.constexpr = D * BITS // 32
@@ -370,7 +446,7 @@ def _split_rows_kernel(
     heads = tl.arange(0, GH)
     hmask = heads < G
     ck = _word_order(D, BITS, MAGIC)
-    cv = _word_order(DV, BITS, MAGIC)
+    cv = _word_order(DV, BITS, MAGIC and not VPAIR)
     qx = tl.load(q_ptr + bi * sq_b + (kh * G + rh[:, None]) * sq_h + ck[None, :] * sq_d,
                  mask=((rg < NGK) & (rh < G))[:, None] & ((ck // GROUP)[None, :] == rg[:, None]), other=0.0)
     qx = _rnd(qx.to(tl.float32) * scale, CDT, EMU)
@@ -391,7 +467,10 @@ def _split_rows_kernel(
         kw = _words(kc_ptr, skc_n, skc_d, slots, nm, NWK)
         kzr = _per_group(kz_ptr, skz_n, skz_d, slots, nm, NGK, NGP, BLOCK_N, ZW)
         ksr = _per_group(ks_ptr, sks_n, sks_d, slots, nm, NGK, NGP, BLOCK_N, ZW)
-        vw = _words(vc_ptr, svc_n, svc_d, slots, nm, NWV)
+        if VPAIR:
+            vw = _word_pairs(vc_ptr, svc_n, svc_d, start, end, tab_ptr, bi * tab_b, page_rows, NWV, BLOCK_N, PAGED, PAGE)
+        else:
+            vw = _words(vc_ptr, svc_n, svc_d, slots, nm, NWV)
         vzr = _per_group(vz_ptr, svz_n, svz_d, slots, nm, NGV, NGP, BLOCK_N, ZW)
         vsr = _per_group(vs_ptr, svs_n, svs_d, slots, nm, NGV, NGP, BLOCK_N, ZW)
     for t in range(start, end, BLOCK_N):
@@ -404,7 +483,11 @@ def _split_rows_kernel(
             kw_next = _words(kc_ptr, skc_n, skc_d, slots, nm_next, NWK)
             kzr_next = _per_group(kz_ptr, skz_n, skz_d, slots, nm_next, NGK, NGP, BLOCK_N, ZW)
             ksr_next = _per_group(ks_ptr, sks_n, sks_d, slots, nm_next, NGK, NGP, BLOCK_N, ZW)
-            vw_next = _words(vc_ptr, svc_n, svc_d, slots, nm_next, NWV)
+            if VPAIR:
+                vw_next = _word_pairs(vc_ptr, svc_n, svc_d, t + BLOCK_N, end, tab_ptr, bi * tab_b, page_rows, NWV,
+                                      BLOCK_N, PAGED, PAGE)
+            else:
+                vw_next = _words(vc_ptr, svc_n, svc_d, slots, nm_next, NWV)
             vzr_next = _per_group(vz_ptr, svz_n, svz_d, slots, nm_next, NGV, NGP, BLOCK_N, ZW)
             vsr_next = _per_group(vs_ptr, svs_n, svs_d, slots, nm_next, NGV, NGP, BLOCK_N, ZW)
         else:
@@ -412,20 +495,27 @@ def _split_rows_kernel(
             kw = _words(kc_ptr, skc_n, skc_d, slots, nm, NWK)
             kzr = _per_group(kz_ptr, skz_n, skz_d, slots, nm, NGK, NGP, BLOCK_N, ZW)
             ksr = _per_group(ks_ptr, sks_n, sks_d, slots, nm, NGK, NGP, BLOCK_N, ZW)
-        kc = _unpack(kw, D, BITS, BLOCK_N, MAGIC, CDT, EMU)
+        kc = _unpack(kw, D, BITS, BLOCK_N, MAGIC, CDT, EMU, FOLD)
         qc = tl.dot(qx, tl.trans(_operand(kc, CDT, EMU)), input_precision="ieee")  # (M, BLOCK_N), exact products
         qc = tl.reshape(qc, (NGP, GH, BLOCK_N))
         kst = _step(ksr)[:, None, :]
-        s = tl.sum(kst * qc - (kst * (kzr.to(tl.float32) / U)[:, None, :]) * q_sum[:, :, None], axis=0)  # (GH, BLOCK_N)
+        s = tl.sum(kst * qc - (kst * (kzr.to(tl.float32) / U + B)[:, None, :]) * q_sum[:, :, None], axis=0)  # (GH, BLOCK_N)
         p, alpha, m_new, l_i = _online(s, offs, nm, m_i, l_i, heads, hmask, pid, bi, kh, key_off, nt1, softcap,
                                        mask_ptr, sm_b, sm_h, sm_n, score_ptr, G, HAS_MASK, SOFTCAP)
         if not PREFETCH:
-            vw = _words(vc_ptr, svc_n, svc_d, slots, nm, NWV)
+            if VPAIR:
+                vw = _word_pairs(vc_ptr, svc_n, svc_d, t, end, tab_ptr, bi * tab_b, page_rows, NWV, BLOCK_N, PAGED,
+                                 PAGE)
+            else:
+                vw = _words(vc_ptr, svc_n, svc_d, slots, nm, NWV)
             vzr = _per_group(vz_ptr, svz_n, svz_d, slots, nm, NGV, NGP, BLOCK_N, ZW)
             vsr = _per_group(vs_ptr, svs_n, svs_d, slots, nm, NGV, NGP, BLOCK_N, ZW)
-        vc = _unpack(vw, DV, BITS, BLOCK_N, MAGIC, CDT, EMU)
+        if VPAIR:  # (DV, BLOCK_N) transposed: pairs along the tokens, as the product takes them
+            vc = tl.trans(_unpack_pairs(vw, DV, BITS, BLOCK_N, CDT, EMU, FOLD))
+        else:
+            vc = _unpack(vw, DV, BITS, BLOCK_N, MAGIC, CDT, EMU, FOLD)
         w = _rnd(p[None, :, :] * (_step(vsr) / U)[:, None, :], CDT, EMU)  # (NGP, GH, BLOCK_N)
-        zc = tl.reshape(tl.sum(w * vzr.to(tl.float32)[:, None, :], axis=2), (M,))
+        zc = tl.reshape(tl.sum(w * (vzr.to(tl.float32) + U * B)[:, None, :], axis=2), (M,))
         # w U (exact: a power of two) times the codes: the products w (U code)
         pv = tl.dot(_operand(tl.reshape(w * U, (M, BLOCK_N)), CDT, EMU), _operand(vc, CDT, EMU),
                     input_precision="ieee")  # (M, DV)
