@@ -27,7 +27,7 @@ from .stock import STOCK_BYTES
 from .storage import DEFAULT_GROUP, Storage
 from .pages import Pools
 from .store import DenseStore, Piece, check_group
-from .tier import Tier
+from .tier import POS16_MAX, Tier
 
 
 def resolve_budget(budget, prompt_len: int) -> int:
@@ -74,6 +74,9 @@ class EvictingLayer(CacheLayerMixin):
         self.prompt_len: int | None = None  # when known before the first forward (chunked prefill)
         self.tiers: list[Tier] = []
         self.seen = 0  # tokens this layer has been given, padding included
+        # the most real tokens any row holds, on the host: exact when read (``_fit_positions``), above
+        # it by the padding fed since; what decides the positions' width, never ``seen``
+        self.longest = 0
         self.evicted = 0  # tokens that left the first tier, per (sequence, head)
         self.peak_entries = 0  # most key/value entries held at once (storage + incoming chunk)
         self.returned_keys = None
@@ -187,6 +190,12 @@ class EvictingLayer(CacheLayerMixin):
         for tier in self.tiers:  # statistics only the rows that left read: dropped with them
             tier.keep_stats(wanted)
         self.budget = self.tiers[0].budget // self.shared
+        if any(t.pos_dtype != torch.int16 for t in self.tiers):
+            # the rows past 32,767 may have left: back to int16 once every row's positions fit (one
+            # host read per batch change of a widened batch), so no row pays for one that left
+            self.longest = int(self.n_real.max()) if self.n_real.numel() else 0
+            for tier in self.tiers:
+                tier.narrow_positions(self.longest - 1)
         self._expose()
 
     def reorder_cache(self, beam_idx) -> None:
@@ -236,6 +245,7 @@ class EvictingLayer(CacheLayerMixin):
             tier.map_batch(lambda t: theirs.append(t) or t)
         ends = [] if other.prompt_end is None else [other.prompt_end]
         rows = iter([*theirs, other.n_real, *ends, other.rows.kind])
+        self.longest = max(self.longest, other.longest)
         self._map_batch(lambda t: torch.cat([t, next(rows)]))
         for tier in other.tiers:  # paged: their rows' pages are this cache's now (a rectangle: copied)
             tier.disown()
@@ -318,8 +328,7 @@ class EvictingLayer(CacheLayerMixin):
         if self.prompt_end is None and self.policy.question:  # the first forward: the prompt, or its first chunk
             self.prompt_end = (self.n_real + ((self.prompt_len or m) - m)).view(-1, 1, 1)
         n_past = sum(t.filled for t in self.tiers)
-        for tier in self.tiers:  # positions never pass the tokens seen: a host-side check
-            tier.widen_positions(self.seen + m - 1)
+        self._fit_positions(m)
         if valid_new is not None:  # a padding token's position is -1: a slot that holds no token
             pos_new = pos_new.masked_fill(~valid_new, -1)
         new = {"k": k_new, "v": v_new, "pos": pos_new.view(-1, 1, m).expand(b, h, m)}
@@ -342,6 +351,19 @@ class EvictingLayer(CacheLayerMixin):
         for tier in self.tiers:  # paged bookkeeping: no rectangle outlives the step
             tier.drop_views()
         self._expose()  # a tier that grew a page holds new tensors
+
+    def _fit_positions(self, m: int) -> None:
+        """Widen the positions to int32 once a row's own last position passes 32,767 (``n_real``
+        already counts this step's tokens). ``longest`` bounds it on the host (every new entry
+        counted, padding included); the exact count is read from the device only when that bound
+        would widen, so neither padding nor a history that outlived its rows (``seen``) widens, and
+        decoding far from the limit reads nothing."""
+        self.longest += m
+        if self.longest - 1 <= POS16_MAX or all(t.pos_dtype != torch.int16 for t in self.tiers):
+            return
+        self.longest = int(self.n_real.max())  # near the limit: one host read, then the bound is exact
+        for tier in self.tiers:
+            tier.widen_positions(self.longest - 1)
 
     def _pooled(self, stats: dict, new: dict, n_past: int):
         """Shared tiers: each stored slot's statistics from its own head's row, and the new tokens

@@ -138,6 +138,11 @@ class Tier:
         if last > POS16_MAX and self.pos_dtype == torch.int16:
             self._meta["pos"] = self._meta["pos"].astype(self.pages, torch.int32)
 
+    def narrow_positions(self, last: int) -> None:
+        """Back to int16 once every position held is at most ``last`` <= 32,767 (the rows past it left)."""
+        if last <= POS16_MAX and self.pos_dtype != torch.int16:
+            self._meta["pos"] = self._meta["pos"].astype(self.pages, torch.int16)
+
     def meta(self, name: str) -> torch.Tensor:
         return self._meta[name].rect(self.capacity)
 

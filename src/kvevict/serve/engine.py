@@ -95,7 +95,7 @@ class Engine:
         self.budgeter = Budgeter(model, settings.kv_bits)
         # every budgeted row's keys and values: its own pages of these pools (kvevict.pages)
         self.pages = Pools(limit=settings.kv_memory)
-        self._opened: set = set()  # format keys whose page pools are open (their page 0 is idle bytes)
+        self._opened: set = set()  # keys of the page pools open (Budgeter.opening): their page 0 is idle bytes
         if settings.budget is None:
             settings.budget = self.default_budget()
         self.metrics.set("kvevict_kv_memory_bytes", settings.kv_memory)
@@ -131,9 +131,9 @@ class Engine:
         """The most K/V bytes ``req`` holds; a BadRequest when that alone exceeds ``kv_memory``."""
         if req.policy != "full" and req.policy not in self.budgeter.slots_of:
             raise BadRequest(f"kv_policy {req.policy!r} cannot serve requests.", "kv_policy")
-        need = self.budgeter.batch_bytes([(req.policy, req.budget_tokens, req.recent,
-                                           len(req.prompt_ids) + req.max_tokens)], paged=True)
-        need += self.budgeter.opening_bytes(req.policy, req.recent)  # alone, its pools' pages 0 too
+        length = len(req.prompt_ids) + req.max_tokens
+        need = self.budgeter.batch_bytes([(req.policy, req.budget_tokens, req.recent, length)], paged=True)
+        need += self.budgeter.opening_bytes(req.policy, req.recent, length)  # alone, its pools' pages 0 too
         if need > self.settings.kv_memory:
             what = ("lower max_tokens or shorten the prompt" if req.policy == "full"
                     else "lower kv_budget")
@@ -212,14 +212,14 @@ class Engine:
                     # free pages of some pool stand in the way: every pool gives its free pages back
                     # (between steps, no view of the pages is live), then the request fits
                     self.pages.compact()  # a pool no row used is gone: only the running rows' stay open
-                    self._opened = {self.budgeter.format_key(r.handle.spec[0], r.handle.spec[2])
-                                    for run in self._running for r in run.rows}
+                    self._opened = {key for run in self._running for r in run.rows
+                                    for key in self.budgeter.opening(*_format(r.handle.spec))}
                     compacted = True
                     continue
                 h = self._pending.popleft()
                 taken.append(h)
                 tokens += len(h.req.prompt_ids)
-            self._opened.update(self.budgeter.format_key(h.spec[0], h.spec[2]) for h in taken)
+            self._opened.update(key for h in taken for key in self.budgeter.opening(*_format(h.spec)))
             self.pages.reserved = self._bound(taken)
             self.metrics.set("kvevict_queued_requests", len(self._pending))
             return taken
@@ -227,12 +227,12 @@ class Engine:
     def _need(self, extra: list[Handle]) -> int:
         """What admitting ``extra`` asks of kv_memory besides the pools' idle pages: the running and
         admitted rows' bound (``_bound``) and the page 0 of every pool the newcomers would open."""
-        keys = {}
+        opening = {}
         for h in extra:
-            keys.setdefault(self.budgeter.format_key(h.spec[0], h.spec[2]), h.spec)
-        opening = sum(self.budgeter.opening_bytes(spec[0], spec[2]) for key, spec in keys.items()
-                      if key not in self._opened)
-        return self._bound(extra) + opening
+            for key, n in self.budgeter.opening(*_format(h.spec)).items():
+                if key not in self._opened:
+                    opening[key] = max(opening.get(key, 0), n)
+        return self._bound(extra) + sum(opening.values())
 
     def _groups(self, handles: list[Handle]) -> list[list[Handle]]:
         """Admitted requests that are prefilled in one forward: the same policy, budget and recent
@@ -392,6 +392,11 @@ class Engine:
         m.set("kvevict_kv_pool_bytes", self.pages.nbytes())
         m.set("kvevict_kv_bytes_full", sum(self.budgeter.stock_bytes(r.fed) for run in self._running for r in run.rows))
         m.peak("kvevict_kv_bytes_peak", held)
+
+
+def _format(spec: tuple) -> tuple:
+    """(policy, recent, length) of a row's ``spec``: what decides the page pools it opens."""
+    return spec[0], spec[2], spec[3]
 
 
 def _joins(specs: list[tuple], spec: tuple) -> bool:

@@ -13,7 +13,10 @@ a ``DynamicCache`` (a full-cache token's K + V bytes), and two budgeted caches p
 filled to their budgets (their ``kv_bytes`` at two budgets give each layer's bytes per slot, keys
 and values plus the policy's per-slot state, and its bytes per sequence besides), for this model,
 dtype and storage (``kv_bits``: packed codes with their steps and zeros, the server's
-``--kv-bits``).
+``--kv-bits``). A slot's position is 2 bytes (int16) while every row of a cache fits them, 4 once
+one passes 32,767 (``Tier.widen_positions``; back to 2 when it leaves): the probes, widened, give
+what that adds per slot, counted for every row of a batch whose length (prompt + max_tokens) may
+pass (``wide``).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from ..policies import POLICIES, make_policy
 from ..rows import stat_names
 from ..stock import STOCK_BYTES
 from ..storage import stat_bytes
-from ..tier import PAGE, pages
+from ..tier import PAGE, POS16_MAX, pages
 
 PROBES = (64, 128)  # budgets of the two probe caches
 TABLE_BYTES = 8  # a page table entry (int64), per row, layer and page column
@@ -39,6 +42,12 @@ def spec_policy(name: str, recent: int | None):
     """The policy a request's ``kv_policy`` and recent window name, made once per pair: admission
     and the gauges ask for it on every worker loop, and it is only read (statistics, budgets)."""
     return make_policy(name, **({} if recent is None else {"recent": recent}))
+
+
+def wide(length: int) -> bool:
+    """Whether a row of ``length`` tokens may hold a position past int16 (its last is length - 1):
+    then its cache's positions are int32, and so are those of every row of its batch."""
+    return length - 1 > POS16_MAX
 
 
 class Budgeter:
@@ -56,12 +65,19 @@ class Budgeter:
         # the denominator of usage's kv_bytes_full: a stock cache in 16 bits, sliding layers at their window
         self.stock_per_layer = [n * STOCK_BYTES // model.dtype.itemsize for n in self.per_layer]
         self.slots_of = {}  # policy -> per layer (bytes per slot, bytes per sequence besides)
+        self.wide_of = {}  # policy -> per layer, the bytes per slot int32 positions add (``wide`` rows)
         for name in POLICIES:
             try:
                 small, big = (self._probe(make_cache(model, name, b, kv_bits=kv_bits), b) for b in PROBES)
             except (ValueError, TypeError):  # a policy that cannot serve (the oracle needs a recording)
                 continue
             self.slots_of[name] = [_line(a, b) for a, b in zip(small.layers, big.layers)]
+            for probe in (small, big):
+                for layer in probe.layers:
+                    for tier in layer.tiers:
+                        tier.widen_positions(POS16_MAX + 1)
+            self.wide_of[name] = [_line(a, b)[0] - narrow for a, b, (narrow, _) in
+                                  zip(small.layers, big.layers, self.slots_of[name])]
         # per layer: bytes of a slot with no statistic (recency keeps none), per byte of statistic
         # a slot of one KV head holds (H2O keeps "sum", ``stat_bytes``), and per row besides; a
         # shared batch's slot carries the union's
@@ -89,11 +105,12 @@ class Budgeter:
 
     def row_bytes(self, policy: str, budget_tokens: int | None, recent: int | None, length: int) -> int:
         """The most bytes one sequence's cache holds: a full cache grows to ``length`` (prompt +
-        max_tokens); a budgeted one to ``slots`` per layer."""
+        max_tokens); a budgeted one to ``slots`` per layer (int32 positions past 32,767: ``wide``)."""
         if policy == "full":
             return length * self.token_bytes
         widths = self.slots(spec_policy(policy, recent), budget_tokens, length)
-        return sum(per_slot * w + rest for w, (per_slot, rest) in zip(widths, self.slots_of[policy]))
+        more = self.wide_of[policy] if wide(length) else [0] * len(widths)
+        return sum((per_slot + x) * w + rest for w, x, (per_slot, rest) in zip(widths, more, self.slots_of[policy]))
 
     def fits(self, policy, budget_tokens: int, length: int) -> bool:
         """Whether a prompt of ``length`` tokens enters every layer without evicting (its budget
@@ -126,13 +143,25 @@ class Budgeter:
         pol = spec_policy(policy, recent)
         return tuple(stat_names([pol])), self.shared(pol)
 
-    def opening_bytes(self, policy: str, recent: int | None) -> int:
-        """The most the page pools a row of ``policy`` opens hold before it takes a page: one page
-        (page 0) of every per-slot tensor, per distinct layer format (layers alike share pools)."""
+    def opening(self, policy: str, recent: int | None, length: int = 0) -> dict:
+        """The page pools a row of ``policy`` and ``length`` tokens opens, each the most its page 0
+        holds, by key: its formats (``format_key``): one page of every per-slot tensor, per
+        distinct layer format (layers alike share pools); for a ``wide`` row also the int32
+        positions pool (one for every layer of its KV heads: an int32 position is twice the 2
+        bytes widening adds to a slot)."""
         if policy == "full":
-            return 0
+            return {}
         shared = self.shared(spec_policy(policy, recent))
-        return sum(PAGE * per_slot // shared for per_slot in {per for per, _ in self.slots_of[policy]})
+        out = {self.format_key(policy, recent):
+               sum(PAGE * per_slot // shared for per_slot in {per for per, _ in self.slots_of[policy]})}
+        if wide(length):
+            out[("int32 positions", self.heads // shared)] = PAGE * 2 * max(self.wide_of[policy]) // shared
+        return out
+
+    def opening_bytes(self, policy: str, recent: int | None, length: int = 0) -> int:
+        """The most the page pools a row of ``policy`` and ``length`` tokens opens hold before it
+        takes a page (``opening``)."""
+        return sum(self.opening(policy, recent, length).values())
 
     def batch_bytes(self, rows: list[tuple], paged: bool = False) -> int:
         """The most a batch of rows sharing one cache can hold; ``rows``: (policy, budget_tokens,
@@ -141,7 +170,9 @@ class Budgeter:
         longest row under the largest budget any row has there x the bytes of a slot carrying
         every row's policy statistics, + the bytes per row besides). ``paged`` (the server's caches,
         ``kvevict.pages``): a row holds only its own pages (``own_pages``) of every per-slot tensor
-        (K/V, positions, statistics), and each row a page table per tensor as wide as the widest."""
+        (K/V, positions, statistics), and each row a page table per tensor as wide as the widest.
+        Positions are one tensor of the whole batch: int32 for every row when one row's length may
+        pass 32,767 (``wide``)."""
         return self._batch_bytes(tuple(rows), paged)
 
     def _bytes_of(self, rows: tuple, paged: bool = False) -> int:
@@ -157,11 +188,14 @@ class Budgeter:
         shared = self.shared(pols[0])
         tensors = 2 + (shared > 1) + len(names)  # paged: K/V, positions, head ids, each statistic
         own = [self.own_pages(pol, r[1], r[3]) for pol, r in zip(pols, rows)] if paged else []
+        widened = wide(longest)
         total = held = 0
         for i, (w, (bare, stat, rest)) in enumerate(zip(widths, self.slot_parts)):
             # what a policy's slot holds besides K/V, position, validity and statistics (Ada-KV: its head id)
             extra = max(self.slots_of[r[0]][i][0] - bare - stat_bytes(pol.stats) * stat for pol, r in zip(pols, rows))
             per_slot = bare + union * stat + extra
+            if widened:  # int32 positions, for every row of the batch
+                per_slot += max(self.wide_of[r[0]][i] for r in rows)
             if not paged:
                 total += w * per_slot + rest
                 continue
