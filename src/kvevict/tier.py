@@ -193,7 +193,7 @@ class Tier:
         real, adds = self._padding(new["pos"], caps)
         fills = [min(c, f + a) for f, c, a in zip(self.fills, caps, adds)]  # every row takes its free slots first
         self.reserve(max(fills, default=0))
-        if fills != self.fills:  # rows that grow: a paged store gives them their pages first
+        if fills != self.fills and self._crosses(fills):  # a row grows into a page: paged holders give it first
             self.store.ensure(fills)
             for f in self._meta.values():
                 f.ensure(fills)
@@ -208,6 +208,16 @@ class Tier:
         if fills != self.fills:  # a full cache decoding (the steady state) changes nothing here
             self._set_fills(fills)
         return gone
+
+    def _crosses(self, fills: list[int]) -> bool:
+        """Whether a row's new fill passes into a page it has not reached: only then can a paged
+        holder (store or field, every one a page of the same size, each already holding the pages of
+        the old fills) give out pages, so the holders' own per-row loops run once in ``page`` steps
+        instead of every step. A rectangle's slots exist already: never."""
+        page = getattr(self.store, "page", None)
+        if page is None:
+            return False
+        return any(-(-f // page) > -(-o // page) for f, o in zip(fills, self.fills))
 
     def _padding(self, pos: torch.Tensor, caps: list[int]) -> tuple[torch.Tensor | None, list[int]]:
         """(which of the new entries are tokens (b, m), or None; the slots each row's entries
