@@ -282,6 +282,32 @@ def test_compiles_for_an_h100_without_one():
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 
+def test_the_sass_counts_show_what_the_switches_save(tmp_path):
+    """kvevict.bench.triton_sass compiles the split program for sm_90 here and counts its loop: with
+    the bias folded into the zeros no paired subtraction is left (128 a thread a tile without), and
+    values paired along the tokens plus the fold cost fewer instructions and fewer shared-memory
+    operations than neither (the claims of docs/performance.md, held on the installed triton)."""
+    import json
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(__import__("kvevict").__file__)),
+                                         env.get("PYTHONPATH", "")])
+    got = {}
+    for name, switches in (("on", "{}"), ("off", '{"fold": false, "vpairs": false}')):
+        out = tmp_path / f"{name}.json"
+        done = subprocess.run([sys.executable, "-m", "kvevict.bench.triton_sass", switches, "--out", str(out)],
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        got[name] = json.loads(out.read_text())
+    on, off = got["on"], got["off"]
+    assert on["classes"]["mma"] == off["classes"]["mma"] > 0  # the same products
+    assert on["classes"]["paired half adds"] == 0 < off["classes"]["paired half adds"]
+    assert on["loop_instructions"] < off["loop_instructions"]
+    assert on["classes"]["shared memory"] < off["classes"]["shared memory"]
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="the whole cache on a GPU: needs CUDA (compiled triton)")
 @pytest.mark.parametrize("kv_bits, paged", [(None, False), (4, False), (4, True), (8, True)])
 def test_the_cache_on_a_gpu_generates_as_the_torch_reference(monkeypatch, kv_bits, paged):

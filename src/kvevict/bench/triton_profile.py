@@ -20,7 +20,7 @@ import sys
 import torch
 
 from ..kernels.runs import Run
-from ..kernels.triton_decode import decode_attention_triton
+from ..kernels.triton_decode import decode_attention_triton, plan
 from ..store import quantize
 
 
@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     if not isinstance(tune, dict):
         raise SystemExit(f"the second argument must be a JSON object, got {argv[1]!r}.")
     # the backend's keyword switches, less ``factored`` (the first argument sets it)
-    known = [n for n, p in inspect.signature(decode_attention_triton).parameters.items()
+    known = [n for n, p in inspect.signature(plan).parameters.items()
              if p.kind is p.KEYWORD_ONLY and n != "factored"]
     unknown = sorted(set(tune) - set(known))
     if unknown:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -74,10 +75,34 @@ def register(registry: dict) -> None:
     registry["triton"] = decode_attention_triton
 
 
-def decode_attention_triton(q, runs, k_new, v_new, mask, scale, softcap=None, *, split=None, warps=None,
-                            block=None, factored=True, prefetch=True, lowp=True, magic=True, regs=None, zwords=True,
-                            fold=True, vpairs=True):
-    """q (b, hq, 1, d) unscaled; runs: ``kvevict.kernels.runs.Run`` objects (read by field: bits,
+class Launch(NamedTuple):
+    """One program launch ``plan`` lays out: ``kernel[grid](*args, **kwargs)``."""
+    kernel: object
+    grid: tuple
+    args: tuple
+    kwargs: dict
+
+
+def decode_attention_triton(q, runs, k_new, v_new, mask, scale, softcap=None, **switches):
+    """The backend: ``plan``'s launches made (its docstring: arguments, switches, results);
+    ``NotImplemented`` where triton cannot run these tensors (the dispatcher then uses the torch
+    reference)."""
+    ok, why = available()
+    if not ok:
+        raise ModuleNotFoundError(why)
+    if not (q.is_cuda or interpreting()) or q.dtype not in _DTYPES:
+        return NotImplemented
+    out, pg, launches = plan(q, runs, k_new, v_new, mask, scale, softcap, **switches)
+    for la in launches:
+        la.kernel[la.grid](*la.args, **la.kwargs)
+    return out, pg
+
+
+def plan(q, runs, k_new, v_new, mask, scale, softcap=None, *, split=None, warps=None, block=None, factored=True,
+         prefetch=True, lowp=True, magic=True, regs=None, zwords=True, fold=True, vpairs=True):
+    """The launches of one decode step's attention, laid out and not made: (out, pg, [``Launch``]),
+    out and pg the buffers they fill (``kvevict.bench.triton_sass`` compiles them for a GPU on any
+    machine). q (b, hq, 1, d) unscaled; runs: ``kvevict.kernels.runs.Run`` objects (read by field: bits,
     group, k, v, n); k_new, v_new (b, hkv, 1, d|dv) in q's dtype; mask (b, hkv|1, n_total) bool
     over the stored slots (True = visible) or None; the new key is always visible.
     Returns (out (b, hq, 1, dv) in q's dtype, pg (b, hkv, n_total + 1) float32).
@@ -96,11 +121,6 @@ def decode_attention_triton(q, runs, k_new, v_new, mask, scale, softcap=None, *,
     with ``magic``): those numbers keep their bias, taken off with the zeros once per token and
     group (``_split_rows_kernel``'s FOLD); ``vpairs`` (with ``magic``): the values' numbers are
     paired along the tokens, as the value product takes them (``triton_kernels._unpack_pairs``)."""
-    ok, why = available()
-    if not ok:
-        raise ModuleNotFoundError(why)
-    if not (q.is_cuda or interpreting()) or q.dtype not in _DTYPES:
-        return NotImplemented
     b, hq, hkv, d, dv, n_total = _check(q, runs, k_new, v_new, mask)
     from . import triton_kernels as tk  # imports triton
 
@@ -138,6 +158,7 @@ def decode_attention_triton(q, runs, k_new, v_new, mask, scale, softcap=None, *,
     m_strides = (m.stride(0), m.stride(1) if m.shape[1] > 1 else 0, m.stride(2)) if mask is not None else (0, 0, 0)
 
     key_off = split_off = 0
+    launches = []
     for (bits, group, kt, vt, n, table, page), ns in zip(every, splits):
         paged = table is not None
         if paged:
@@ -165,25 +186,24 @@ def decode_attention_triton(q, runs, k_new, v_new, mask, scale, softcap=None, *,
                                                    GROUPED_K=_grouped(bits, group, d),
                                                    GROUPED_V=_grouped(bits, group, dv),
                                                    LOWP=bool(lowp) and q.dtype == torch.bfloat16 and not emu)
-        kernel[(b * hkv, ns)](
+        launches.append(Launch(kernel, (b * hkv, ns), (
             q, q.stride(0), q.stride(1), q.stride(3),
             *_operand(kt, paged), *_operand(vt, paged),
             m, *m_strides,
             scores, m_part, l_part, acc_part,
             n, key_off, split_off, split, n_splits, nt1, float(scale), float(softcap or 1.0),
             table if paged else scores, table.stride(0) if paged else 0, _page_rows(kt, vt) if paged else 0,
-            **common, **extra,
-        )
+        ), {**common, **extra}))
         key_off += n
         split_off += ns
     block = 256  # keys per _finish program
-    tk._finish[(b * hkv, triton_cdiv(nt1, block))](
+    launches.append(Launch(tk._finish, (b * hkv, triton_cdiv(nt1, block)), (
         q, q.stride(0), q.stride(1), q.stride(3), k_new, k_new.stride(0), k_new.stride(1), k_new.stride(3),
         v_new, v_new.stride(0), v_new.stride(1), v_new.stride(3), m_part, l_part, acc_part, scores,
         out, out.stride(0), out.stride(1), out.stride(3), pg, n_splits, nt1, float(scale), float(softcap or 1.0),
-        HKV=hkv, G=g, GP=max(2, _pow2(g)), D=d, D_P=d_p, DV=dv, DV_P=dv_p, BLOCK=block,
-        SOFTCAP=softcap is not None, CDT=cdt, EMU=emu)
-    return out, pg
+    ), dict(HKV=hkv, G=g, GP=max(2, _pow2(g)), D=d, D_P=d_p, DV=dv, DV_P=dv_p, BLOCK=block,
+            SOFTCAP=softcap is not None, CDT=cdt, EMU=emu)))
+    return out, pg, launches
 
 
 def triton_cdiv(a: int, b: int) -> int:
