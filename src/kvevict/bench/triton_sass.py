@@ -121,8 +121,9 @@ def main(argv=None) -> int:
     compiled = compile_for(*split_launch(switches, args.arch), arch=args.arch)
     sass, usage = sass_of(compiled)
     total, ops = loop_counts(sass)
-    classes = {name: sum(n for op, n in ops.items() if op.split(".")[0] in prefixes or op in prefixes
-                         or any(op.startswith(x + ".") for x in prefixes))
+    # an opcode is in a class by its first word (LDS.128: LDS) or its first two (IMAD.MOV.U32: IMAD.MOV)
+    classes = {name: sum(n for op, n in ops.items() if op.split(".")[0] in prefixes
+                         or ".".join(op.split(".")[:2]) in prefixes)
                for name, prefixes in CLASSES.items()}
     meta = compiled.metadata
     result = {"triton": triton.__version__, "arch": args.arch, "switches": switches, "kernel": meta.name,

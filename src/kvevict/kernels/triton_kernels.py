@@ -429,7 +429,9 @@ def _split_rows_kernel(
     registers here). FOLD (with MAGIC): the codes arrive as B + code (``_unpack``), B = 128 (bf16) or
     1024 (fp16), and B joins the zeros: zero_g / U + B for the keys, zero_i + U B for the values
     (exact in fp32; the products' sums then carry B sum(q_g) or U B sum(w), which fp32 holds to a
-    relative 2^-24 of that, about 1e-6 of a score)."""
+    relative 2^-24 of that, about 1e-6 of a score). VPAIR (with MAGIC): the values' codes are made
+    in pairs of neighbouring tokens (``_unpack_pairs``, their channels in ``_word_order`` 0), the
+    pairs the value product's second operand takes, so that tile skips a pass through shared memory."""
     pid = tl.program_id(0).to(tl.int64)  # offsets of big batches overflow int32
     sp = tl.program_id(1)
     bi = pid // HKV
