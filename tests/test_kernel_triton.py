@@ -282,6 +282,16 @@ def test_compiles_for_an_h100_without_one():
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 
+def test_the_sass_tool_says_what_its_switches_may_be():
+    """kvevict.bench.triton_sass refuses an unknown switch or a non-object by name, before compiling."""
+    from kvevict.bench import triton_sass
+
+    for argv, says in ((['{"fodl": false}'], "unknown switch(es) fodl: the JSON may name split"),
+                       (["[1]"], "must be a JSON object"), (["{"], "must be a JSON object (")):
+        with pytest.raises(SystemExit, match=re.escape(says)):
+            triton_sass.main(argv)
+
+
 def test_the_sass_counts_show_what_the_switches_save(tmp_path):
     """kvevict.bench.triton_sass compiles the split program for sm_90 here and counts its loop: with
     the bias folded into the zeros no paired subtraction is left (128 a thread a tile without), and

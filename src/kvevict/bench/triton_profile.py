@@ -13,14 +13,13 @@ call's, compiled and warm.
 
 from __future__ import annotations
 
-import inspect
 import json
 import sys
 
 import torch
 
 from ..kernels.runs import Run
-from ..kernels.triton_decode import decode_attention_triton, plan
+from ..kernels.triton_decode import decode_attention_triton, unknown_switches
 from ..store import quantize
 
 
@@ -35,12 +34,9 @@ def main(argv=None) -> int:
         raise SystemExit(f"the second argument must be a JSON object of keyword arguments ({e}).") from None
     if not isinstance(tune, dict):
         raise SystemExit(f"the second argument must be a JSON object, got {argv[1]!r}.")
-    # the backend's keyword switches, less ``factored`` (the first argument sets it)
-    known = [n for n, p in inspect.signature(plan).parameters.items()
-             if p.kind is p.KEYWORD_ONLY and n != "factored"]
-    unknown = sorted(set(tune) - set(known))
-    if unknown:
-        raise SystemExit(f"unknown switch(es) {', '.join(unknown)}: the JSON may name {', '.join(known)}.")
+    why = unknown_switches(tune, fixed=("factored",))  # the first argument sets ``factored``
+    if why:
+        raise SystemExit(why)
     if not torch.cuda.is_available():
         raise SystemExit("this profiles a GPU kernel and there is no CUDA device here.")
     b, hq, hkv, d, n = 8, 32, 8, 128, 32768

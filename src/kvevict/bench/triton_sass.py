@@ -35,7 +35,7 @@ CLASSES = {"moves": ("IMAD.MOV", "MOV"), "barriers": ("BAR",), "mma": ("HMMA", "
            "logic": ("LOP3",), "shifts": ("SHF",), "paired half adds": ("HADD2",), "local (spills)": ("LDL", "STL")}
 
 
-def split_launch(switches: dict, arch: int):
+def split_launch(switches: dict):
     """(kernel, args, kwargs) of the split program of one decode step at the profiled shape, laid
     out by ``plan`` on CPU tensors, its interpreter switch off (the GPU's program)."""
     from ..kernels.runs import Run
@@ -114,11 +114,16 @@ def main(argv=None) -> int:
         raise SystemExit(f"the switches must be a JSON object ({e}).") from None
     if not isinstance(switches, dict):
         raise SystemExit(f"the switches must be a JSON object, got {args.switches!r}.")
+    from ..kernels.triton_decode import unknown_switches
+
+    why = unknown_switches(switches)
+    if why:
+        raise SystemExit(why)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("TRITON_INTERPRET is set: unset it (the interpreter compiles nothing).")
     import triton
 
-    compiled = compile_for(*split_launch(switches, args.arch), arch=args.arch)
+    compiled = compile_for(*split_launch(switches), arch=args.arch)
     sass, usage = sass_of(compiled)
     total, ops = loop_counts(sass)
     # an opcode is in a class by its first word (LDS.128: LDS) or its first two (IMAD.MOV.U32: IMAD.MOV)

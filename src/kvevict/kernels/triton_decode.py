@@ -98,6 +98,16 @@ def decode_attention_triton(q, runs, k_new, v_new, mask, scale, softcap=None, **
     return out, pg
 
 
+def unknown_switches(switches: dict, fixed: tuple = ()) -> str | None:
+    """None when every key of ``switches`` is one of ``plan``'s keyword switches (less ``fixed``),
+    else a message naming the unknown ones and the known: for tools that take switches as JSON."""
+    import inspect
+
+    known = [n for n, p in inspect.signature(plan).parameters.items() if p.kind is p.KEYWORD_ONLY and n not in fixed]
+    unknown = sorted(set(switches) - set(known))
+    return f"unknown switch(es) {', '.join(unknown)}: the JSON may name {', '.join(known)}." if unknown else None
+
+
 def plan(q, runs, k_new, v_new, mask, scale, softcap=None, *, split=None, warps=None, block=None, factored=True,
          prefetch=True, lowp=True, magic=True, regs=None, zwords=True, fold=True, vpairs=True):
     """The launches of one decode step's attention, laid out and not made: (out, pg, [``Launch``]),
