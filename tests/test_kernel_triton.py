@@ -9,6 +9,7 @@ in every dtype: the kernel rounds the scaled query as torch does, and its keys a
 and the reference takes those; otherwise both round them to the compute dtype), so both take fp32
 scores from the same operands."""
 
+import math
 import os
 import re
 
@@ -261,10 +262,11 @@ for paged in (False, True):  # storage in rectangles, and in pages read through 
         cvts[magic] = len(re.findall(r"cvt\.rn\.(?:bf16|f16|f32)\.[su](?:8|16|32)", k.asm["ptx"]))
     # codes made from their bits: int -> float conversions are left for the zeros alone, not every code
     assert 4 * cvts[True] < cvts[False], cvts
-build(tk._finish, dict(HKV=8, G=4, GP=4, D=128, D_P=128, DV=128, DV_P=128, BLOCK=256, SOFTCAP=True,
-                       CDT=tl.bfloat16, EMU=False),
-      dict(q_ptr=bf, kn_ptr=bf, vn_ptr=bf, m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", score_ptr="*fp32",
-           out_ptr=bf, pg_ptr="*fp32"))
+for summary in (False, True):  # with the merged cache's mean slot (kvevict.merge) and without
+    build(tk._finish, dict(HKV=8, G=4, GP=4, D=128, D_P=128, DV=128, DV_P=128, BLOCK=256, SOFTCAP=True,
+                           CDT=tl.bfloat16, EMU=False, SUMMARY=summary),
+          dict(q_ptr=bf, kn_ptr=bf, vn_ptr=bf, m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", score_ptr="*fp32",
+               out_ptr=bf, pg_ptr="*fp32", sum_k_ptr="*fp32", sum_v_ptr="*fp32", sum_b_ptr="*fp32"))
 print("compiled")
 """
 
@@ -372,3 +374,27 @@ def test_the_profile_script_says_what_its_arguments_may_be():
                        (["factored", '{"blok": 64}'], "unknown switch(es) blok: the JSON may name split")):
         with pytest.raises(SystemExit, match=re.escape(says)):
             triton_profile.main(argv)
+
+
+@pytest.mark.parametrize("dtype, softcap", [(torch.float32, None), (torch.bfloat16, 5.0)])
+def test_the_merged_caches_mean_slot_joins_as_the_reference_says(dtype, softcap):
+    """kvevict.merge: the evicted tokens' mean slot (key, value, log n; -inf for a head that evicted
+    nothing) joins _finish as one more partial, as decode_attention_reference joins it; pg keeps
+    the stored keys and the new one only."""
+    from kvevict.kernels import decode_attention_reference
+
+    gen = torch.Generator().manual_seed(11)
+    b, hkv, g, d, n = 2, 2, 3, 64, 70
+    run, _, _ = make_run(b, hkv, n, d, 4, 32, dtype, gen)
+    q = torch.randn(b, hkv * g, 1, d, generator=gen).to(dtype)
+    k_new, v_new = (torch.randn(b, hkv, 1, d, generator=gen).to(dtype) for _ in range(2))
+    mk, mv = (torch.randn(b, hkv, 1, d, generator=gen).to(dtype) for _ in range(2))
+    logn = torch.tensor([[2.5, -math.inf], [0.0, 5.5]]).view(b, hkv, 1, 1)
+    mask = torch.rand(b, hkv, n, generator=gen) > 0.3
+    out, pg = call(q, [run], k_new, v_new, mask, d ** -0.5, softcap, summary=tuple(x.to(DEVICE) for x in (mk, mv, logn)))
+    cpu_run = Run(run.bits, run.group, tuple(t.cpu() for t in run.k), tuple(t.cpu() for t in run.v), n)
+    want, want_pg = decode_attention_reference(q, [cpu_run], k_new, v_new, mask, d ** -0.5, softcap, (mk, mv, logn))
+    tol = 2e-5 if dtype == torch.float32 else 2e-2  # bf16: the reference sums in bf16, one ulp at |out| < 4
+    torch.testing.assert_close(out.float(), want.float(), atol=tol, rtol=0)
+    torch.testing.assert_close(pg, want_pg, atol=2e-5 if dtype == torch.float32 else 2e-3, rtol=0)
+    assert pg.shape == (b, hkv, n + 1)

@@ -213,6 +213,8 @@ CASES = {
     "ada-kv int4": dict(policy="adakv", kv_bits=4),
     "tova fp16": dict(policy="tova", kv_bits=16),
     "aqas int8": dict(policy="aqas", kv_bits=8),
+    "merged, int8+int4 tiers": dict(policy="merge-h2o", kv_bits=8, evicted_bits=4, evicted_budget=9),
+    "merged, ada-kv int4": dict(policy="merge-adakv", kv_bits=4),
 }
 
 

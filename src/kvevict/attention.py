@@ -113,6 +113,8 @@ class _Segments:
     pos_new: torch.Tensor  # (b|1, q) positions of the new tokens
     valid_new: torch.Tensor | None  # (b, q) bool, None = all real
     runs: list | None = None  # the same past as kvevict.kernels.Run, as stored (decode: fused kernels)
+    # the evicted tokens as one slot (kvevict.merge.Summary.term): mean key, mean value, log count
+    summary: tuple | None = None
 
 
 def _generic_segments(key, value, q_len, info: PaddingInfo | None) -> _Segments:
@@ -205,23 +207,31 @@ def attend(query, seg: _Segments, scale, window, softcap, wanted=(), observe=0, 
         scores = torch.matmul(qc, kn_t[..., :e])
         if n_past:
             scores = torch.cat([torch.matmul(qc, p.keys().transpose(-1, -2)) for p in seg.pieces] + [scores], dim=-1)
+        if seg.summary is not None:  # one more column, last: the evicted tokens' mean key
+            scores = torch.cat([scores, torch.matmul(qc, seg.summary[0].transpose(-1, -2))], dim=-1)
         if scores.dtype != torch.float32:
             scores = scores.float()
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
-        s5 = scores.view(b, hkv, g, c, n_past + e)
+        extra = 0 if seg.summary is None else 1
+        if extra:  # n copies of it: + log n after the softcap (-inf where nothing was evicted)
+            scores[..., -1:] += seg.summary[2]
+        s5 = scores.view(b, hkv, g, c, n_past + e + extra)
         hide_past, hide_new, later = _hidden(seg, s, e, window, idx)
         if hide_past is not None:
             s5[..., :n_past].masked_fill_(hide_past, float("-inf"))
         if hide_new is not None:
-            s5[..., n_past:].masked_fill_(hide_new, float("-inf"))
+            s5[..., n_past: n_past + e].masked_fill_(hide_new, float("-inf"))
         if later is not None:  # causality only bites on the chunk's own diagonal block
-            s5[..., n_past + s:].masked_fill_(later, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).view(b, hkv, g, c, n_past + e)
+            s5[..., n_past + s: n_past + e].masked_fill_(later, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).view(b, hkv, g, c, n_past + e + extra)
         if seg.valid_new is not None:  # padding queries (fully masked rows give NaN) count for nothing
             probs = torch.where(seg.valid_new[:, None, None, s:e, None], probs, 0.0)
-        pc = probs.to(query.dtype).view(b, hkv, g * c, n_past + e)
-        o = torch.matmul(pc[..., n_past:], seg.v_new[:, :, :e])
+        pc = probs.to(query.dtype).view(b, hkv, g * c, n_past + e + extra)
+        o = torch.matmul(pc[..., n_past: n_past + e], seg.v_new[:, :, :e])
+        if extra:
+            o += pc[..., -1:] * seg.summary[1]
+            probs = probs[..., :-1]  # the statistics are the kept keys'
         off = 0
         for p in seg.pieces:
             o += torch.matmul(pc[..., off: off + p.n], p.values())
@@ -259,7 +269,7 @@ def _attend_fused(query, seg: _Segments, scale, window, softcap, wanted, observe
     mask = None
     if hide_past is not None:  # (b|1, hkv|1, 1, 1, n_past) -> (b, hkv|1, n_past)
         mask = (~hide_past).reshape(hide_past.shape[0], hide_past.shape[1], n_past).expand(b, -1, -1)
-    out, pg = decode_attention(query, seg.runs, seg.k_new, seg.v_new, mask, scale, softcap)
+    out, pg = decode_attention(query, seg.runs, seg.k_new, seg.v_new, mask, scale, softcap, summary=seg.summary)
     if seg.valid_new is not None:  # a padding query counts for nothing (attend: its probabilities are 0)
         real = seg.valid_new[:, -1].view(b, 1, 1)
         out, pg = out * real.view(b, 1, 1, 1), pg * real

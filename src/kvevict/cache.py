@@ -19,6 +19,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .attention import ATTN_NAME, PaddingInfo, _Segments, hand_off, register
 from .input_checks import max_positions, no_new_tokens, positions_after
+from .merge import Summary
 from .policies import Policy, make_policy
 from .policies.window import Windowed, window_recency
 from .rope import compact_positions, rope_inv_freq, shift_keys
@@ -81,6 +82,7 @@ class EvictingLayer(CacheLayerMixin):
         self.peak_entries = 0  # most key/value entries held at once (storage + incoming chunk)
         self.returned_keys = None
         self.prompt_end = None
+        self.summary: Summary | None = None  # the evicted tokens' mean slot (policy.merge)
         self._new = None
         self._padded = False  # whether any slot may hold padding (then attention needs the mask)
 
@@ -118,8 +120,20 @@ class EvictingLayer(CacheLayerMixin):
                                        heads=self.shared, pages=self.pages))
         self.n_real = torch.zeros(b, dtype=torch.long, device=self.device)
         self.rows = Rows(policy, self.budget, b, self.device)  # every row: this policy and budget
+        self.summary = self._summary(b, h, dk, value_states.shape[-1])
         self._expose()
         self.is_initialized = True
+
+    def _summary(self, b, h, dk, dv) -> "Summary | None":
+        """The evicted tokens' mean slot (``kvevict.merge``) when the policy asks for it (``merge``).
+        A sliding layer forgets by design (what leaves its window must not be attended) and compact
+        positions re-rotate keys each step, which a sum of rotated keys cannot follow."""
+        if not getattr(self.policy, "merge", False):
+            return None
+        if self.inv_freq is not None:
+            raise ValueError("merge keeps evicted keys rotated at their own positions; it does not work with "
+                             "compact positions: drop compact=True or merge.")
+        return None if self.window is not None else Summary(b, h, dk, dv, self.device)
 
     def _windowed(self, budget: int):
         """This layer's budget and policy: a sliding layer keeps at most the W - 1 tokens the stock
@@ -186,6 +200,8 @@ class EvictingLayer(CacheLayerMixin):
         if self.prompt_end is not None:
             self.prompt_end = fn(self.prompt_end)
         self.rows.map_batch(fn)
+        if self.summary is not None:
+            self.summary.map_batch(fn)
         wanted = set(self.rows.stats)
         for tier in self.tiers:  # statistics only the rows that left read: dropped with them
             tier.keep_stats(wanted)
@@ -211,7 +227,7 @@ class EvictingLayer(CacheLayerMixin):
         return (self.is_initialized and other.is_initialized and self.storage == other.storage
                 and self.dims == other.dims and self.dtype == other.dtype and len(self.tiers) == len(other.tiers)
                 and self.shared == other.shared and self.inv_freq is None and other.inv_freq is None
-                and self.pages is other.pages
+                and self.pages is other.pages and (self.summary is None) == (other.summary is None)
                 and shareable(self.rows.policies + other.rows.policies))
 
     def append_rows(self, other: "EvictingLayer") -> None:
@@ -244,7 +260,8 @@ class EvictingLayer(CacheLayerMixin):
         for tier in other.tiers:  # every per-row tensor, in _map_batch's order
             tier.map_batch(lambda t: theirs.append(t) or t)
         ends = [] if other.prompt_end is None else [other.prompt_end]
-        rows = iter([*theirs, other.n_real, *ends, other.rows.kind])
+        mean = [] if other.summary is None else other.summary.tensors()
+        rows = iter([*theirs, other.n_real, *ends, other.rows.kind, *mean])
         self.longest = max(self.longest, other.longest)
         self._map_batch(lambda t: torch.cat([t, next(rows)]))
         for tier in other.tiers:  # paged: their rows' pages are this cache's now (a rectangle: copied)
@@ -285,6 +302,8 @@ class EvictingLayer(CacheLayerMixin):
         if not self.is_initialized:
             return 0
         extra = self.prompt_end.nbytes if self.prompt_end is not None else 0
+        if self.summary is not None:
+            extra += self.summary.nbytes()
         return sum(t.nbytes() for t in self.tiers) + self.n_real.nbytes + extra
 
     def segments(self, value_view, info: PaddingInfo | None, q_len: int) -> _Segments:
@@ -317,6 +336,7 @@ class EvictingLayer(CacheLayerMixin):
         return _Segments(
             pieces=pieces, pos_past=pos_past, valid_past=valid_past if self._padded or self.shared > 1 else None,
             k_new=k_new, v_new=v_new, pos_new=pos_new, valid_new=valid_new, runs=runs,
+            summary=None if self.summary is None else self.summary.term(k_new.dtype),
         )
 
     def absorb(self, stats: dict, valid_new, pos_new) -> None:
@@ -342,11 +362,16 @@ class EvictingLayer(CacheLayerMixin):
         ctx = {"newest": (self.n_real - 1).view(-1, 1, 1), "budget": self.budget, "layer_idx": self.layer_idx,
                "prompt_len": self.prompt_end}
         self.evicted += max(0, self.tiers[0].filled + m * self.shared - self.budget * self.shared) // self.shared
+        merge = self.summary is not None
         gone = self.tiers[0].insert(self.rows, new, ctx, protected_newcomer=valid_new is None,
-                                    want_evicted=len(self.tiers) > 1)
+                                    want_evicted=len(self.tiers) > 1 or merge)
         # unpadded, every demoted entry is a real token: skip the host sync that checks it
-        if gone is not None and (not self._padded or bool((gone["pos"] >= 0).any())):
-            self.tiers[1].insert(self.rows, gone, ctx, protected_newcomer=False, want_evicted=False)
+        if gone is not None and len(self.tiers) > 1 and (not self._padded or bool((gone["pos"] >= 0).any())):
+            gone = self.tiers[1].insert(self.rows, gone, ctx, protected_newcomer=False, want_evicted=merge)
+        elif len(self.tiers) > 1:
+            gone = None
+        if gone is not None and merge:  # what left the last tier leaves the cache: into the summary
+            self.summary.add(gone, self.shared)
         self.seen += m
         for tier in self.tiers:  # paged bookkeeping: no rectangle outlives the step
             tier.drop_views()

@@ -103,7 +103,7 @@ def policy_names(requested: str | list[str], known: dict) -> list[str]:
             out.append(getattr(cls, "name", name) if getattr(cls, "name", name) in known else name)
         return out
     from ..generate import split_question
-    from ..policies.registry import ADAPTIVE
+    from ..policies.registry import ADAPTIVE, MERGE
 
     def base(p):  # "ada-h2o/int4+q" -> "ada-h2o"; a bad storage is a clear error now, not mid-grid
         spec = split_question(p)[0]
@@ -114,7 +114,10 @@ def policy_names(requested: str | list[str], known: dict) -> list[str]:
             return True
         if b.startswith("mem-"):  # a memory budget for a named policy
             b = b[len("mem-"):]
-        return b == FULL or b in known or (b.startswith(ADAPTIVE) and b[len(ADAPTIVE):] in known)
+        for prefix in (MERGE, ADAPTIVE):  # "merge-ada-h2o": h2o, merged and head-adaptive
+            if b.startswith(prefix) and b[len(prefix):] != FULL:
+                b = b[len(prefix):]
+        return b == FULL or b in known
 
     bad = [p for p in items if not known_name(base(p))]
     if bad:

@@ -38,6 +38,7 @@ class Backend:
     available: Callable[[], tuple[bool, str]]  # () -> (usable here, why not)
     device: str  # "cpu" or "cuda": the queries auto picks it for
     paged: bool = False  # reads paged runs (a page table per row); else they are laid out in rectangles first
+    summary: bool = False  # takes ``summary=`` (the evicted tokens' mean slot, kvevict.merge)
 
 
 BACKENDS: dict[str, Backend] = {}
@@ -45,14 +46,14 @@ _logged: set = set()
 
 
 def register_backend(name: str, fn: Callable, available: Callable[[], tuple[bool, str]], device: str,
-                     paged: bool = False) -> None:
-    BACKENDS[name] = Backend(fn, available, device, paged)
+                     paged: bool = False, summary: bool = False) -> None:
+    BACKENDS[name] = Backend(fn, available, device, paged, summary)
 
 
-def _cpu_fn(*args):
+def _cpu_fn(*args, **kwargs):
     from .cpu import decode_attention_cpu
 
-    return decode_attention_cpu(*args)
+    return decode_attention_cpu(*args, **kwargs)
 
 
 def _cpu_available():
@@ -61,8 +62,8 @@ def _cpu_available():
     return available()
 
 
-register_backend("torch", decode_attention_reference, lambda: (True, ""), "any")
-register_backend("cpu", _cpu_fn, _cpu_available, "cpu", paged=True)
+register_backend("torch", decode_attention_reference, lambda: (True, ""), "any", summary=True)
+register_backend("cpu", _cpu_fn, _cpu_available, "cpu", paged=True, summary=True)
 
 
 def _load_triton() -> None:
@@ -70,7 +71,7 @@ def _load_triton() -> None:
     mod = importlib.import_module(".triton_decode", __name__)
     got: dict = {}
     mod.register(got)  # its own registration: {"triton": fn}
-    register_backend("triton", got["triton"], mod.available, "cuda", paged=True)
+    register_backend("triton", got["triton"], mod.available, "cuda", paged=True, summary=True)
 
 
 _OPTIONAL = {"triton": _load_triton}  # backends whose module is imported when first asked for
@@ -122,14 +123,19 @@ def resolve_backend(device_type: str = "cpu", backend: str | None = None) -> str
     return "torch"
 
 
-def decode_attention(q, runs: list, k_new, v_new, mask, scale, softcap=None, backend=None):
+def decode_attention(q, runs: list, k_new, v_new, mask, scale, softcap=None, backend=None, summary=None):
     """See the module doc. mask: (b, hkv|1, n_total) bool over the stored slots (True = visible)
-    or None; the new key is always visible."""
+    or None; the new key is always visible. ``summary``: the evicted tokens' mean slot (see
+    ``reference``); a backend that does not take it leaves the call to the reference."""
     name = resolve_backend(q.device.type, backend)
-    if name != "torch":
+    if name != "torch" and summary is not None and not BACKENDS[name].summary:
+        _say(("summary", name), logging.INFO,
+             f"kvevict decode attention: torch reference for merged caches ({name} has no evicted-mean slot)")
+    if name != "torch" and (summary is None or BACKENDS[name].summary):
         if not BACKENDS[name].paged:
             runs = [r.rect() for r in runs]
-        got = BACKENDS[name].fn(q, runs, k_new, v_new, mask, scale, softcap)
+        extra = {} if summary is None else {"summary": summary}
+        got = BACKENDS[name].fn(q, runs, k_new, v_new, mask, scale, softcap, **extra)
         if got is not NotImplemented:
             return got
-    return decode_attention_reference(q, runs, k_new, v_new, mask, scale, softcap)
+    return decode_attention_reference(q, runs, k_new, v_new, mask, scale, softcap, summary)

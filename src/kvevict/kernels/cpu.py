@@ -22,7 +22,8 @@ _DENSE_KIND = {torch.float32: 3, torch.float16: 4, torch.bfloat16: 5}
 _REASSOCIATE = ["-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 _NO_MASK = torch.empty(0, 0, 0, dtype=torch.bool)
 _NO_TABLE = torch.empty(0, 0, dtype=torch.long)
-_VERSION = 3  # bump when the build flags change (the source is hashed by load_inline)
+_NO_BIAS = torch.empty(0, dtype=torch.float32)
+_VERSION = 4  # bump when the build flags change (the source is hashed by load_inline)
 
 
 def _isa_flags() -> tuple[str, list[str]]:
@@ -80,16 +81,22 @@ def _part(run: Run, part: tuple) -> list:
     return [part[0]] * 3  # dense: zeros and steps unused
 
 
-def decode_attention_cpu(q, runs, k_new, v_new, mask, scale, softcap=None):
-    """The fused kernel; NotImplemented for what it does not handle (the reference then runs)."""
+def decode_attention_cpu(q, runs, k_new, v_new, mask, scale, softcap=None, summary=None):
+    """The fused kernel; NotImplemented for what it does not handle (the reference then runs).
+    ``summary`` (kvevict.merge) is one more dense slot before the new key, its log n a bias."""
     b, hq, _, d = q.shape
     hkv, dv = k_new.shape[1], v_new.shape[-1]
     new = Run(32, 0, (k_new,), (v_new,), 1)
     if (q.device.type != "cpu" or dv != d or hq % hkv or q.dtype not in _DENSE_KIND
             or k_new.dtype not in _DENSE_KIND):
         return NotImplemented
+    extra, bias, bias_at = [], _NO_BIAS, -1
+    if summary is not None:
+        extra = [Run(32, 0, (summary[0].to(k_new.dtype).contiguous(),), (summary[1].to(v_new.dtype).contiguous(),), 1)]
+        bias = summary[2].reshape(b, hkv).float().contiguous()
+        bias_at = sum(r.n for r in runs)
     tensors, meta, tables = [], [], []
-    for r in [*runs, new]:
+    for r in [*runs, *extra, new]:
         if r.n == 0:
             continue
         if r.packed:
@@ -109,5 +116,7 @@ def decode_attention_cpu(q, runs, k_new, v_new, mask, scale, softcap=None):
     else:
         mask_t = mask if mask.stride(-1) == 1 else mask.contiguous()
     qs = (q * scale).reshape(b, hq, d).float().contiguous()  # scaled in q's dtype first, as attend does
-    out, pg = load().decode(qs, tensors, meta, tables, mask_t, float(softcap or 0.0), hkv, dv)
+    out, pg = load().decode(qs, tensors, meta, tables, mask_t, float(softcap or 0.0), hkv, dv, bias, bias_at)
+    if summary is not None:  # the mean slot is no stored slot: its column leaves pg
+        pg = torch.cat([pg[..., :bias_at], pg[..., bias_at + 1:]], dim=-1)
     return out.to(q.dtype).view(b, hq, 1, dv), pg

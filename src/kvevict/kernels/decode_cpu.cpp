@@ -351,11 +351,13 @@ Part part_of(const at::Tensor& data, const at::Tensor& zero, const at::Tensor& s
 // k steps, v codes|rows, v zeros, v steps; dense runs repeat their rows), meta: 5 per run (kind,
 // group, n, heads, page: 0 unless paged), tables: one per run (int64 (b, pages) contiguous, or
 // empty); the last run is the new key (one slot, always visible). mask: (b, hm, n_mask)
-// bool with unit stride along the slots, or an empty tensor. Returns out (b, hq, dv) and pg
-// (b, hkv, N) float32.
+// bool with unit stride along the slots, or an empty tensor. bias: (b, hkv) float32 contiguous
+// added to slot bias_at's score after the softcap (log n of the evicted tokens' mean slot,
+// kvevict.merge; -inf: hidden), or an empty tensor. Returns out (b, hq, dv) and pg (b, hkv, N)
+// float32.
 std::vector<at::Tensor> decode(at::Tensor q, std::vector<at::Tensor> tensors, std::vector<int64_t> meta,
                                std::vector<at::Tensor> tables, at::Tensor mask, double softcap, int64_t hkv,
-                               int64_t dv) {
+                               int64_t dv, at::Tensor bias, int64_t bias_at) {
   const int64_t B = q.size(0), hq = q.size(1), d = q.size(2), g = hq / hkv;
   const int64_t nruns = static_cast<int64_t>(meta.size()) / 5;
   std::vector<RunView> runs(nruns);
@@ -387,6 +389,7 @@ std::vector<at::Tensor> decode(at::Tensor q, std::vector<at::Tensor> tensors, st
   const int64_t mb = has_mask ? mask.stride(0) : 0, mh = has_mask ? mask.stride(1) : 0;
   const int64_t mn = has_mask ? mask.size(2) : 0, ms = has_mask ? mask.stride(2) : 0;
   const bool mask_per_head = has_mask && mask.size(1) > 1;
+  const float* bp = bias.numel() > 0 ? bias.data_ptr<float>() : nullptr;
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   float* pgp = pg.data_ptr<float>();
@@ -403,6 +406,8 @@ std::vector<at::Tensor> decode(at::Tensor q, std::vector<at::Tensor> tensors, st
       t.sc = sc.data(); t.acc = acc.data(); t.pg = pgp + task * N; t.buf = buf.data();
       int64_t off = 0;
       for (const RunView& r : runs) { run_pass(false, t, r, off); off += r.n; }
+      if (bp)
+        for (int64_t h = 0; h < g; ++h) t.sc[h * N + bias_at] += bp[task];
       for (int64_t h = 0; h < g; ++h) {  // softmax over the saved scores, in place
         float* s = t.sc + h * N;
         float m = -std::numeric_limits<float>::infinity();

@@ -83,7 +83,7 @@ class Launch(NamedTuple):
     kwargs: dict
 
 
-def decode_attention_triton(q, runs, k_new, v_new, mask, scale, softcap=None, **switches):
+def decode_attention_triton(q, runs, k_new, v_new, mask, scale, softcap=None, summary=None, **switches):
     """The backend: ``plan``'s launches made (its docstring: arguments, switches, results);
     ``NotImplemented`` where triton cannot run these tensors (the dispatcher then uses the torch
     reference)."""
@@ -92,7 +92,7 @@ def decode_attention_triton(q, runs, k_new, v_new, mask, scale, softcap=None, **
         raise ModuleNotFoundError(why)
     if not (q.is_cuda or interpreting()) or q.dtype not in _DTYPES:
         return NotImplemented
-    out, pg, launches = plan(q, runs, k_new, v_new, mask, scale, softcap, **switches)
+    out, pg, launches = plan(q, runs, k_new, v_new, mask, scale, softcap, summary=summary, **switches)
     for la in launches:
         la.kernel[la.grid](*la.args, **la.kwargs)
     return out, pg
@@ -108,13 +108,14 @@ def unknown_switches(switches: dict, fixed: tuple = ()) -> str | None:
     return f"unknown switch(es) {', '.join(unknown)}: the JSON may name {', '.join(known)}." if unknown else None
 
 
-def plan(q, runs, k_new, v_new, mask, scale, softcap=None, *, split=None, warps=None, block=None, factored=True,
-         prefetch=True, lowp=True, magic=True, regs=None, zwords=True, fold=True, vpairs=True):
+def plan(q, runs, k_new, v_new, mask, scale, softcap=None, summary=None, *, split=None, warps=None, block=None,
+         factored=True, prefetch=True, lowp=True, magic=True, regs=None, zwords=True, fold=True, vpairs=True):
     """The launches of one decode step's attention, laid out and not made: (out, pg, [``Launch``]),
     out and pg the buffers they fill (``kvevict.bench.triton_sass`` compiles them for a GPU on any
     machine). q (b, hq, 1, d) unscaled; runs: ``kvevict.kernels.runs.Run`` objects (read by field: bits,
     group, k, v, n); k_new, v_new (b, hkv, 1, d|dv) in q's dtype; mask (b, hkv|1, n_total) bool
-    over the stored slots (True = visible) or None; the new key is always visible.
+    over the stored slots (True = visible) or None; the new key is always visible; ``summary``: a
+    merged cache's mean slot (key, value, log n; ``kvevict.merge``), joined by ``_finish``.
     Returns (out (b, hq, 1, dv) in q's dtype, pg (b, hkv, n_total + 1) float32).
     ``split``: keys per program (a multiple of the key tile; None picks one from the GPU's size);
     ``warps``: warps per split program (None: triton's default), ``block``: keys per tile (a power
@@ -211,9 +212,19 @@ def plan(q, runs, k_new, v_new, mask, scale, softcap=None, *, split=None, warps=
         q, q.stride(0), q.stride(1), q.stride(3), k_new, k_new.stride(0), k_new.stride(1), k_new.stride(3),
         v_new, v_new.stride(0), v_new.stride(1), v_new.stride(3), m_part, l_part, acc_part, scores,
         out, out.stride(0), out.stride(1), out.stride(3), pg, n_splits, nt1, float(scale), float(softcap or 1.0),
+        *_summary_args(summary, k_new),
     ), dict(HKV=hkv, G=g, GP=max(2, _pow2(g)), D=d, D_P=d_p, DV=dv, DV_P=dv_p, BLOCK=block,
-            SOFTCAP=softcap is not None, CDT=cdt, EMU=emu)))
+            SOFTCAP=softcap is not None, CDT=cdt, EMU=emu, SUMMARY=summary is not None)))
     return out, pg, launches
+
+
+def _summary_args(summary, k_new) -> tuple:
+    """The mean slot's key, value (b, hkv, d) and log n (b, hkv), contiguous float32 (kvevict.merge);
+    without one, stand-ins the kernel never reads."""
+    if summary is None:
+        return k_new, k_new, k_new
+    b, hkv = k_new.shape[:2]
+    return tuple(t.reshape(b, hkv, -1).float().contiguous() for t in summary)
 
 
 def triton_cdiv(a: int, b: int) -> int:

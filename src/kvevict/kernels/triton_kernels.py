@@ -538,15 +538,18 @@ def _split_rows_kernel(
 @triton.jit
 def _finish(q_ptr, sq_b, sq_h, sq_d, kn_ptr, skn_b, skn_h, skn_d, vn_ptr, svn_b, svn_h, svn_d,
             m_ptr, l_ptr, acc_ptr, score_ptr, out_ptr, so_b, so_h, so_d, pg_ptr, n_splits, nt1, scale, softcap,
+            sum_k_ptr, sum_v_ptr, sum_b_ptr,
             HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
             DV: tl.constexpr, DV_P: tl.constexpr, BLOCK: tl.constexpr, SOFTCAP: tl.constexpr,
-            CDT: tl.constexpr, EMU: tl.constexpr):
+            CDT: tl.constexpr, EMU: tl.constexpr, SUMMARY: tl.constexpr):
     """One (sequence, KV head) and BLOCK of its keys, after the split programs: the new key (always
     visible) joins the splits' partials as one more (m = s_new, l = 1, acc = v_new); M = max_j m_j,
     L = sum_j l_j exp(m_j - M); pg_i = sum_h exp(s_hi - M_h) / L_h over this block's keys (the
     last of them the new key); the block-0 program also writes out = sum_j acc_j exp(m_j - M) / L.
     One launch instead of a new-key split, a merge and a probability pass: each program merges
-    the few partials itself."""
+    the few partials itself. ``SUMMARY``: the evicted tokens' mean slot (kvevict.merge; mean key
+    and value (b, hkv, d) and log n (b, hkv), contiguous) joins as one more partial, m = s + log n,
+    l = 1, acc = its value; it has no pg column."""
     pid = tl.program_id(0).to(tl.int64)  # offsets of big batches overflow int32
     blk = tl.program_id(1)
     bi = pid // HKV
@@ -565,6 +568,15 @@ def _finish(q_ptr, sq_b, sq_h, sq_d, kn_ptr, skn_b, skn_h, skn_d, vn_ptr, svn_b,
         s_new = _tanh(s_new / softcap) * softcap
     big_m = s_new  # finite (a padded row's is 0), so no -inf - -inf below
     big_l = tl.full([GP], 1.0, tl.float32)
+    if SUMMARY:  # the mean slot: its score plus log n (-inf where nothing was evicted: weight 0)
+        ks = tl.load(sum_k_ptr + pid * D + dk, mask=dk < D, other=0.0).to(tl.float32)
+        s_sum = tl.sum(q * ks[None, :], axis=1)
+        if SOFTCAP:
+            s_sum = _tanh(s_sum / softcap) * softcap
+        s_sum = s_sum + tl.load(sum_b_ptr + pid)
+        m_new = tl.maximum(big_m, s_sum)
+        big_l = big_l * tl.exp(big_m - m_new) + tl.exp(s_sum - m_new)
+        big_m = m_new
     for j in range(n_splits):
         part = (pid * n_splits + j) * G + rows
         m = tl.load(m_ptr + part, mask=rmask, other=float("-inf"))
@@ -583,6 +595,9 @@ def _finish(q_ptr, sq_b, sq_h, sq_d, kn_ptr, skn_b, skn_h, skn_d, vn_ptr, svn_b,
         amask = rmask[:, None] & (dv[None, :] < DV)
         vn = tl.load(vn_ptr + bi * svn_b + kh * svn_h + dv * svn_d, mask=dv < DV, other=0.0).to(tl.float32)
         o = tl.exp(s_new - big_m)[:, None] * vn[None, :]
+        if SUMMARY:
+            vs = tl.load(sum_v_ptr + pid * DV + dv, mask=dv < DV, other=0.0).to(tl.float32)
+            o += tl.exp(s_sum - big_m)[:, None] * vs[None, :]
         for j in range(n_splits):
             part = (pid * n_splits + j) * G + rows
             m = tl.load(m_ptr + part, mask=rmask, other=float("-inf"))

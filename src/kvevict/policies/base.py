@@ -72,6 +72,7 @@ class Policy:
     question: int = 0  # the prompt's last tokens, protected and observed (set per call by make_cache)
     adaptive: bool = False  # Ada-KV head-adaptive budgets (see adakv.py)
     floor: float = 0.2  # adaptive: share of a head's rankable budget it always keeps
+    merge: bool = False  # evicted tokens kept as one mean slot per head (kvevict.merge), not dropped
 
     name: ClassVar[str] = "base"
     # each candidate's priority depends on its own state only (not on its neighbours'), so a

@@ -54,7 +54,8 @@ class KVzip(Policy):
     15 positions. On RULER's niah_multiquery at 4K (SmolLM2, 20% of a 16-bit cache) it returned
     97% of the full cache's values on the first 40 samples where ``kvzip-pool`` returned 73% of
     the first 20 (keys kept one by one left four of them answering "1. 1.1.1..."); over 60 samples
-    89% against 80%. Text after a compressed context cost +3.6% perplexity against +1.5%:
+    89% against 80%, and ``merge-kvzip-span`` (its evicted tokens kept as one mean slot per head,
+    kvevict.merge) 105%. Text after a compressed context cost +3.6% perplexity against +1.5%:
     ``kvzip-pool``, unpooled, stays the memory plan's pick (docs/ruler.md).
     """
 

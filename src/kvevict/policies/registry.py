@@ -14,14 +14,19 @@ def register(*names: str):
 
 
 ADAPTIVE = "ada-"  # "ada-h2o": a policy with Ada-KV head-adaptive budgets (adaptive=True)
+MERGE = "merge-"  # "merge-kvzip-span": evicted tokens kept as one mean slot per head (merge=True)
 
 
 def policy_class(name):
-    """The class of a policy name (``"h2o"``, or ``"ada-h2o"`` for its adaptive form) and the
-    parameters the name implies; None when unknown."""
+    """The class of a policy name (``"h2o"``, ``"ada-h2o"`` for its adaptive form, ``"merge-h2o"``
+    with its evicted tokens merged, see kvevict.merge) and the parameters the name implies; None
+    when unknown."""
     if not isinstance(name, str):
         return None
     name = name.lower()
+    if name.startswith(MERGE):
+        found = policy_class(name[len(MERGE):])
+        return None if found is None else (found[0], {**found[1], "merge": True})
     if name in POLICIES:
         return POLICIES[name], {}
     if name.startswith(ADAPTIVE) and name[len(ADAPTIVE):] in POLICIES:
@@ -41,7 +46,8 @@ def make_policy(policy, **params):
     if found is None:
         known = ", ".join(sorted(POLICIES))
         raise ValueError(f"unknown policy {policy!r}; known policies: {known} (any of them as ada-NAME "
-                         "for head-adaptive budgets).")
+                         "for head-adaptive budgets, merge-NAME to keep the evicted tokens as one mean slot "
+                         "per head).")
     cls, implied = found
     params = {**implied, **params}
     try:
