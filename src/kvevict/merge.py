@@ -60,8 +60,9 @@ class Summary:
         nothing was evicted), or None while nothing has been."""
         if not self.used:
             return None
-        n = self.n.clamp(min=1.0)[..., None]
-        logn = torch.where(self.n > 0, self.n.clamp(min=1.0).log(), torch.full_like(self.n, -math.inf))
+        n = self.n.clamp(min=1.0)
+        logn = torch.where(self.n > 0, n.log(), torch.full_like(n, -math.inf))
+        n = n[..., None]
         return (self.k / n).to(dtype).unsqueeze(2), (self.v / n).to(dtype).unsqueeze(2), logn[..., None, None]
 
     def tensors(self) -> list:
