@@ -72,7 +72,7 @@ def call(q, runs, k_new, v_new, mask, *args, **kwargs):
     """The kernel on DEVICE (runs are made there), its results back on the CPU."""
     to = [x.to(DEVICE) if x is not None else None for x in (q, k_new, v_new, mask)]
     out, pg = decode_attention_triton(to[0], runs, to[1], to[2], to[3], *args, **kwargs)
-    return out.cpu(), pg.cpu()
+    return out.cpu(), None if pg is None else pg.cpu()
 
 
 def reference(q, keys, values, k_new, v_new, mask, scale, softcap=None):
@@ -122,13 +122,10 @@ CASES = {  # name: (tiers as (bits, group, n, pooled), d, hkv, g, masked, softca
 }
 
 
-@pytest.mark.parametrize("factored, prefetch", [(True, True), (False, True), (True, False), (False, False)],
-                         ids=["factored", "registers", "factored-no-prefetch", "registers-no-prefetch"])
-@pytest.mark.parametrize("name", list(CASES))
-def test_matches_torch(name, factored, prefetch):
+def case_inputs(name, factored=True, b=2):
+    """CASES[name] made: (q, runs, keys, values, k_new, v_new, mask, softcap)."""
     tiers, d, hkv, g, masked, softcap, dtype = CASES[name]
     gen = torch.Generator().manual_seed(sum(map(ord, name)))
-    b = 2
     runs, keys, values = [], [], []
     for i, (bits, group, n, pooled) in enumerate(tiers):
         run, k, v = make_run(b, 1 if pooled else hkv, n, d, bits, group, dtype, gen, spare=3 * i, factored=factored)
@@ -143,6 +140,16 @@ def test_matches_torch(name, factored, prefetch):
     if masked:  # a pooled tier's mask says which head sees which slot; one sequence sees no stored key
         mask = torch.rand(b, hkv, n_total, generator=gen) > 0.4
         mask[1, 0] = False
+    return q, runs, keys, values, k_new, v_new, mask, softcap
+
+
+@pytest.mark.parametrize("factored, prefetch", [(True, True), (False, True), (True, False), (False, False)],
+                         ids=["factored", "registers", "factored-no-prefetch", "registers-no-prefetch"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_torch(name, factored, prefetch):
+    b, (_, d, hkv, g, _, _, dtype) = 2, CASES[name]
+    q, runs, keys, values, k_new, v_new, mask, softcap = case_inputs(name, factored, b)
+    n_total = sum(r.n for r in runs)
     scale = d ** -0.5
     # split 32 < n: several splits per run, and a run that ends inside a key tile
     out, pg = call(q, runs, k_new, v_new, mask, scale, softcap, split=32, factored=factored, prefetch=prefetch)
@@ -157,6 +164,41 @@ def test_matches_torch(name, factored, prefetch):
     if mask is not None:  # masked keys get exactly nothing; a fully masked row puts all on the new key
         assert (pg[..., :n_total][~mask.expand(b, hkv, n_total)] == 0).all()
         torch.testing.assert_close(pg[1, 0, -1], torch.tensor(float(g)))
+
+
+@pytest.mark.parametrize("name", ["int4-d64-g3", "bf16-int4-d128-g2", "two-tiers-int8-int4", "softcap-int4",
+                                  "dense-d256-g1"])
+def test_out_only_is_the_same_out(name):
+    """pg=False (a policy that collects no statistics): the split programs save no scores and
+    _finish runs one program per (sequence, KV head), and out is the same, bit for bit."""
+    from kvevict.kernels.triton_decode import plan
+
+    q, runs, _, _, k_new, v_new, mask, softcap = case_inputs(name)
+    scale = q.shape[-1] ** -0.5
+    out, pg = call(q, runs, k_new, v_new, mask, scale, softcap, split=32)
+    only, none = call(q, runs, k_new, v_new, mask, scale, softcap, split=32, pg=False)
+    assert none is None and pg is not None
+    assert torch.equal(only, out)
+    _, probs, launches = plan(q, runs, k_new, v_new, mask, scale, softcap, split=32, pg=False)
+    assert probs is None
+    assert all(la.kwargs["SCORES"] is False for la in launches[:-1]) and launches[-1].kwargs["PG"] is False
+    assert launches[-1].grid == (q.shape[0] * k_new.shape[1], 1)
+
+
+@pytest.mark.parametrize("block", [128, 64])
+@pytest.mark.parametrize("name", ["bf16-int4-d128-g2", "fp16-int4-d128-g4", "bf16-int2-pooled", "int4-d64-g3",
+                                  "softcap-int4"])
+def test_transposed_products_match_torch(name, block):
+    """trans=True: both products transposed (the codes the first operand), the keys' words loaded in
+    the lanes order where 2 or 4 bits are made from their bits in 64-key tiles: the same attention."""
+    _, d, _, _, _, _, dtype = CASES[name]
+    q, runs, keys, values, k_new, v_new, mask, softcap = case_inputs(name)
+    for prefetch in (True, False):
+        out, pg = call(q, runs, k_new, v_new, mask, d ** -0.5, softcap, split=128, block=block, trans=True,
+                       prefetch=prefetch)
+        ref_out, ref_pg, _ = reference(q, keys, values, k_new, v_new, mask, d ** -0.5, softcap)
+        torch.testing.assert_close(out.float(), ref_out, atol=2e-5 if dtype == torch.float32 else 1e-2, rtol=0)
+        torch.testing.assert_close(pg, ref_pg, atol=2e-5, rtol=0)
 
 
 @pytest.mark.parametrize("g", [4, 2])
@@ -296,9 +338,10 @@ def test_the_sass_tool_says_what_its_switches_may_be():
 
 def test_the_sass_counts_show_what_the_switches_save(tmp_path):
     """kvevict.bench.triton_sass compiles the split program for sm_90 here and counts its loop: with
-    the bias folded into the zeros no paired subtraction is left (128 a thread a tile without), and
+    the bias folded into the zeros no paired subtraction is left (128 a thread a tile without),
     values paired along the tokens plus the fold cost fewer instructions and fewer shared-memory
-    operations than neither (the claims of docs/performance.md, held on the installed triton)."""
+    operations than neither, and so do the products transposed (the claims of docs/performance.md,
+    held on the installed triton)."""
     import json
     import subprocess
     import sys
@@ -307,7 +350,7 @@ def test_the_sass_counts_show_what_the_switches_save(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(__import__("kvevict").__file__)),
                                          env.get("PYTHONPATH", "")])
     got = {}
-    for name, switches in (("on", "{}"), ("off", '{"fold": false, "vpairs": false}')):
+    for name, switches in (("on", "{}"), ("off", '{"fold": false, "vpairs": false}'), ("trans", '{"trans": true}')):
         out = tmp_path / f"{name}.json"
         done = subprocess.run([sys.executable, "-m", "kvevict.bench.triton_sass", switches, "--out", str(out)],
                               env=env, capture_output=True, text=True, timeout=300)
@@ -318,6 +361,12 @@ def test_the_sass_counts_show_what_the_switches_save(tmp_path):
     assert on["classes"]["paired half adds"] == 0 < off["classes"]["paired half adds"]
     assert on["loop_instructions"] < off["loop_instructions"]
     assert on["classes"]["shared memory"] < off["classes"]["shared memory"]
+    # transposed: warpgroup MMAs of 128 token rows (half as many instructions) and the keys' words
+    # loaded where they are multiplied, so fewer instructions and shared-memory operations
+    trans = got["trans"]
+    assert trans["classes"]["mma"] == on["classes"]["mma"] // 2
+    assert trans["loop_instructions"] < on["loop_instructions"]
+    assert trans["classes"]["shared memory"] < on["classes"]["shared memory"]
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the whole cache on a GPU: needs CUDA (compiled triton)")
@@ -349,16 +398,18 @@ def test_the_cache_on_a_gpu_generates_as_the_torch_reference(monkeypatch, kv_bit
 
 def test_the_benchmark_configurations_compute_the_same_attention():
     """kvevict.bench.triton_decode times like with like: each configuration (dense, packed in
-    rectangles or in shuffled pages, factored or per channel, the torch copy) gives the attention
+    rectangles or in shuffled pages, factored or per channel, out only, transposed, the torch copy) gives the attention
     of the same keys, within bf16's rounding of the exact dequantized values."""
     from types import SimpleNamespace
 
     from kvevict.bench.triton_decode import TINY, build
 
     args = SimpleNamespace(**TINY, group=32, split=None, page=32, splits=[None], warps=[None], blocks=[None, 16],
-                           prefetch=[True], regs=[None], magic=[True, False], fold=[True, False], vpairs=[True])
+                           prefetch=[True], regs=[None], magic=[True, False], fold=[True, False], vpairs=[True],
+                           trans=[False, True])
     configs = build(args, torch.device(DEVICE))
-    assert {"triton int4", "triton int4 registers", "triton int4 paged 32", "torch int4 (copy)"} <= set(configs)
+    assert {"triton int4", "triton int4 registers", "triton int4 paged 32", "torch int4 (copy)",
+            "triton int4 out only", "int4 s- w- b- trans"} <= set(configs)
     for name, (fn, _, ref) in configs.items():
         if ref is not None:
             out, _ = fn()

@@ -141,6 +141,47 @@ def test_bfloat16_queries_over_bfloat16_storage(backend):
     torch.testing.assert_close(pg, exact_pg, atol=1e-3, rtol=1e-2)
 
 
+@pytest.mark.parametrize("backend", ["torch", *_fused_backends()])
+@pytest.mark.parametrize("bits", [4, 32])
+def test_out_only_gives_the_same_out_and_no_pg(backend, bits):
+    """pg=False, what a policy that collects no statistics asks for: the same out, pg None."""
+    b, hkv, g, d = 2, 2, 3, 64
+    q, k_new, v_new = _inputs(b, hkv, g, d)
+    runs = [_run(b, hkv, 40, d, bits)]
+    mask = torch.ones(b, 1, 40, dtype=torch.bool)
+    mask[1, :, :7] = False
+    out, pg = decode_attention(q, runs, k_new, v_new, mask, d ** -0.5, backend=backend)
+    only, none = decode_attention(q, runs, k_new, v_new, mask, d ** -0.5, backend=backend, pg=False)
+    assert none is None and pg is not None
+    assert torch.equal(only, out)
+
+
+def test_a_policy_without_statistics_asks_for_out_only(monkeypatch):
+    """Through the public backend registry: recency (no statistics) and knorm (key norms only) ask the
+    kernel for out only, H2O for pg; a backend that cannot skip pg (``outonly`` False) is called as
+    before and its pg dropped."""
+    asked = []
+
+    def spy(*args, **kw):
+        asked.append(kw.get("pg", True))
+        return decode_attention_reference(*args, **kw)
+
+    model = tiny_model("llama-gqa")
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    layers = model.config.num_hidden_layers
+    monkeypatch.setenv("KVEVICT_KERNEL", "spy")
+    for outonly in (True, False):
+        kernels.register_backend("spy", spy, lambda: (True, ""), "cpu", paged=True, summary=True, outonly=outonly)
+        try:
+            for policy, want in (("recency", not outonly), ("knorm", not outonly), ("h2o", True)):
+                asked.clear()
+                cache = kvevict.make_cache(model, policy, budget=8, kv_bits=4, group=8)
+                _decode(model, cache, ids, torch.ones_like(ids), steps=2)
+                assert asked == [want] * (2 * layers), policy
+        finally:
+            BACKENDS.pop("spy")
+
+
 def test_an_unknown_backend_is_a_clear_error(monkeypatch):
     q, k_new, v_new = _inputs(1, 1, 1, 8)
     with pytest.raises(ValueError, match="must be one of"):

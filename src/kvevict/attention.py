@@ -269,17 +269,20 @@ def _attend_fused(query, seg: _Segments, scale, window, softcap, wanted, observe
     mask = None
     if hide_past is not None:  # (b|1, hkv|1, 1, 1, n_past) -> (b, hkv|1, n_past)
         mask = (~hide_past).reshape(hide_past.shape[0], hide_past.shape[1], n_past).expand(b, -1, -1)
-    out, pg = decode_attention(query, seg.runs, seg.k_new, seg.v_new, mask, scale, softcap, summary=seg.summary)
+    # a policy that collects nothing from probabilities (kvzip, recency, knorm) needs no pg: out only, as SDPA computes
+    out, pg = decode_attention(query, seg.runs, seg.k_new, seg.v_new, mask, scale, softcap, summary=seg.summary,
+                               pg=bool(set(wanted) - {"knorm"}))
     if seg.valid_new is not None:  # a padding query counts for nothing (attend: its probabilities are 0)
         real = seg.valid_new[:, -1].view(b, 1, 1)
-        out, pg = out * real.view(b, 1, 1, 1), pg * real
+        out = out * real.view(b, 1, 1, 1)
+        pg = None if pg is None else pg * real
     stats = {name: torch.zeros(b, hkv, n_past + 1, dtype=torch.float32, device=query.device)
              for name in wanted if name != "last" and wanted != ("sum",)}
     if "knorm" in stats:
         stats["knorm"][..., n_past:] = seg.k_new.float().norm(dim=-1)
     if wanted == ("sum",):  # H2O: pg is the statistic itself (a fresh tensor)
         stats["sum"] = pg
-    elif stats:
+    elif pg is not None and stats:
         need_seen = "hits" in stats or "hits_ema" in stats
         seen = _seen(hide_past, hide_new, None, 1, n_past, 0, 1, query.device) if need_seen else None
         _accumulate(stats, pg.unsqueeze(2), seen, seg.valid_new, 0, 1, 1, hq // hkv, observe, gamma)

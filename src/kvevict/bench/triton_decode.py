@@ -14,15 +14,16 @@ serving engine that captures its decode step sees it).
 Configurations: "dense bf16 SDPA" (torch's scaled_dot_product_attention with each KV head's
 query heads as its query rows: no mask, no copy of K/V per query head; out only), "triton bf16"
 (the kernel over the same dense pages: out and pg), "triton int8" and "triton int4" (packed
-pages, ``--group`` channels per zero/step), "triton int4 paged P" (the cache's layout: pools of
+pages, ``--group`` channels per zero/step), "triton int4 out only" (no pg: no scores saved, no
+probability pass, as for a policy that collects no statistics), "triton int4 paged P" (the cache's layout: pools of
 P-slot pages, each row's pages in a random order behind its page table), "torch int4 (copy)" (the
 torch reference: dequantize into a float copy, then attend), and, with ``--splits`` / ``--warps``,
 int4 at other keys per program, warps per program, keys per tile (``--blocks``), without
-prefetching (``--prefetch 1,0``), registers per thread capped (``--regs``) and codes converted
-rather than made from their bits (``--magic 1,0``); "triton intN registers" dequantizes every
-channel in registers before the products (``factored=False``). Each
-row's output is checked first (max abs error reported): the dense rows against SDPA, the packed
-rows against SDPA in fp32 over the exact dequantized values. Writes JSON to ``--out``.
+prefetching (``--prefetch 1,0``), registers per thread capped (``--regs``), codes converted
+rather than made from their bits (``--magic 1,0``) and the products transposed (``--trans 1,0``);
+"triton intN registers" dequantizes every channel in registers before the products
+(``factored=False``). Each row's output is checked first (max abs error reported): the dense rows
+against SDPA, the packed rows against SDPA in fp32 over the exact dequantized values. Writes JSON to ``--out``.
 """
 
 from __future__ import annotations
@@ -101,6 +102,8 @@ def build(args, device):
         configs[f"triton int{bits} registers"] = (triton_call([run], factored=False), nbytes, ref)
         if bits != 4:
             continue
+        # out only, what a policy that collects no statistics asks for (and all SDPA computes)
+        configs["triton int4 out only"] = (triton_call([run], pg=False), nbytes, ref)
         # the cache's own layout: pages of PAGE slots through a page table
         cols = -(-n // args.page)  # each row's pages scattered in a random order, as a pool gives them out
         table = torch.randperm(b * cols, generator=gen, device=device).view(b, cols)
@@ -110,16 +113,17 @@ def build(args, device):
         # no fused kernel: dequantize into a float copy, then attend (the torch reference)
         configs["torch int4 (copy)"] = (
             lambda run=run: decode_attention_reference(q, [run], k_new, v_new, None, scale), nbytes, ref)
-        for split, warps, block, prefetch, regs, magic, fold, vpairs in itertools.product(
-                args.splits, args.warps, args.blocks, args.prefetch, args.regs, args.magic, args.fold, args.vpairs):
-            if (split, warps, block, prefetch, regs, magic, fold, vpairs) == (args.split, None, None, True, None, True,
-                                                                              True, True):
+        for split, warps, block, prefetch, regs, magic, fold, vpairs, trans in itertools.product(
+                args.splits, args.warps, args.blocks, args.prefetch, args.regs, args.magic, args.fold, args.vpairs,
+                args.trans):
+            if (split, warps, block, prefetch, regs, magic, fold, vpairs, trans) == (
+                    args.split, None, None, True, None, True, True, True, False):
                 continue  # "triton int4"
             name = (f"int4 s{split or '-'} w{warps or '-'} b{block or '-'}{'' if prefetch else ' no-pf'}"
                     f"{f' r{regs}' if regs else ''}{'' if magic else ' no-magic'}{'' if fold else ' no-fold'}"
-                    f"{'' if vpairs else ' no-vpairs'}")
+                    f"{'' if vpairs else ' no-vpairs'}{' trans' if trans else ''}")
             configs[name] = (triton_call([run], split, warps, block, prefetch=prefetch, regs=regs, magic=magic,
-                                         fold=fold, vpairs=vpairs), nbytes, ref)
+                                         fold=fold, vpairs=vpairs, trans=trans), nbytes, ref)
     return configs
 
 
@@ -189,6 +193,8 @@ def main(argv=None) -> int:
                    help="comma-separated 1 / 0: sweep int4 with the codes' bias taken off with the zeros or per code")
     p.add_argument("--vpairs", default="1",
                    help="comma-separated 1 / 0: sweep int4 with values paired along the tokens or the channels")
+    p.add_argument("--trans", default="0",
+                   help="comma-separated 1 / 0: sweep int4 with the products transposed (the codes the first operand)")
     p.add_argument("--iters", type=int, default=20, help="calls per timing")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (runs on a CPU in triton's interpreter)")
@@ -202,6 +208,7 @@ def main(argv=None) -> int:
     args.magic = [bool(int(x)) for x in args.magic.split(",") if x] or [True]
     args.fold = [bool(int(x)) for x in args.fold.split(",") if x] or [True]
     args.vpairs = [bool(int(x)) for x in args.vpairs.split(",") if x] or [True]
+    args.trans = [bool(int(x)) for x in args.trans.split(",") if x] or [False]
     try:
         import triton
     except ImportError:

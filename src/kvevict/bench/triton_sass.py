@@ -49,7 +49,10 @@ def split_launch(switches: dict):
     kq, vq = (quantize(torch.randn(b, hkv, n, d, generator=gen).bfloat16(), 4, 32) for _ in range(2))
     _, _, launches = plan(q, [Run(4, 32, kq, vq, n)], k_new, v_new, None, d ** -0.5, **{"split": 2048, **switches})
     la = launches[0]
-    return la.kernel, la.args, {**la.kwargs, "EMU": False}
+    kwargs = {**la.kwargs, "EMU": False}
+    if switches.get("regs"):  # plan leaves the register cap out on a CPU (the interpreter has none)
+        kwargs["maxnreg"] = switches["regs"]
+    return la.kernel, la.args, kwargs
 
 
 def compile_for(kernel, args, kwargs, arch: int):

@@ -5,6 +5,8 @@ function with several backends.
 query per sequence attends over the stored ``runs`` (in order) followed by its own key; returns
 (out (b, hq, 1, d) in q's dtype, pg (b, hkv, n_total + 1) float32: each key's probability summed
 over the query heads of its KV group). The semantics are ``reference.decode_attention_reference``.
+``pg=False`` (a policy that collects no statistics): pg is None, and a backend that can skips
+the work (the Triton kernel then saves no scores and makes no probability pass).
 
 Backends: ``"torch"`` (the reference, always there), ``"cpu"`` (compiled at first use, fused: no
 dequantized copy of the cache), ``"triton"`` (GPU, registered by ``triton_decode`` when present).
@@ -39,6 +41,7 @@ class Backend:
     device: str  # "cpu" or "cuda": the queries auto picks it for
     paged: bool = False  # reads paged runs (a page table per row); else they are laid out in rectangles first
     summary: bool = False  # takes ``summary=`` (the evicted tokens' mean slot, kvevict.merge)
+    outonly: bool = False  # takes ``pg=False`` (returns pg None); else pg is computed and dropped
 
 
 BACKENDS: dict[str, Backend] = {}
@@ -46,8 +49,8 @@ _logged: set = set()
 
 
 def register_backend(name: str, fn: Callable, available: Callable[[], tuple[bool, str]], device: str,
-                     paged: bool = False, summary: bool = False) -> None:
-    BACKENDS[name] = Backend(fn, available, device, paged, summary)
+                     paged: bool = False, summary: bool = False, outonly: bool = False) -> None:
+    BACKENDS[name] = Backend(fn, available, device, paged, summary, outonly)
 
 
 def _cpu_fn(*args, **kwargs):
@@ -62,8 +65,8 @@ def _cpu_available():
     return available()
 
 
-register_backend("torch", decode_attention_reference, lambda: (True, ""), "any", summary=True)
-register_backend("cpu", _cpu_fn, _cpu_available, "cpu", paged=True, summary=True)
+register_backend("torch", decode_attention_reference, lambda: (True, ""), "any", summary=True, outonly=True)
+register_backend("cpu", _cpu_fn, _cpu_available, "cpu", paged=True, summary=True, outonly=True)
 
 
 def _load_triton() -> None:
@@ -71,7 +74,7 @@ def _load_triton() -> None:
     mod = importlib.import_module(".triton_decode", __name__)
     got: dict = {}
     mod.register(got)  # its own registration: {"triton": fn}
-    register_backend("triton", got["triton"], mod.available, "cuda", paged=True, summary=True)
+    register_backend("triton", got["triton"], mod.available, "cuda", paged=True, summary=True, outonly=True)
 
 
 _OPTIONAL = {"triton": _load_triton}  # backends whose module is imported when first asked for
@@ -123,10 +126,11 @@ def resolve_backend(device_type: str = "cpu", backend: str | None = None) -> str
     return "torch"
 
 
-def decode_attention(q, runs: list, k_new, v_new, mask, scale, softcap=None, backend=None, summary=None):
+def decode_attention(q, runs: list, k_new, v_new, mask, scale, softcap=None, backend=None, summary=None, pg=True):
     """See the module doc. mask: (b, hkv|1, n_total) bool over the stored slots (True = visible)
     or None; the new key is always visible. ``summary``: the evicted tokens' mean slot (see
-    ``reference``); a backend that does not take it leaves the call to the reference."""
+    ``reference``); a backend that does not take it leaves the call to the reference. ``pg=False``:
+    out only (pg None)."""
     name = resolve_backend(q.device.type, backend)
     if name != "torch" and summary is not None and not BACKENDS[name].summary:
         _say(("summary", name), logging.INFO,
@@ -135,7 +139,9 @@ def decode_attention(q, runs: list, k_new, v_new, mask, scale, softcap=None, bac
         if not BACKENDS[name].paged:
             runs = [r.rect() for r in runs]
         extra = {} if summary is None else {"summary": summary}
+        if not pg and BACKENDS[name].outonly:
+            extra["pg"] = False
         got = BACKENDS[name].fn(q, runs, k_new, v_new, mask, scale, softcap, **extra)
         if got is not NotImplemented:
-            return got
-    return decode_attention_reference(q, runs, k_new, v_new, mask, scale, softcap, summary)
+            return got if pg else (got[0], None)
+    return decode_attention_reference(q, runs, k_new, v_new, mask, scale, softcap, summary, pg=pg)

@@ -81,9 +81,10 @@ def _part(run: Run, part: tuple) -> list:
     return [part[0]] * 3  # dense: zeros and steps unused
 
 
-def decode_attention_cpu(q, runs, k_new, v_new, mask, scale, softcap=None, summary=None):
+def decode_attention_cpu(q, runs, k_new, v_new, mask, scale, softcap=None, summary=None, pg=True):
     """The fused kernel; NotImplemented for what it does not handle (the reference then runs).
-    ``summary`` (kvevict.merge) is one more dense slot before the new key, its log n a bias."""
+    ``summary`` (kvevict.merge) is one more dense slot before the new key, its log n a bias.
+    ``pg=False``: pg None (the kernel sums it anyway: g adds a key, next to its value pass)."""
     b, hq, _, d = q.shape
     hkv, dv = k_new.shape[1], v_new.shape[-1]
     new = Run(32, 0, (k_new,), (v_new,), 1)
@@ -116,7 +117,9 @@ def decode_attention_cpu(q, runs, k_new, v_new, mask, scale, softcap=None, summa
     else:
         mask_t = mask if mask.stride(-1) == 1 else mask.contiguous()
     qs = (q * scale).reshape(b, hq, d).float().contiguous()  # scaled in q's dtype first, as attend does
-    out, pg = load().decode(qs, tensors, meta, tables, mask_t, float(softcap or 0.0), hkv, dv, bias, bias_at)
-    if summary is not None:  # the mean slot is no stored slot: its column leaves pg
-        pg = torch.cat([pg[..., :bias_at], pg[..., bias_at + 1:]], dim=-1)
-    return out.to(q.dtype).view(b, hq, 1, dv), pg
+    out, probs = load().decode(qs, tensors, meta, tables, mask_t, float(softcap or 0.0), hkv, dv, bias, bias_at)
+    if not pg:
+        probs = None
+    elif summary is not None:  # the mean slot is no stored slot: its column leaves pg
+        probs = torch.cat([probs[..., :bias_at], probs[..., bias_at + 1:]], dim=-1)
+    return out.to(q.dtype).view(b, hq, 1, dv), probs

@@ -33,8 +33,9 @@ def _chunks(run, part: tuple, dtype):
             yield s, e, part[0][:, :, s:e].to(dtype)
 
 
-def decode_attention_reference(q, runs, k_new, v_new, mask, scale, softcap=None, summary=None):
-    """Returns (out (b, hq, 1, d) in q's dtype, pg (b, hkv, n_total + 1) float32); see the module doc."""
+def decode_attention_reference(q, runs, k_new, v_new, mask, scale, softcap=None, summary=None, pg=True):
+    """Returns (out (b, hq, 1, d) in q's dtype, pg (b, hkv, n_total + 1) float32, or None when
+    ``pg`` is False); see the module doc."""
     runs = [r.rect() for r in runs]  # paged runs: each row's pages in order
     b, hq, _, d = q.shape
     hkv = k_new.shape[1]
@@ -64,4 +65,4 @@ def decode_attention_reference(q, runs, k_new, v_new, mask, scale, softcap=None,
         for s, e, values in _chunks(r, r.v, dtype):
             out = out + torch.matmul(pc[..., off + s: off + e], values)
         off += r.n
-    return out.reshape(b, hq, 1, -1), probs.sum(2)
+    return out.reshape(b, hq, 1, -1), probs.sum(2) if pg else None

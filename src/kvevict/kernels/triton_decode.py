@@ -83,7 +83,7 @@ class Launch(NamedTuple):
     kwargs: dict
 
 
-def decode_attention_triton(q, runs, k_new, v_new, mask, scale, softcap=None, summary=None, **switches):
+def decode_attention_triton(q, runs, k_new, v_new, mask, scale, softcap=None, summary=None, pg=True, **switches):
     """The backend: ``plan``'s launches made (its docstring: arguments, switches, results);
     ``NotImplemented`` where triton cannot run these tensors (the dispatcher then uses the torch
     reference)."""
@@ -92,10 +92,10 @@ def decode_attention_triton(q, runs, k_new, v_new, mask, scale, softcap=None, su
         raise ModuleNotFoundError(why)
     if not (q.is_cuda or interpreting()) or q.dtype not in _DTYPES:
         return NotImplemented
-    out, pg, launches = plan(q, runs, k_new, v_new, mask, scale, softcap, summary=summary, **switches)
+    out, probs, launches = plan(q, runs, k_new, v_new, mask, scale, softcap, summary=summary, pg=pg, **switches)
     for la in launches:
         la.kernel[la.grid](*la.args, **la.kwargs)
-    return out, pg
+    return out, probs
 
 
 def unknown_switches(switches: dict, fixed: tuple = ()) -> str | None:
@@ -109,14 +109,16 @@ def unknown_switches(switches: dict, fixed: tuple = ()) -> str | None:
 
 
 def plan(q, runs, k_new, v_new, mask, scale, softcap=None, summary=None, *, split=None, warps=None, block=None,
-         factored=True, prefetch=True, lowp=True, magic=True, regs=None, zwords=True, fold=True, vpairs=True):
+         factored=True, prefetch=True, lowp=True, magic=True, regs=None, zwords=True, fold=True, vpairs=True,
+         pg=True, trans=False):
     """The launches of one decode step's attention, laid out and not made: (out, pg, [``Launch``]),
     out and pg the buffers they fill (``kvevict.bench.triton_sass`` compiles them for a GPU on any
     machine). q (b, hq, 1, d) unscaled; runs: ``kvevict.kernels.runs.Run`` objects (read by field: bits,
     group, k, v, n); k_new, v_new (b, hkv, 1, d|dv) in q's dtype; mask (b, hkv|1, n_total) bool
     over the stored slots (True = visible) or None; the new key is always visible; ``summary``: a
     merged cache's mean slot (key, value, log n; ``kvevict.merge``), joined by ``_finish``.
-    Returns (out (b, hq, 1, dv) in q's dtype, pg (b, hkv, n_total + 1) float32).
+    Returns (out (b, hq, 1, dv) in q's dtype, pg (b, hkv, n_total + 1) float32); ``pg=False``: out
+    only, pg None (no scores saved, one ``_finish`` program per sequence and KV head).
     ``split``: keys per program (a multiple of the key tile; None picks one from the GPU's size);
     ``warps``: warps per split program (None: triton's default), ``block``: keys per tile (a power
     of two >= 16; None: 128 where 2- or 4-bit codes are made from their bits, else 64; 32 past
@@ -131,7 +133,10 @@ def plan(q, runs, k_new, v_new, mask, scale, softcap=None, summary=None, *, spli
     loads a token's zeros and steps as 32-bit words where they fill whole words; ``fold`` (bf16,
     with ``magic``): those numbers keep their bias, taken off with the zeros once per token and
     group (``_split_rows_kernel``'s FOLD); ``vpairs`` (with ``magic``): the values' numbers are
-    paired along the tokens, as the value product takes them (``triton_kernels._unpack_pairs``)."""
+    paired along the tokens, as the value product takes them (``triton_kernels._unpack_pairs``);
+    ``trans``: the factored read's two products transposed, the codes their first operand
+    (``_split_rows_kernel``'s TRANS: on an sm_90 GPU warpgroup MMAs, the keys' words loaded where
+    they are multiplied), off until a GPU times it (docs/performance.md); ``pg``: see Returns."""
     b, hq, hkv, d, dv, n_total = _check(q, runs, k_new, v_new, mask)
     from . import triton_kernels as tk  # imports triton
 
@@ -157,12 +162,12 @@ def plan(q, runs, k_new, v_new, mask, scale, softcap=None, summary=None, *, spli
 
     dev, f32 = q.device, torch.float32
     nt1 = n_total + 1
-    scores = torch.empty(b * hkv, g, nt1, dtype=f32, device=dev)
     m_part = torch.empty(b * hkv, n_splits, g, dtype=f32, device=dev)
+    scores = torch.empty(b * hkv, g, nt1, dtype=f32, device=dev) if pg else m_part  # m_part: a pointer never read
     l_part = torch.empty_like(m_part)
     acc_part = torch.empty(b * hkv, n_splits, g, dv, dtype=f32, device=dev)
     out = torch.empty(b, hq, 1, dv, dtype=q.dtype, device=dev)
-    pg = torch.empty(b, hkv, nt1, dtype=f32, device=dev)
+    probs = torch.empty(b, hkv, nt1, dtype=f32, device=dev) if pg else None
     cdt = {torch.float16: tk.tl.float16, torch.bfloat16: tk.tl.bfloat16, torch.float32: tk.tl.float32}[q.dtype]
     emu = not q.is_cuda  # the interpreter: see _rnd and _operand in triton_kernels
     m = mask.view(torch.uint8) if mask is not None else scores  # bool read as bytes; a dummy when None
@@ -176,7 +181,7 @@ def plan(q, runs, k_new, v_new, mask, scale, softcap=None, summary=None, *, spli
             table = table.contiguous()
         common = dict(HKV=hkv, G=g, D=d, DV=dv, BITS=bits, GROUP=group if bits in PACKED else 1,
                       HAS_MASK=mask is not None, SOFTCAP=softcap is not None, CDT=cdt, EMU=emu,
-                      PAGED=paged, PAGE=page if paged else 1, PREFETCH=bool(prefetch),
+                      PAGED=paged, PAGE=page if paged else 1, PREFETCH=bool(prefetch), SCORES=bool(pg),
                       **({} if warps is None else {"num_warps": warps}),
                       **({} if regs is None or emu else {"maxnreg": regs}))
         words = None
@@ -191,7 +196,7 @@ def plan(q, runs, k_new, v_new, mask, scale, softcap=None, summary=None, *, spli
             kernel, extra = tk._split_rows_kernel, dict(
                 GH=gh, NGP=ngp, U=1 << (8 - bits), BLOCK_N=rows_block if magic_ok else block_n, ZW=zw, MAGIC=magic_ok,
                 # fp16's bias (1024, 8x bf16's) would cost pg ~2e-5 to the cancellation: bf16 only
-                FOLD=bool(fold) and q.dtype == torch.bfloat16, VPAIR=magic_ok and bool(vpairs))
+                FOLD=bool(fold) and q.dtype == torch.bfloat16, VPAIR=magic_ok and bool(vpairs), TRANS=bool(trans))
         else:
             kernel, extra = tk._split_kernel, dict(GP=gp, D_P=d_p, DV_P=dv_p, BLOCK_N=block_n,
                                                    GROUPED_K=_grouped(bits, group, d),
@@ -208,14 +213,14 @@ def plan(q, runs, k_new, v_new, mask, scale, softcap=None, summary=None, *, spli
         key_off += n
         split_off += ns
     block = 256  # keys per _finish program
-    launches.append(Launch(tk._finish, (b * hkv, triton_cdiv(nt1, block)), (
+    launches.append(Launch(tk._finish, (b * hkv, triton_cdiv(nt1, block) if pg else 1), (
         q, q.stride(0), q.stride(1), q.stride(3), k_new, k_new.stride(0), k_new.stride(1), k_new.stride(3),
         v_new, v_new.stride(0), v_new.stride(1), v_new.stride(3), m_part, l_part, acc_part, scores,
-        out, out.stride(0), out.stride(1), out.stride(3), pg, n_splits, nt1, float(scale), float(softcap or 1.0),
-        *_summary_args(summary, k_new),
+        out, out.stride(0), out.stride(1), out.stride(3), scores if probs is None else probs, n_splits, nt1,
+        float(scale), float(softcap or 1.0), *_summary_args(summary, k_new),
     ), dict(HKV=hkv, G=g, GP=max(2, _pow2(g)), D=d, D_P=d_p, DV=dv, DV_P=dv_p, BLOCK=block,
-            SOFTCAP=softcap is not None, CDT=cdt, EMU=emu, SUMMARY=summary is not None)))
-    return out, pg, launches
+            SOFTCAP=softcap is not None, CDT=cdt, EMU=emu, SUMMARY=summary is not None, PG=bool(pg))))
+    return out, probs, launches
 
 
 def _summary_args(summary, k_new) -> tuple:

@@ -145,9 +145,9 @@ def _at_row(kc, kz, ks, vc, vz, vs, skc_b, skc_h, skz_b, skz_h, sks_b, sks_h, sv
 
 @triton.jit
 def _online(s, offs, nm, m_i, l_i, rows, rmask, pid, bi, kh, key_off, nt1, softcap, mask_ptr, sm_b, sm_h, sm_n,
-            score_ptr, G: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr):
+            score_ptr, G: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, SCORES: tl.constexpr):
     """One tile's scores s (rows, BLOCK_N) into the online softmax: softcapped, -inf where masked,
-    saved for pg; returns (p, alpha, the new max, the new normalizer)."""
+    saved for pg (SCORES); returns (p, alpha, the new max, the new normalizer)."""
     if SOFTCAP:
         s = _tanh(s / softcap) * softcap
     visible = nm
@@ -155,8 +155,9 @@ def _online(s, offs, nm, m_i, l_i, rows, rmask, pid, bi, kh, key_off, nt1, softc
         seen = tl.load(mask_ptr + bi * sm_b + kh * sm_h + (key_off + offs) * sm_n, mask=nm, other=0)
         visible = visible & (seen != 0)
     s = tl.where(visible[None, :], s, float("-inf"))
-    tl.store(score_ptr + ((pid * G + rows[:, None]) * nt1 + key_off + offs[None, :]), s,
-             mask=rmask[:, None] & nm[None, :])
+    if SCORES:
+        tl.store(score_ptr + ((pid * G + rows[:, None]) * nt1 + key_off + offs[None, :]), s,
+                 mask=rmask[:, None] & nm[None, :])
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far: no NaN from -inf - -inf
     alpha = tl.exp(m_i - m_ref)
@@ -180,13 +181,14 @@ def _split_kernel(
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, CDT: tl.constexpr, EMU: tl.constexpr,
     GROUPED_K: tl.constexpr, GROUPED_V: tl.constexpr, PAGED: tl.constexpr = False, PAGE: tl.constexpr = 1,
-    PREFETCH: tl.constexpr = False, LOWP: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False, LOWP: tl.constexpr = False, SCORES: tl.constexpr = True,
 ):
     """One (sequence, KV head, split) of one run: partial m, l, acc and the raw scores. The scaled
     query, the keys, the values and the probabilities are rounded to the compute dtype CDT where
     the torch reference holds them in it; products accumulate in fp32. PREFETCH: the next tile's
     bytes are loaded before this tile is computed (the loop's runtime bounds keep triton from
-    pipelining it). LOWP: see ``_dequant``."""
+    pipelining it). LOWP: see ``_dequant``. SCORES: the raw scores are saved for ``_finish``'s pg
+    (off when the caller wants no pg: out only, as SDPA computes)."""
     pid = tl.program_id(0).to(tl.int64)  # offsets of big batches overflow int32
     sp = tl.program_id(1)
     bi = pid // HKV
@@ -233,7 +235,7 @@ def _split_kernel(
         k = _dequant(kr, kz, ks, dk, BITS, GROUP, D, CDT, EMU, GROUPED_K, BLOCK_N, LOWP)
         s = tl.dot(q, tl.trans(_operand(k, CDT, EMU)), input_precision="ieee")  # (GP, BLOCK_N), fp32
         p, alpha, m_new, l_i = _online(s, offs, nm, m_i, l_i, rows, rmask, pid, bi, kh, key_off, nt1, softcap,
-                                       mask_ptr, sm_b, sm_h, sm_n, score_ptr, G, HAS_MASK, SOFTCAP)
+                                       mask_ptr, sm_b, sm_h, sm_n, score_ptr, G, HAS_MASK, SOFTCAP, SCORES)
         if not PREFETCH:
             vr, vz, vs = _fetch(vc_ptr, vz_ptr, vs_ptr, svc_n, svc_d, svz_n, svz_d, svs_n, svs_d, slots, nm, dv,
                                 BITS, GROUP, DV, GROUPED_V)
@@ -250,27 +252,65 @@ def _split_kernel(
 
 
 @triton.jit
-def _word_order(D: tl.constexpr, BITS: tl.constexpr, MAGIC: tl.constexpr):
+def _word_order(D: tl.constexpr, BITS: tl.constexpr, MAGIC: tl.constexpr, LANES: tl.constexpr = False):
     """The order the factored kernel holds a token's channels in, each 32-bit word's PER = 32 / BITS
     codes together: position w PER + j holds the code at bit b of word w, which is channel
     ((b % 8) // BITS) W + 4 w + b // 8 (byte 4 w + b // 8, part (b % 8) // BITS; ``kvevict.store.pack``,
     W = D BITS / 8), with b = 8 (j % 4) + BITS (j // 4), or with MAGIC (``_unpack``) b = BITS (j // 2)
-    + 16 (j % 2). Returns each position's channel, (D,)."""
+    + 16 (j % 2). LANES (with MAGIC; ``_key_words``): position p = 16 (cc CL + cl) + 8 h + 2 t + e
+    (CL = 8 / BITS, CC = D BITS / 128) holds word t CC + cc, j = 2 (2 cl + h) + e: lane t of a
+    quad, which a tensor-core operand gives columns 16 c + 2 t + {0, 1, 8, 9}, finds them all in
+    its own CC words. Returns each position's channel, (D,)."""
     W: tl.constexpr = D * BITS // 8
     PER: tl.constexpr = 32 // BITS
     pos = tl.arange(0, D)
-    j = pos % PER
+    if LANES:
+        CL: tl.constexpr = 8 // BITS
+        CC: tl.constexpr = D * BITS // 128
+        e = pos % 2
+        t = (pos // 2) % 4
+        h = (pos // 8) % 2
+        cl = (pos // 16) % CL
+        cc = pos // (16 * CL)
+        word = t * CC + cc
+        j = 2 * (2 * cl + h) + e
+    else:
+        word = pos // PER
+        j = pos % PER
     if MAGIC:
         b = BITS * (j // 2) + 16 * (j % 2)
     else:
         b = 8 * (j % 4) + BITS * (j // 4)
-    return ((b % 8) // BITS) * W + 4 * (pos // PER) + b // 8
+    return ((b % 8) // BITS) * W + 4 * word + b // 8
 
 
 @triton.jit
 def _words(c_ptr, sc_n, sc_d, rows, nm, NW: tl.constexpr):
     """(BLOCK_N, NW) int32 words of a tile's packed codes (a quarter of the loads of bytes)."""
     return tl.load(c_ptr + rows[:, None] * sc_n + tl.arange(0, NW)[None, :] * sc_d, mask=nm[:, None], other=0)
+
+
+@triton.jit
+def _key_words(c_ptr, sc_n, sc_d, slots, nm, t, end, tab_ptr, tab_row, page_rows, NW: tl.constexpr,
+               BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, LANES: tl.constexpr):
+    """The keys' (BLOCK_N, NW) words of the tile at t: ``_words`` at ``slots``, or with LANES
+    (TRANS: the keys are a warpgroup MMA's first operand, its rows the tokens) loaded as (8, 4, 2,
+    BLOCK_N / 64, NW), row 64 a + 16 b + 8 c + d at [d, b, c, a], so that the coalesced layout
+    triton gives the load (lanes along d and the words, 4 warps along b, registers along c and a)
+    holds each thread's rows where the MMA wants them, and each lane the words of its columns
+    (``_word_order``'s LANES): no layout conversion between the load and the product."""
+    if not LANES:
+        return _words(c_ptr, sc_n, sc_d, slots, nm, NW)
+    A: tl.constexpr = BLOCK_N // 64
+    d = tl.arange(0, 8)[:, None, None, None, None]
+    b = tl.arange(0, 4)[None, :, None, None, None]
+    c = tl.arange(0, 2)[None, None, :, None, None]
+    a = tl.arange(0, A)[None, None, None, :, None]
+    offs = t + 64 * a + 8 * c + 16 * b + d
+    inside = offs < end
+    rows = _slots(offs, inside, tab_ptr, tab_row, page_rows, PAGED, PAGE)
+    w = tl.load(c_ptr + rows * sc_n + tl.arange(0, NW)[None, None, None, None, :] * sc_d, mask=inside, other=0)
+    return tl.reshape(tl.permute(w, (3, 1, 2, 0, 4)), (BLOCK_N, NW))
 
 
 @triton.jit
@@ -301,7 +341,7 @@ def _halves(t, CDT: tl.constexpr, EMU: tl.constexpr):
 
 @triton.jit
 def _unpack(words, D: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, MAGIC: tl.constexpr,
-            CDT: tl.constexpr, EMU: tl.constexpr, FOLD: tl.constexpr = False):
+            CDT: tl.constexpr, EMU: tl.constexpr, FOLD: tl.constexpr = False, LANES: tl.constexpr = False):
     """(BLOCK_N, D) codes in ``_word_order``: fp32 integers, or with MAGIC (2 or 4 bits, a bf16 /
     fp16 CDT) CDT integers made without an int -> float conversion (a quarter-rate instruction on
     a GPU): two codes at a time, each code's bits or-ed under the exponent of B = 128 (bf16, 0x4300)
@@ -316,7 +356,11 @@ def _unpack(words, D: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, M
         BIAS: tl.constexpr = 128.0 if BF else 1024.0
         sh = tl.arange(0, HALF) * BITS
         t = _or_magic(words[:, :, None] >> sh[None, None, :], ONE * 0x10001, EXP * 0x10001, EMU)  # (BLOCK_N, NW, HALF)
-        x = _halves(t, CDT, EMU)
+        x = _halves(t, CDT, EMU)  # (BLOCK_N, NW, HALF, 2)
+        if LANES:  # to _word_order's LANES positions
+            CC: tl.constexpr = D * BITS // 128
+            x = tl.reshape(x, (BLOCK_N, 4, CC, HALF // 2, 2, 2))
+            x = tl.permute(x, (0, 2, 3, 4, 1, 5))
         if FOLD:
             return tl.reshape(x, (BLOCK_N, D))
         return tl.reshape(x, (BLOCK_N, D)) - BIAS
@@ -410,6 +454,7 @@ def _split_rows_kernel(
     BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, CDT: tl.constexpr,
     EMU: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, PREFETCH: tl.constexpr = False,
     MAGIC: tl.constexpr = False, ZW: tl.constexpr = False, FOLD: tl.constexpr = False, VPAIR: tl.constexpr = False,
+    SCORES: tl.constexpr = True, TRANS: tl.constexpr = False,
 ):
     """``_split_kernel`` for a packed run read factored (``triton_decode._factored``): with
     x_hat = step_g / U (U code - zero_g) per group g of a token,
@@ -431,7 +476,11 @@ def _split_rows_kernel(
     (exact in fp32; the products' sums then carry B sum(q_g) or U B sum(w), which fp32 holds to a
     relative 2^-24 of that, about 1e-6 of a score). VPAIR (with MAGIC): the values' codes are made
     in pairs of neighbouring tokens (``_unpack_pairs``, their channels in ``_word_order`` 0), the
-    pairs the value product's second operand takes, so that tile skips a pass through shared memory."""
+    pairs the value product's second operand takes, so that tile skips a pass through shared memory.
+    SCORES: as in ``_split_kernel``. TRANS: both products transposed, the codes their first operand
+    (tokens x channels for the keys, channels x tokens for the values: 128 rows, which an sm_90
+    GPU gives a warpgroup MMA, the query and the weights its second, from shared memory) and the
+    keys' words loaded where that operand wants them (``_key_words``); the same sums."""
     pid = tl.program_id(0).to(tl.int64)  # offsets of big batches overflow int32
     sp = tl.program_id(1)
     bi = pid // HKV
@@ -447,7 +496,8 @@ def _split_rows_kernel(
     rh = r % GH  # the row's query head
     heads = tl.arange(0, GH)
     hmask = heads < G
-    ck = _word_order(D, BITS, MAGIC)
+    KL: tl.constexpr = TRANS and MAGIC and BLOCK_N % 64 == 0 and (D * BITS) % 128 == 0  # keys in lanes order
+    ck = _word_order(D, BITS, MAGIC, KL)
     cv = _word_order(DV, BITS, MAGIC and not VPAIR)
     qx = tl.load(q_ptr + bi * sq_b + (kh * G + rh[:, None]) * sq_h + ck[None, :] * sq_d,
                  mask=((rg < NGK) & (rh < G))[:, None] & ((ck // GROUP)[None, :] == rg[:, None]), other=0.0)
@@ -466,7 +516,8 @@ def _split_rows_kernel(
         offs = start + tl.arange(0, BLOCK_N)
         nm = offs < end
         slots = _slots(offs, nm, tab_ptr, bi * tab_b, page_rows, PAGED, PAGE)
-        kw = _words(kc_ptr, skc_n, skc_d, slots, nm, NWK)
+        kw = _key_words(kc_ptr, skc_n, skc_d, slots, nm, start, end, tab_ptr, bi * tab_b, page_rows, NWK, BLOCK_N,
+                        PAGED, PAGE, KL)
         kzr = _per_group(kz_ptr, skz_n, skz_d, slots, nm, NGK, NGP, BLOCK_N, ZW)
         ksr = _per_group(ks_ptr, sks_n, sks_d, slots, nm, NGK, NGP, BLOCK_N, ZW)
         if VPAIR:
@@ -482,7 +533,8 @@ def _split_rows_kernel(
             nxt = offs + BLOCK_N
             nm_next = nxt < end
             slots = _slots(nxt, nm_next, tab_ptr, bi * tab_b, page_rows, PAGED, PAGE)
-            kw_next = _words(kc_ptr, skc_n, skc_d, slots, nm_next, NWK)
+            kw_next = _key_words(kc_ptr, skc_n, skc_d, slots, nm_next, t + BLOCK_N, end, tab_ptr, bi * tab_b,
+                                 page_rows, NWK, BLOCK_N, PAGED, PAGE, KL)
             kzr_next = _per_group(kz_ptr, skz_n, skz_d, slots, nm_next, NGK, NGP, BLOCK_N, ZW)
             ksr_next = _per_group(ks_ptr, sks_n, sks_d, slots, nm_next, NGK, NGP, BLOCK_N, ZW)
             if VPAIR:
@@ -494,16 +546,20 @@ def _split_rows_kernel(
             vsr_next = _per_group(vs_ptr, svs_n, svs_d, slots, nm_next, NGV, NGP, BLOCK_N, ZW)
         else:
             slots = _slots(offs, nm, tab_ptr, bi * tab_b, page_rows, PAGED, PAGE)
-            kw = _words(kc_ptr, skc_n, skc_d, slots, nm, NWK)
+            kw = _key_words(kc_ptr, skc_n, skc_d, slots, nm, t, end, tab_ptr, bi * tab_b, page_rows, NWK, BLOCK_N,
+                            PAGED, PAGE, KL)
             kzr = _per_group(kz_ptr, skz_n, skz_d, slots, nm, NGK, NGP, BLOCK_N, ZW)
             ksr = _per_group(ks_ptr, sks_n, sks_d, slots, nm, NGK, NGP, BLOCK_N, ZW)
-        kc = _unpack(kw, D, BITS, BLOCK_N, MAGIC, CDT, EMU, FOLD)
-        qc = tl.dot(qx, tl.trans(_operand(kc, CDT, EMU)), input_precision="ieee")  # (M, BLOCK_N), exact products
+        kc = _unpack(kw, D, BITS, BLOCK_N, MAGIC, CDT, EMU, FOLD, KL)
+        if TRANS:  # (BLOCK_N, D) x (D, M), transposed back
+            qc = tl.trans(tl.dot(_operand(kc, CDT, EMU), tl.trans(qx), input_precision="ieee"))
+        else:
+            qc = tl.dot(qx, tl.trans(_operand(kc, CDT, EMU)), input_precision="ieee")  # (M, BLOCK_N), exact products
         qc = tl.reshape(qc, (NGP, GH, BLOCK_N))
         kst = _step(ksr)[:, None, :]
         s = tl.sum(kst * qc - (kst * (kzr.to(tl.float32) / U + B)[:, None, :]) * q_sum[:, :, None], axis=0)  # (GH, BLOCK_N)
         p, alpha, m_new, l_i = _online(s, offs, nm, m_i, l_i, heads, hmask, pid, bi, kh, key_off, nt1, softcap,
-                                       mask_ptr, sm_b, sm_h, sm_n, score_ptr, G, HAS_MASK, SOFTCAP)
+                                       mask_ptr, sm_b, sm_h, sm_n, score_ptr, G, HAS_MASK, SOFTCAP, SCORES)
         if not PREFETCH:
             if VPAIR:
                 vw = _word_pairs(vc_ptr, svc_n, svc_d, t, end, tab_ptr, bi * tab_b, page_rows, NWV, BLOCK_N, PAGED,
@@ -519,8 +575,11 @@ def _split_rows_kernel(
         w = _rnd(p[None, :, :] * (_step(vsr) / U)[:, None, :], CDT, EMU)  # (NGP, GH, BLOCK_N)
         zc = tl.reshape(tl.sum(w * (vzr.to(tl.float32) + U * B)[:, None, :], axis=2), (M,))
         # w U (exact: a power of two) times the codes: the products w (U code)
-        pv = tl.dot(_operand(tl.reshape(w * U, (M, BLOCK_N)), CDT, EMU), _operand(vc, CDT, EMU),
-                    input_precision="ieee")  # (M, DV)
+        wu = _operand(tl.reshape(w * U, (M, BLOCK_N)), CDT, EMU)
+        if TRANS:  # (DV, BLOCK_N) x (BLOCK_N, M): the codes the first operand (see TRANS)
+            pv = tl.trans(tl.dot(tl.trans(_operand(vc, CDT, EMU)), tl.trans(wu), input_precision="ieee"))
+        else:
+            pv = tl.dot(wu, _operand(vc, CDT, EMU), input_precision="ieee")  # (M, DV)
         a_rows = tl.reshape(tl.broadcast_to(alpha[None, :], (NGP, GH)), (M,))
         acc = acc * a_rows[:, None] + pv - zc[:, None]
         m_i = m_new
@@ -541,7 +600,7 @@ def _finish(q_ptr, sq_b, sq_h, sq_d, kn_ptr, skn_b, skn_h, skn_d, vn_ptr, svn_b,
             sum_k_ptr, sum_v_ptr, sum_b_ptr,
             HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
             DV: tl.constexpr, DV_P: tl.constexpr, BLOCK: tl.constexpr, SOFTCAP: tl.constexpr,
-            CDT: tl.constexpr, EMU: tl.constexpr, SUMMARY: tl.constexpr):
+            CDT: tl.constexpr, EMU: tl.constexpr, SUMMARY: tl.constexpr, PG: tl.constexpr = True):
     """One (sequence, KV head) and BLOCK of its keys, after the split programs: the new key (always
     visible) joins the splits' partials as one more (m = s_new, l = 1, acc = v_new); M = max_j m_j,
     L = sum_j l_j exp(m_j - M); pg_i = sum_h exp(s_hi - M_h) / L_h over this block's keys (the
@@ -549,7 +608,8 @@ def _finish(q_ptr, sq_b, sq_h, sq_d, kn_ptr, skn_b, skn_h, skn_d, vn_ptr, svn_b,
     One launch instead of a new-key split, a merge and a probability pass: each program merges
     the few partials itself. ``SUMMARY``: the evicted tokens' mean slot (kvevict.merge; mean key
     and value (b, hkv, d) and log n (b, hkv), contiguous) joins as one more partial, m = s + log n,
-    l = 1, acc = its value; it has no pg column."""
+    l = 1, acc = its value; it has no pg column. Without ``PG`` (out only: the split programs saved
+    no scores) there is one program per (sequence, KV head), and it writes out alone."""
     pid = tl.program_id(0).to(tl.int64)  # offsets of big batches overflow int32
     blk = tl.program_id(1)
     bi = pid // HKV
@@ -584,13 +644,14 @@ def _finish(q_ptr, sq_b, sq_h, sq_d, kn_ptr, skn_b, skn_h, skn_d, vn_ptr, svn_b,
         m_new = tl.maximum(big_m, m)
         big_l = big_l * tl.exp(big_m - m_new) + l_j * tl.exp(m - m_new)
         big_m = m_new
-    keys = blk * BLOCK + tl.arange(0, BLOCK)
-    stored = keys < nt1 - 1
-    s = tl.load(score_ptr + (pid * G + rows[:, None]) * nt1 + keys[None, :],
-                mask=rmask[:, None] & stored[None, :], other=float("-inf"))
-    s = tl.where((keys == nt1 - 1)[None, :], s_new[:, None], s)
-    p = tl.where(rmask[:, None], tl.exp(s - big_m[:, None]) / big_l[:, None], 0.0)
-    tl.store(pg_ptr + pid * nt1 + keys, tl.sum(p, axis=0), mask=keys < nt1)
+    if PG:
+        keys = blk * BLOCK + tl.arange(0, BLOCK)
+        stored = keys < nt1 - 1
+        s = tl.load(score_ptr + (pid * G + rows[:, None]) * nt1 + keys[None, :],
+                    mask=rmask[:, None] & stored[None, :], other=float("-inf"))
+        s = tl.where((keys == nt1 - 1)[None, :], s_new[:, None], s)
+        p = tl.where(rmask[:, None], tl.exp(s - big_m[:, None]) / big_l[:, None], 0.0)
+        tl.store(pg_ptr + pid * nt1 + keys, tl.sum(p, axis=0), mask=keys < nt1)
     if blk == 0:
         amask = rmask[:, None] & (dv[None, :] < DV)
         vn = tl.load(vn_ptr + bi * svn_b + kh * svn_h + dv * svn_d, mask=dv < DV, other=0.0).to(tl.float32)
