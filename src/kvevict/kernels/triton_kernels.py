@@ -572,10 +572,11 @@ def _split_rows_kernel(
             vc = tl.trans(_unpack_pairs(vw, DV, BITS, BLOCK_N, CDT, EMU, FOLD))
         else:
             vc = _unpack(vw, DV, BITS, BLOCK_N, MAGIC, CDT, EMU, FOLD)
-        w = _rnd(p[None, :, :] * (_step(vsr) / U)[:, None, :], CDT, EMU)  # (NGP, GH, BLOCK_N)
-        zc = tl.reshape(tl.sum(w * (vzr.to(tl.float32) + U * B)[:, None, :], axis=2), (M,))
-        # w U (exact: a power of two) times the codes: the products w (U code)
-        wu = _operand(tl.reshape(w * U, (M, BLOCK_N)), CDT, EMU)
+        # U w = p step rounded once (U a power of two: the rounding of w itself, scaled), times
+        # the codes: the products w (U code); the zeros' part sum_i w_i (zero_i + U B)
+        w = _rnd(p[None, :, :] * _step(vsr)[:, None, :], CDT, EMU)  # (NGP, GH, BLOCK_N)
+        zc = tl.reshape(tl.sum(w * (vzr.to(tl.float32) / U + B)[:, None, :], axis=2), (M,))
+        wu = _operand(tl.reshape(w, (M, BLOCK_N)), CDT, EMU)
         if TRANS:  # (DV, BLOCK_N) x (BLOCK_N, M): the codes the first operand (see TRANS)
             pv = tl.trans(tl.dot(tl.trans(_operand(vc, CDT, EMU)), tl.trans(wu), input_precision="ieee"))
         else:
