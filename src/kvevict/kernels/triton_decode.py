@@ -196,12 +196,14 @@ def plan(q, runs, k_new, v_new, mask, scale, softcap=None, summary=None, *, spli
             kernel, extra = tk._split_rows_kernel, dict(
                 GH=gh, NGP=ngp, U=1 << (8 - bits), BLOCK_N=rows_block if magic_ok else block_n, ZW=zw, MAGIC=magic_ok,
                 # fp16's bias (1024, 8x bf16's) would cost pg ~2e-5 to the cancellation: bf16 only
-                FOLD=bool(fold) and q.dtype == torch.bfloat16, VPAIR=magic_ok and bool(vpairs), TRANS=bool(trans))
+                FOLD=bool(fold) and q.dtype == torch.bfloat16, VPAIR=magic_ok and bool(vpairs), TRANS=bool(trans),
+                LCOLS=not trans)
         else:
             kernel, extra = tk._split_kernel, dict(GP=gp, D_P=d_p, DV_P=dv_p, BLOCK_N=block_n,
                                                    GROUPED_K=_grouped(bits, group, d),
                                                    GROUPED_V=_grouped(bits, group, dv),
-                                                   LOWP=bool(lowp) and q.dtype == torch.bfloat16 and not emu)
+                                                   LOWP=bool(lowp) and q.dtype == torch.bfloat16 and not emu,
+                                                   LCOLS=True)
         launches.append(Launch(kernel, (b * hkv, ns), (
             q, q.stride(0), q.stride(1), q.stride(3),
             *_operand(kt, paged), *_operand(vt, paged),

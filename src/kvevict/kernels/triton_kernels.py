@@ -145,9 +145,12 @@ def _at_row(kc, kz, ks, vc, vz, vs, skc_b, skc_h, skz_b, skz_h, sks_b, sks_h, sv
 
 @triton.jit
 def _online(s, offs, nm, m_i, l_i, rows, rmask, pid, bi, kh, key_off, nt1, softcap, mask_ptr, sm_b, sm_h, sm_n,
-            score_ptr, G: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, SCORES: tl.constexpr):
+            score_ptr, G: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, SCORES: tl.constexpr,
+            LCOLS: tl.constexpr = False):
     """One tile's scores s (rows, BLOCK_N) into the online softmax: softcapped, -inf where masked,
-    saved for pg (SCORES); returns (p, alpha, the new max, the new normalizer)."""
+    saved for pg (SCORES); returns (p, alpha, the new max, the new normalizer). LCOLS: the
+    normalizer kept per (row, key column), l_i (rows, BLOCK_N), summed along the keys once after
+    the loop (``_normalizer``): no reduction across the tile's warps each tile, for a few registers."""
     if SOFTCAP:
         s = _tanh(s / softcap) * softcap
     visible = nm
@@ -162,7 +165,19 @@ def _online(s, offs, nm, m_i, l_i, rows, rmask, pid, bi, kh, key_off, nt1, softc
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far: no NaN from -inf - -inf
     alpha = tl.exp(m_i - m_ref)
     p = tl.exp(s - m_ref[:, None])
-    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+    if LCOLS:
+        l_new = l_i * alpha[:, None] + p
+    else:
+        l_new = l_i * alpha + tl.sum(p, axis=1)
+    return p, alpha, m_new, l_new
+
+
+@triton.jit
+def _normalizer(l_i, LCOLS: tl.constexpr):
+    """The softmax normalizer of ``_online``'s l_i (LCOLS: its columns summed)."""
+    if LCOLS:
+        l_i = tl.sum(l_i, axis=1)
+    return l_i
 
 
 @triton.jit
@@ -182,6 +197,7 @@ def _split_kernel(
     HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, CDT: tl.constexpr, EMU: tl.constexpr,
     GROUPED_K: tl.constexpr, GROUPED_V: tl.constexpr, PAGED: tl.constexpr = False, PAGE: tl.constexpr = 1,
     PREFETCH: tl.constexpr = False, LOWP: tl.constexpr = False, SCORES: tl.constexpr = True,
+    LCOLS: tl.constexpr = False,
 ):
     """One (sequence, KV head, split) of one run: partial m, l, acc and the raw scores. The scaled
     query, the keys, the values and the probabilities are rounded to the compute dtype CDT where
@@ -207,7 +223,10 @@ def _split_kernel(
     start = sp * split
     end = tl.minimum(start + split, n)
     m_i = tl.full([GP], float("-inf"), tl.float32)
-    l_i = tl.zeros([GP], tl.float32)
+    if LCOLS:
+        l_i = tl.zeros([GP, BLOCK_N], tl.float32)
+    else:
+        l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, DV_P], tl.float32)
     if PREFETCH:  # the first tile's bytes
         offs = start + tl.arange(0, BLOCK_N)
@@ -235,7 +254,7 @@ def _split_kernel(
         k = _dequant(kr, kz, ks, dk, BITS, GROUP, D, CDT, EMU, GROUPED_K, BLOCK_N, LOWP)
         s = tl.dot(q, tl.trans(_operand(k, CDT, EMU)), input_precision="ieee")  # (GP, BLOCK_N), fp32
         p, alpha, m_new, l_i = _online(s, offs, nm, m_i, l_i, rows, rmask, pid, bi, kh, key_off, nt1, softcap,
-                                       mask_ptr, sm_b, sm_h, sm_n, score_ptr, G, HAS_MASK, SOFTCAP, SCORES)
+                                       mask_ptr, sm_b, sm_h, sm_n, score_ptr, G, HAS_MASK, SOFTCAP, SCORES, LCOLS)
         if not PREFETCH:
             vr, vz, vs = _fetch(vc_ptr, vz_ptr, vs_ptr, svc_n, svc_d, svz_n, svz_d, svs_n, svs_d, slots, nm, dv,
                                 BITS, GROUP, DV, GROUPED_V)
@@ -247,7 +266,7 @@ def _split_kernel(
             kr, kz, ks, vr, vz, vs = kr_next, kz_next, ks_next, vr_next, vz_next, vs_next
     part = (pid * n_splits + split_off + sp) * G + rows
     tl.store(m_ptr + part, m_i, mask=rmask)
-    tl.store(l_ptr + part, l_i, mask=rmask)
+    tl.store(l_ptr + part, _normalizer(l_i, LCOLS), mask=rmask)
     tl.store(acc_ptr + part[:, None] * DV + dv[None, :], acc, mask=rmask[:, None] & (dv[None, :] < DV))
 
 
@@ -454,7 +473,7 @@ def _split_rows_kernel(
     BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, CDT: tl.constexpr,
     EMU: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, PREFETCH: tl.constexpr = False,
     MAGIC: tl.constexpr = False, ZW: tl.constexpr = False, FOLD: tl.constexpr = False, VPAIR: tl.constexpr = False,
-    SCORES: tl.constexpr = True, TRANS: tl.constexpr = False,
+    SCORES: tl.constexpr = True, TRANS: tl.constexpr = False, LCOLS: tl.constexpr = False,
 ):
     """``_split_kernel`` for a packed run read factored (``triton_decode._factored``): with
     x_hat = step_g / U (U code - zero_g) per group g of a token,
@@ -480,7 +499,8 @@ def _split_rows_kernel(
     SCORES: as in ``_split_kernel``. TRANS: both products transposed, the codes their first operand
     (tokens x channels for the keys, channels x tokens for the values: 128 rows, which an sm_90
     GPU gives a warpgroup MMA, the query and the weights its second, from shared memory) and the
-    keys' words loaded where that operand wants them (``_key_words``); the same sums."""
+    keys' words loaded where that operand wants them (``_key_words``); the same sums. LCOLS: see
+    ``_online`` (off with TRANS, whose program would spill for it)."""
     pid = tl.program_id(0).to(tl.int64)  # offsets of big batches overflow int32
     sp = tl.program_id(1)
     bi = pid // HKV
@@ -510,7 +530,10 @@ def _split_rows_kernel(
     start = sp * split
     end = tl.minimum(start + split, n)
     m_i = tl.full([GH], float("-inf"), tl.float32)
-    l_i = tl.zeros([GH], tl.float32)
+    if LCOLS:
+        l_i = tl.zeros([GH, BLOCK_N], tl.float32)
+    else:
+        l_i = tl.zeros([GH], tl.float32)
     acc = tl.zeros([M, DV], tl.float32)
     if PREFETCH:  # the first tile's bytes
         offs = start + tl.arange(0, BLOCK_N)
@@ -559,7 +582,7 @@ def _split_rows_kernel(
         kst = _step(ksr)[:, None, :]
         s = tl.sum(kst * qc - (kst * (kzr.to(tl.float32) / U + B)[:, None, :]) * q_sum[:, :, None], axis=0)  # (GH, BLOCK_N)
         p, alpha, m_new, l_i = _online(s, offs, nm, m_i, l_i, heads, hmask, pid, bi, kh, key_off, nt1, softcap,
-                                       mask_ptr, sm_b, sm_h, sm_n, score_ptr, G, HAS_MASK, SOFTCAP, SCORES)
+                                       mask_ptr, sm_b, sm_h, sm_n, score_ptr, G, HAS_MASK, SOFTCAP, SCORES, LCOLS)
         if not PREFETCH:
             if VPAIR:
                 vw = _word_pairs(vc_ptr, svc_n, svc_d, t, end, tab_ptr, bi * tab_b, page_rows, NWV, BLOCK_N, PAGED,
@@ -591,7 +614,7 @@ def _split_rows_kernel(
     out = tl.sum(tl.where(own, tl.reshape(acc, (NGP, GH, DV)), 0.0), axis=0)  # (GH, DV)
     part = (pid * n_splits + split_off + sp) * G + heads
     tl.store(m_ptr + part, m_i, mask=hmask)
-    tl.store(l_ptr + part, l_i, mask=hmask)
+    tl.store(l_ptr + part, _normalizer(l_i, LCOLS), mask=hmask)
     tl.store(acc_ptr + part[:, None] * DV + cv[None, :], out, mask=hmask[:, None])
 
 
