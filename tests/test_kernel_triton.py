@@ -304,9 +304,15 @@ for paged in (False, True):  # storage in rectangles, and in pages read through 
         cvts[magic] = len(re.findall(r"cvt\.rn\.(?:bf16|f16|f32)\.[su](?:8|16|32)", k.asm["ptx"]))
     # codes made from their bits: int -> float conversions are left for the zeros alone, not every code
     assert 4 * cvts[True] < cvts[False], cvts
-for summary in (False, True):  # with the merged cache's mean slot (kvevict.merge) and without
+# 32-key tiles (head dims past 128 take them), and the transposed read (trans: warpgroup MMAs on sm_90)
+for block_n, trans in ((32, False), (128, True)):
+    k = build(tk._split_rows_kernel, dict(common, BLOCK_N=block_n, GH=4, NGP=4, U=16, PAGED=False, PAGE=32,
+              PREFETCH=True, MAGIC=True, ZW=False, FOLD=True, VPAIR=True, TRANS=trans, LCOLS=not trans),
+              dict(ptrs, kc_ptr="*i32", vc_ptr="*i32"))
+    assert ("wgmma" if trans else "mma") in k.asm["ptx"], (block_n, trans)
+for summary, pg in ((False, True), (True, True), (True, False)):  # the mean slot (kvevict.merge); out only
     build(tk._finish, dict(HKV=8, G=4, GP=4, D=128, D_P=128, DV=128, DV_P=128, BLOCK=256, SOFTCAP=True,
-                           CDT=tl.bfloat16, EMU=False, SUMMARY=summary),
+                           CDT=tl.bfloat16, EMU=False, SUMMARY=summary, PG=pg),
           dict(q_ptr=bf, kn_ptr=bf, vn_ptr=bf, m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", score_ptr="*fp32",
                out_ptr=bf, pg_ptr="*fp32", sum_k_ptr="*fp32", sum_v_ptr="*fp32", sum_b_ptr="*fp32"))
 print("compiled")

@@ -318,18 +318,21 @@ def _key_words(c_ptr, sc_n, sc_d, slots, nm, t, end, tab_ptr, tab_row, page_rows
     triton gives the load (lanes along d and the words, 4 warps along b, registers along c and a)
     holds each thread's rows where the MMA wants them, and each lane the words of its columns
     (``_word_order``'s LANES): no layout conversion between the load and the product."""
-    if not LANES:
-        return _words(c_ptr, sc_n, sc_d, slots, nm, NW)
-    A: tl.constexpr = BLOCK_N // 64
-    d = tl.arange(0, 8)[:, None, None, None, None]
-    b = tl.arange(0, 4)[None, :, None, None, None]
-    c = tl.arange(0, 2)[None, None, :, None, None]
-    a = tl.arange(0, A)[None, None, None, :, None]
-    offs = t + 64 * a + 8 * c + 16 * b + d
-    inside = offs < end
-    rows = _slots(offs, inside, tab_ptr, tab_row, page_rows, PAGED, PAGE)
-    w = tl.load(c_ptr + rows * sc_n + tl.arange(0, NW)[None, None, None, None, :] * sc_d, mask=inside, other=0)
-    return tl.reshape(tl.permute(w, (3, 1, 2, 0, 4)), (BLOCK_N, NW))
+    # one return after the branches: triton compiles what follows a return in a constexpr branch
+    if LANES:
+        A: tl.constexpr = BLOCK_N // 64
+        d = tl.arange(0, 8)[:, None, None, None, None]
+        b = tl.arange(0, 4)[None, :, None, None, None]
+        c = tl.arange(0, 2)[None, None, :, None, None]
+        a = tl.arange(0, A)[None, None, None, :, None]
+        offs = t + 64 * a + 8 * c + 16 * b + d
+        inside = offs < end
+        rows = _slots(offs, inside, tab_ptr, tab_row, page_rows, PAGED, PAGE)
+        w = tl.load(c_ptr + rows * sc_n + tl.arange(0, NW)[None, None, None, None, :] * sc_d, mask=inside, other=0)
+        words = tl.reshape(tl.permute(w, (3, 1, 2, 0, 4)), (BLOCK_N, NW))
+    else:
+        words = _words(c_ptr, sc_n, sc_d, slots, nm, NW)
+    return words
 
 
 @triton.jit
