@@ -38,6 +38,8 @@ ATTN_NAME = "kvevict"
 
 # statistics a fused decode kernel's pg cannot give (they need each head's probabilities or the keys)
 _FUSED_CANNOT = {"max", "expected", "blocks"}
+# statistics the fused path fills without pg (key norms): a layer wanting only these asks for out only
+_NOT_FROM_PG = {"knorm"}
 
 
 def fused_backend(query) -> str:
@@ -271,7 +273,7 @@ def _attend_fused(query, seg: _Segments, scale, window, softcap, wanted, observe
         mask = (~hide_past).reshape(hide_past.shape[0], hide_past.shape[1], n_past).expand(b, -1, -1)
     # a policy that collects nothing from probabilities (kvzip, recency, knorm) needs no pg: out only, as SDPA computes
     out, pg = decode_attention(query, seg.runs, seg.k_new, seg.v_new, mask, scale, softcap, summary=seg.summary,
-                               pg=bool(set(wanted) - {"knorm"}))
+                               pg=bool(set(wanted) - _NOT_FROM_PG))
     if seg.valid_new is not None:  # a padding query counts for nothing (attend: its probabilities are 0)
         real = seg.valid_new[:, -1].view(b, 1, 1)
         out = out * real.view(b, 1, 1, 1)

@@ -365,11 +365,11 @@ class EvictingLayer(CacheLayerMixin):
         merge = self.summary is not None
         gone = self.tiers[0].insert(self.rows, new, ctx, protected_newcomer=valid_new is None,
                                     want_evicted=len(self.tiers) > 1 or merge)
-        # unpadded, every demoted entry is a real token: skip the host sync that checks it
-        if gone is not None and len(self.tiers) > 1 and (not self._padded or bool((gone["pos"] >= 0).any())):
-            gone = self.tiers[1].insert(self.rows, gone, ctx, protected_newcomer=False, want_evicted=merge)
-        elif len(self.tiers) > 1:
-            gone = None
+        if len(self.tiers) > 1:  # what the first tier demotes goes to the second; what leaves that, on
+            demoted, gone = gone, None
+            # unpadded, every demoted entry is a real token: skip the host sync that checks it
+            if demoted is not None and (not self._padded or bool((demoted["pos"] >= 0).any())):
+                gone = self.tiers[1].insert(self.rows, demoted, ctx, protected_newcomer=False, want_evicted=merge)
         if gone is not None and merge:  # what left the last tier leaves the cache: into the summary
             self.summary.add(gone, self.shared)
         self.seen += m

@@ -202,8 +202,7 @@ def plan(q, runs, k_new, v_new, mask, scale, softcap=None, summary=None, *, spli
             kernel, extra = tk._split_kernel, dict(GP=gp, D_P=d_p, DV_P=dv_p, BLOCK_N=block_n,
                                                    GROUPED_K=_grouped(bits, group, d),
                                                    GROUPED_V=_grouped(bits, group, dv),
-                                                   LOWP=bool(lowp) and q.dtype == torch.bfloat16 and not emu,
-                                                   LCOLS=True)
+                                                   LOWP=bool(lowp) and q.dtype == torch.bfloat16 and not emu)
         launches.append(Launch(kernel, (b * hkv, ns), (
             q, q.stride(0), q.stride(1), q.stride(3),
             *_operand(kt, paged), *_operand(vt, paged),

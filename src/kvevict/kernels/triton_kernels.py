@@ -197,7 +197,6 @@ def _split_kernel(
     HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, CDT: tl.constexpr, EMU: tl.constexpr,
     GROUPED_K: tl.constexpr, GROUPED_V: tl.constexpr, PAGED: tl.constexpr = False, PAGE: tl.constexpr = 1,
     PREFETCH: tl.constexpr = False, LOWP: tl.constexpr = False, SCORES: tl.constexpr = True,
-    LCOLS: tl.constexpr = False,
 ):
     """One (sequence, KV head, split) of one run: partial m, l, acc and the raw scores. The scaled
     query, the keys, the values and the probabilities are rounded to the compute dtype CDT where
@@ -223,10 +222,7 @@ def _split_kernel(
     start = sp * split
     end = tl.minimum(start + split, n)
     m_i = tl.full([GP], float("-inf"), tl.float32)
-    if LCOLS:
-        l_i = tl.zeros([GP, BLOCK_N], tl.float32)
-    else:
-        l_i = tl.zeros([GP], tl.float32)
+    l_i = tl.zeros([GP, BLOCK_N], tl.float32)  # per key column (``_online``'s LCOLS)
     acc = tl.zeros([GP, DV_P], tl.float32)
     if PREFETCH:  # the first tile's bytes
         offs = start + tl.arange(0, BLOCK_N)
@@ -254,7 +250,7 @@ def _split_kernel(
         k = _dequant(kr, kz, ks, dk, BITS, GROUP, D, CDT, EMU, GROUPED_K, BLOCK_N, LOWP)
         s = tl.dot(q, tl.trans(_operand(k, CDT, EMU)), input_precision="ieee")  # (GP, BLOCK_N), fp32
         p, alpha, m_new, l_i = _online(s, offs, nm, m_i, l_i, rows, rmask, pid, bi, kh, key_off, nt1, softcap,
-                                       mask_ptr, sm_b, sm_h, sm_n, score_ptr, G, HAS_MASK, SOFTCAP, SCORES, LCOLS)
+                                       mask_ptr, sm_b, sm_h, sm_n, score_ptr, G, HAS_MASK, SOFTCAP, SCORES, True)
         if not PREFETCH:
             vr, vz, vs = _fetch(vc_ptr, vz_ptr, vs_ptr, svc_n, svc_d, svz_n, svz_d, svs_n, svs_d, slots, nm, dv,
                                 BITS, GROUP, DV, GROUPED_V)
@@ -266,7 +262,7 @@ def _split_kernel(
             kr, kz, ks, vr, vz, vs = kr_next, kz_next, ks_next, vr_next, vz_next, vs_next
     part = (pid * n_splits + split_off + sp) * G + rows
     tl.store(m_ptr + part, m_i, mask=rmask)
-    tl.store(l_ptr + part, _normalizer(l_i, LCOLS), mask=rmask)
+    tl.store(l_ptr + part, _normalizer(l_i, True), mask=rmask)
     tl.store(acc_ptr + part[:, None] * DV + dv[None, :], acc, mask=rmask[:, None] & (dv[None, :] < DV))
 
 
