@@ -68,9 +68,14 @@ def make_run(b, h, n, d, bits, group, dtype, gen, spare=0, factored=True):
     return run, ks[:, :, :n].to(dtype).float(), vs[:, :, :n].to(dtype).float()
 
 
+def on_device(*xs):
+    """The case's CPU tensors (None kept) on DEVICE, where its runs are made."""
+    return [x.to(DEVICE) if x is not None else None for x in xs]
+
+
 def call(q, runs, k_new, v_new, mask, *args, **kwargs):
     """The kernel on DEVICE (runs are made there), its results back on the CPU."""
-    to = [x.to(DEVICE) if x is not None else None for x in (q, k_new, v_new, mask)]
+    to = on_device(q, k_new, v_new, mask)
     out, pg = decode_attention_triton(to[0], runs, to[1], to[2], to[3], *args, **kwargs)
     return out.cpu(), None if pg is None else pg.cpu()
 
@@ -179,10 +184,36 @@ def test_out_only_is_the_same_out(name):
     only, none = call(q, runs, k_new, v_new, mask, scale, softcap, split=32, pg=False)
     assert none is None and pg is not None
     assert torch.equal(only, out)
-    _, probs, launches = plan(q, runs, k_new, v_new, mask, scale, softcap, split=32, pg=False)
+    on = on_device(q, k_new, v_new, mask)
+    _, probs, launches = plan(on[0], runs, on[1], on[2], on[3], scale, softcap, split=32, pg=False)
     assert probs is None
     assert all(la.kwargs["SCORES"] is False for la in launches[:-1]) and launches[-1].kwargs["PG"] is False
     assert launches[-1].grid == (q.shape[0] * k_new.shape[1], 1)
+
+
+def test_the_transposed_read_is_sm90s_default(monkeypatch):
+    """trans=None: transposed where ``trans_default`` says (an sm_90 GPU), in 128-key tiles only, with
+    half as many splits; untransposed elsewhere (here: a CPU tensor) and in the 32-key tiles past head
+    dim 128, which were not timed transposed."""
+    from kvevict.kernels import triton_decode
+    from kvevict.kernels.triton_decode import plan
+
+    gen = torch.Generator().manual_seed(0)
+
+    def launched(d, n=4096):  # laid out, not run: a long row is cheap here
+        run, _, _ = make_run(1, 2, n, d, 4, 32, torch.bfloat16, gen)
+        q, k_new, v_new = on_device(*(torch.randn(1, h, 1, d).bfloat16() for h in (4, 2, 2)))
+        _, _, launches = plan(q, [run], k_new, v_new, None, d ** -0.5)
+        return {la.kwargs["TRANS"] for la in launches if "TRANS" in la.kwargs}, launches[0].grid
+
+    here = {d: launched(d) for d in (128, 256)}
+    default = triton_decode.trans_default(torch.device(DEVICE))
+    assert here[128][0] == {default} and here[256][0] == {False}
+    monkeypatch.setattr(triton_decode, "trans_default", lambda device: True)
+    sm90 = {d: launched(d) for d in here}
+    assert sm90[128][0] == {True} and sm90[256] == here[256]
+    if not default:  # the transposed read's splits are twice as long: half as many programs
+        assert sm90[128][1] == (here[128][1][0], here[128][1][1] // 2)
 
 
 @pytest.mark.parametrize("block", [128, 64])
@@ -356,7 +387,8 @@ def test_the_sass_counts_show_what_the_switches_save(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(__import__("kvevict").__file__)),
                                          env.get("PYTHONPATH", "")])
     got = {}
-    for name, switches in (("on", "{}"), ("off", '{"fold": false, "vpairs": false}'), ("trans", '{"trans": true}')):
+    for name, switches in (("on", '{"trans": false}'), ("off", '{"fold": false, "vpairs": false, "trans": false}'),
+                           ("trans", "{}")):  # sm_90's default, transposed
         out = tmp_path / f"{name}.json"
         done = subprocess.run([sys.executable, "-m", "kvevict.bench.triton_sass", switches, "--out", str(out)],
                               env=env, capture_output=True, text=True, timeout=300)
@@ -412,10 +444,10 @@ def test_the_benchmark_configurations_compute_the_same_attention():
 
     args = SimpleNamespace(**TINY, group=32, split=None, page=32, splits=[None], warps=[None], blocks=[None, 16],
                            prefetch=[True], regs=[None], magic=[True, False], fold=[True, False], vpairs=[True],
-                           trans=[False, True])
+                           trans=[None, True], pg=[True, False])
     configs = build(args, torch.device(DEVICE))
     assert {"triton int4", "triton int4 registers", "triton int4 paged 32", "torch int4 (copy)",
-            "triton int4 out only", "int4 s- w- b- trans"} <= set(configs)
+            "triton int4 out only", "int4 s- w- b- trans", "int4 s- w- b- trans out-only"} <= set(configs)
     for name, (fn, _, ref) in configs.items():
         if ref is not None:
             out, _ = fn()

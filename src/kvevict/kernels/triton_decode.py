@@ -15,9 +15,9 @@ The programs are in ``triton_kernels.py``: per run one launch of a split program
 cores, a step and a zero per token and group the only arithmetic: ``_factored``), else
 ``_split_kernel`` (each channel dequantized in registers) -- then one launch of ``_finish`` (the
 new key, the splits merged into out, and pg from the saved scores).
-On an H100 the factored int4 read takes 0.62x dense bf16 SDPA's GPU time at 32K context, batch 8
-(replayed from a CUDA graph; launched one by one from Python the call waits on the host's launch:
-docs/performance.md, "On a GPU: the Triton kernel"). The
+On an H100 the factored int4 read (its products transposed there: ``trans_default``) takes 0.465x
+dense bf16 SDPA's GPU time at 32K context, batch 8, out only, and 0.514x with pg (replayed from a
+CUDA graph: docs/performance.md, "On a GPU: the Triton kernel"). The
 factored read computes with the exact dequantized keys and values, where the torch reference
 (and ``_split_kernel``) rounds them to a bf16 / fp16 query's dtype first: in those dtypes its pg
 is within 3e-7 of attention over the exact values, the rounded reference's about 2e-3
@@ -110,7 +110,7 @@ def unknown_switches(switches: dict, fixed: tuple = ()) -> str | None:
 
 def plan(q, runs, k_new, v_new, mask, scale, softcap=None, summary=None, *, split=None, warps=None, block=None,
          factored=True, prefetch=True, lowp=True, magic=True, regs=None, zwords=True, fold=True, vpairs=True,
-         pg=True, trans=False):
+         pg=True, trans=None):
     """The launches of one decode step's attention, laid out and not made: (out, pg, [``Launch``]),
     out and pg the buffers they fill (``kvevict.bench.triton_sass`` compiles them for a GPU on any
     machine). q (b, hq, 1, d) unscaled; runs: ``kvevict.kernels.runs.Run`` objects (read by field: bits,
@@ -136,7 +136,8 @@ def plan(q, runs, k_new, v_new, mask, scale, softcap=None, summary=None, *, spli
     paired along the tokens, as the value product takes them (``triton_kernels._unpack_pairs``);
     ``trans``: the factored read's two products transposed, the codes their first operand
     (``_split_rows_kernel``'s TRANS: on an sm_90 GPU warpgroup MMAs, the keys' words loaded where
-    they are multiplied), off until a GPU times it (docs/performance.md); ``pg``: see Returns."""
+    they are multiplied); None: on where it was timed faster, sm_90 (``trans_default``,
+    docs/performance.md); ``pg``: see Returns."""
     b, hq, hkv, d, dv, n_total = _check(q, runs, k_new, v_new, mask)
     from . import triton_kernels as tk  # imports triton
 
@@ -156,7 +157,9 @@ def plan(q, runs, k_new, v_new, mask, scale, softcap=None, summary=None, *, spli
     rows_block = _block(split, block or (128 if max(d_p, dv_p) <= 128 else 32))
     every = [(r.bits, r.group, r.k, r.v, r.n, getattr(r, "table", None), getattr(r, "page", 0))
              for r in runs if r.n > 0]
-    split = _split(split, max(block_n, rows_block), b * hkv, max(1, n_total), q.device)
+    if trans is None:  # timed in 128-key tiles; the 32-key tiles past head dim 128 stay as they were
+        trans = trans_default(q.device) and rows_block >= 64
+    split = _split(split, max(block_n, rows_block), b * hkv, max(1, n_total), q.device, 2 if trans else 4)
     splits = [math.ceil(r[4] / split) for r in every]
     n_splits = sum(splits)
 
@@ -288,13 +291,21 @@ def _block(split, block_n: int) -> int:
     return block_n
 
 
-def _split(split, block_n: int, programs: int, n_keys: int, device) -> int:
-    """Keys per split: the caller's, or enough splits for ~4 programs per multiprocessor (on an
-    H100 fewer, longer splits measured faster: 2 or 3 programs fit on one at a time)."""
+def trans_default(device) -> bool:
+    """Whether ``plan`` transposes the factored read's products when not told: on an sm_90 GPU (the
+    H100 / H200), where its warpgroup MMAs timed 4% faster at 32K x batch 8 (docs/performance.md);
+    off elsewhere (untimed there) and in the interpreter (a CPU tensor)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def _split(split, block_n: int, programs: int, n_keys: int, device, per_sm: int = 4) -> int:
+    """Keys per split: the caller's, or enough splits for ~``per_sm`` programs per multiprocessor
+    (on an H100 fewer, longer splits measured faster: 2 or 3 programs fit on one at a time; the
+    transposed read, 2: 8,192 keys, not 4,096, timed 2% faster at 32K x batch 8)."""
     if split is not None:
         return split
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    want = max(1, (4 * sms) // max(1, programs))
+    want = max(1, (per_sm * sms) // max(1, programs))
     return max(4 * block_n, triton_cdiv(triton_cdiv(n_keys, want), block_n) * block_n)
 
 
