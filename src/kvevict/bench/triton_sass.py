@@ -35,10 +35,11 @@ CLASSES = {"moves": ("IMAD.MOV", "MOV"), "barriers": ("BAR",), "mma": ("HMMA", "
            "logic": ("LOP3",), "shifts": ("SHF",), "paired half adds": ("HADD2",), "local (spills)": ("LDL", "STL")}
 
 
-def split_launch(switches: dict, trans: bool = True):
+def split_launch(switches: dict, sm90: bool = True):
     """(kernel, args, kwargs) of the split program of one decode step at the profiled shape, laid
-    out by ``plan`` on CPU tensors, its interpreter switch off (the GPU's program); ``trans``: what
-    ``plan`` would choose on the target when the switches do not say (``trans_default``)."""
+    out by ``plan`` on CPU tensors, its interpreter switch off (the GPU's program). Where the
+    switches do not name ``trans``, plan's choice on the target: transposed on sm_90 in tiles of 64
+    keys or more (``trans_default``; the CPU tensors here would make plan say no)."""
     from ..kernels.runs import Run
     from ..kernels.triton_decode import plan
     from ..store import quantize
@@ -48,7 +49,9 @@ def split_launch(switches: dict, trans: bool = True):
     q = torch.randn(b, hq, 1, d, generator=gen).bfloat16()
     k_new, v_new = (torch.randn(b, hkv, 1, d, generator=gen).bfloat16() for _ in range(2))
     kq, vq = (quantize(torch.randn(b, hkv, n, d, generator=gen).bfloat16(), 4, 32) for _ in range(2))
-    _, _, launches = plan(q, [Run(4, 32, kq, vq, n)], k_new, v_new, None, d ** -0.5, **{"split": 2048, "trans": trans, **switches})
+    trans = sm90 and (switches.get("block") or 128) >= 64
+    _, _, launches = plan(q, [Run(4, 32, kq, vq, n)], k_new, v_new, None, d ** -0.5,
+                          **{"split": 2048, "trans": trans, **switches})
     la = launches[0]
     kwargs = {**la.kwargs, "EMU": False}
     if switches.get("regs"):  # plan leaves the register cap out on a CPU (the interpreter has none)
@@ -127,7 +130,7 @@ def main(argv=None) -> int:
         raise SystemExit("TRITON_INTERPRET is set: unset it (the interpreter compiles nothing).")
     import triton
 
-    compiled = compile_for(*split_launch(switches, trans=args.arch == 90), arch=args.arch)
+    compiled = compile_for(*split_launch(switches, sm90=args.arch == 90), arch=args.arch)
     sass, usage = sass_of(compiled)
     total, ops = loop_counts(sass)
     # an opcode is in a class by its first word (LDS.128: LDS) or its first two (IMAD.MOV.U32: IMAD.MOV)

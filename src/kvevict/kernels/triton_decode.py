@@ -137,7 +137,7 @@ def plan(q, runs, k_new, v_new, mask, scale, softcap=None, summary=None, *, spli
     ``trans``: the factored read's two products transposed, the codes their first operand
     (``_split_rows_kernel``'s TRANS: on an sm_90 GPU warpgroup MMAs, the keys' words loaded where
     they are multiplied); None: on where it was timed faster, sm_90 (``trans_default``,
-    docs/performance.md); ``pg``: see Returns."""
+    docs/performance.md), in tiles of 64 keys or more; ``pg``: see Returns."""
     b, hq, hkv, d, dv, n_total = _check(q, runs, k_new, v_new, mask)
     from . import triton_kernels as tk  # imports triton
 
