@@ -454,6 +454,18 @@ def test_the_benchmark_configurations_compute_the_same_attention():
             assert (out.float() - ref.float()).abs().max() < 1e-2, name
 
 
+def test_the_benchmark_says_what_its_sweeps_may_be(capsys):
+    """kvevict.bench.triton_decode checks its sweep lists before it looks for triton or a GPU."""
+    from kvevict.bench import triton_decode
+
+    for argv, says in ((["--pg", "yes"], "--pg takes comma-separated 1 / 0, got 'yes'"),
+                       (["--trans", "1,2"], "--trans takes comma-separated 1 / 0, got '2'"),
+                       (["--splits", "2k"], "--splits takes comma-separated whole numbers, got '2k'")):
+        with pytest.raises(SystemExit):
+            triton_decode.main(argv)
+        assert says in capsys.readouterr().err
+
+
 def test_the_profile_script_says_what_its_arguments_may_be():
     """kvevict.bench.triton_profile checks its arguments before it looks for a GPU."""
     from kvevict.bench import triton_profile

@@ -205,16 +205,15 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="tiny shapes (runs on a CPU in triton's interpreter)")
     p.add_argument("--out", default="runs/triton_decode.json")
     args = p.parse_args(argv)
-    args.splits = [int(x) or None for x in args.splits.split(",") if x] or [args.split]
-    args.warps = [int(x) or None for x in args.warps.split(",") if x] or [None]
-    args.blocks = [int(x) or None for x in args.blocks.split(",") if x] or [None]
-    args.prefetch = [bool(int(x)) for x in args.prefetch.split(",") if x] or [True]
-    args.regs = [int(x) or None for x in args.regs.split(",") if x] or [None]
-    args.magic = [bool(int(x)) for x in args.magic.split(",") if x] or [True]
-    args.fold = [bool(int(x)) for x in args.fold.split(",") if x] or [True]
-    args.vpairs = [bool(int(x)) for x in args.vpairs.split(",") if x] or [True]
-    args.trans = [bool(int(x)) for x in args.trans.split(",") if x] or [None]
-    args.pg = [bool(int(x)) for x in args.pg.split(",") if x] or [True]
+    sizes = {"splits": [args.split], "warps": [None], "blocks": [None], "regs": [None]}  # 0 = the default
+    flags = {"prefetch": [True], "magic": [True], "fold": [True], "vpairs": [True], "trans": [None], "pg": [True]}
+    for name, default in {**sizes, **flags}.items():
+        got = []
+        for x in filter(None, getattr(args, name).split(",")):
+            if not x.isdigit() or (name in flags and x not in ("0", "1")):
+                p.error(f"--{name} takes comma-separated {'1 / 0' if name in flags else 'whole numbers'}, got {x!r}.")
+            got.append(bool(int(x)) if name in flags else int(x) or None)
+        setattr(args, name, got or default)
     try:
         import triton
     except ImportError:

@@ -37,6 +37,7 @@ fp32. Bad input raises ValueError.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import NamedTuple
@@ -295,7 +296,19 @@ def trans_default(device) -> bool:
     """Whether ``plan`` transposes the factored read's products when not told: on an sm_90 GPU (the
     H100 / H200), where its warpgroup MMAs timed 4% faster at 32K x batch 8 (docs/performance.md);
     off elsewhere (untimed there) and in the interpreter (a CPU tensor)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+    return device.type == "cuda" and _gpu(_index(device))[0] == (9, 0)
+
+
+def _index(device) -> int:
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu(index: int) -> tuple:
+    """(compute capability, multiprocessors) of CUDA device ``index``, asked once: plan runs every
+    layer of every decode step."""
+    props = torch.cuda.get_device_properties(index)
+    return (props.major, props.minor), props.multi_processor_count
 
 
 def _split(split, block_n: int, programs: int, n_keys: int, device, per_sm: int = 4) -> int:
@@ -304,7 +317,7 @@ def _split(split, block_n: int, programs: int, n_keys: int, device, per_sm: int 
     transposed read, 2: 8,192 keys, not 4,096, timed 2% faster at 32K x batch 8)."""
     if split is not None:
         return split
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    sms = _gpu(_index(device))[1] if device.type == "cuda" else 4
     want = max(1, (per_sm * sms) // max(1, programs))
     return max(4 * block_n, triton_cdiv(triton_cdiv(n_keys, want), block_n) * block_n)
 
