@@ -20,14 +20,15 @@ def _stock_bytes(cache: DynamicCache) -> int:
 
 def _expected(cache, tokens: int, batch: int, kv_bits, stats_bytes: int, paged: bool = False) -> int:
     """Per layer pages(tokens, budget) slots of (key + value + position + statistics),
-    plus each row's count of real tokens (int64). Paged (``kvevict.pages``): each row's own pages
+    plus each row's count of real tokens (int64) and, rotated, its key centre. Paged (``kvevict.pages``): each row's own pages
     of each of the three per-slot tensors (K/V, position, statistic), whole pages of min(tokens,
     budget) slots, and a page table (int64) per tensor and row."""
-    slot = Storage(kv_bits=kv_bits, group=8).slot_bytes(D, D, 4, stats_bytes)
+    storage = Storage(kv_bits=kv_bits, group=8)
+    slot, row = storage.slot_bytes(D, D, 4, stats_bytes), storage.row_bytes(H, D) + 8  # key centre, count
     if paged:
-        return sum(batch * H * -(-min(tokens, layer.budget) // PAGE) * PAGE * slot + 8 * batch
+        return sum(batch * H * -(-min(tokens, layer.budget) // PAGE) * PAGE * slot + row * batch
                    + 3 * batch * -(-pages(tokens, layer.budget) // PAGE) * 8 for layer in cache.layers)
-    return sum(batch * H * pages(tokens, layer.budget) * slot + 8 * batch for layer in cache.layers)
+    return sum(batch * H * pages(tokens, layer.budget) * slot + row * batch for layer in cache.layers)
 
 
 @pytest.mark.parametrize("paged", [False, True])
@@ -51,7 +52,7 @@ def test_bytes_are_exact_at_every_length_and_within_a_page_of_the_stock_cache(bu
                 # the bound: the stock cache's bytes + one page per (layer, KV head) + bookkeeping
                 page = 3 * 2 * H * (PAGE - 1) * 2 * D * 4
                 per_slot_book = 2 + 2  # position (int16; -1: empty), H2O's statistic (float16)
-                book = 3 * 2 * H * (tokens + PAGE - 1) * per_slot_book + 3 * 2 * 8
+                book = 3 * 2 * H * (tokens + PAGE - 1) * per_slot_book + 3 * 2 * (8 + Storage(kv_bits=kv_bits).row_bytes(H, D))
                 book += 3 * 3 * 2 * -(-tokens // PAGE) * 8 if paged else 0  # a page table per tensor and row
                 assert held <= _stock_bytes(stock) + page + book
                 nxt = out.logits[:, -1:].argmax(-1)

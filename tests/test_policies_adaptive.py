@@ -105,7 +105,7 @@ def test_adaptive_memory_is_the_layer_total_not_heads_x_the_longest_head(kv_bits
     hkv, d = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
     group = cache.storage.group
     meta = 2 + 1 + stat_bytes(cache.policy.stats)  # position (int16), head id, the statistics
-    per_layer = b * hkv * budget * (slot_bytes(d, d, kv_bits, group, 4) + meta) + b * 8
+    per_layer = b * hkv * budget * (slot_bytes(d, d, kv_bits, group, 4) + meta) + b * (8 + cache.storage.row_bytes(hkv, d))
     if evicted_bits:
         per_layer += b * hkv * 6 * (slot_bytes(d, d, evicted_bits, group, 4) + meta)
     assert cache.kv_bytes() == cfg.num_hidden_layers * per_layer

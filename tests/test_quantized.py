@@ -71,6 +71,7 @@ def _slot_bytes(head_dim, bits, group, stats_bytes):
     return 2 * (codes + 2 * groups) + 2 + stats_bytes
 
 
+
 @pytest.mark.parametrize("bits", [8, 4, 2])
 def test_kv_bytes_is_exact_for_packed_storage(bits):
     model = tiny_model("llama-mha")  # head_dim 16, 4 KV heads, 3 layers
@@ -78,7 +79,7 @@ def test_kv_bytes_is_exact_for_packed_storage(bits):
     budget, batch, n_layers, heads = 10, 2, cfg.num_hidden_layers, cfg.num_key_value_heads
     cache = kvevict.make_cache(model, "h2o", budget=budget, kv_bits=bits, group=8)
     _logits(model, torch.randint(0, 128, (batch, 30)), cache)
-    expected = (budget * heads * _slot_bytes(16, bits, 8, H2O_STAT) + 8) * n_layers * batch
+    expected = (budget * heads * _slot_bytes(16, bits, 8, H2O_STAT) + 8 + Storage(kv_bits=bits).row_bytes(heads, 16)) * n_layers * batch
     assert cache.kv_bytes() == expected
     ptr = [layer.keys.data_ptr() for layer in cache.layers]
     assert all(layer.keys.dtype == torch.uint8 for layer in cache.layers)
@@ -89,7 +90,7 @@ def test_kv_bytes_is_exact_for_packed_storage(bits):
     mixed = kvevict.make_cache(model, "h2o", budget=budget, kv_bits=8, group=8, evicted_bits=2, evicted_budget=6)
     _logits(model, torch.randint(0, 128, (batch, 30)), mixed)
     two = (budget * _slot_bytes(16, 8, 8, H2O_STAT) + 6 * _slot_bytes(16, 2, 8, H2O_STAT)) * heads
-    assert mixed.kv_bytes() == (two + 8) * n_layers * batch
+    assert mixed.kv_bytes() == (two + 8 + Storage(kv_bits=8, evicted_bits=2).row_bytes(heads, 16)) * n_layers * batch
 
 
 @pytest.mark.parametrize("arch", ["llama-gqa", "qwen2"])

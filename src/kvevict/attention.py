@@ -117,6 +117,8 @@ class _Segments:
     runs: list | None = None  # the same past as kvevict.kernels.Run, as stored (decode: fused kernels)
     # the evicted tokens as one slot (kvevict.merge.Summary.term): mean key, mean value, log count
     summary: tuple | None = None
+    # the new keys' norms in the model's basis, where the cache stores keys rotated (kvevict.keyspace)
+    knorm_new: torch.Tensor | None = None
 
 
 def _generic_segments(key, value, q_len, info: PaddingInfo | None) -> _Segments:
@@ -162,6 +164,8 @@ def kvevict_attention(module, query, key, value, attention_mask, scaling=None, d
     if layer is not None:
         seg = layer.segments(value, attention_mask, q_len)
         wanted, params = layer.attention_request()
+        if layer.keyspace is not None:  # the stored keys' basis: same scores (kvevict.keyspace)
+            query = layer.keyspace.query(query)
     else:
         seg = _generic_segments(key, value, q_len, attention_mask)
         wanted, params = (), {}
@@ -192,7 +196,7 @@ def attend(query, seg: _Segments, scale, window, softcap, wanted=(), observe=0, 
     stats = {name: torch.zeros(b, hkv, n_all, dtype=torch.float32, device=dev)
              for name in wanted if name not in ("last", "blocks")}
     if "knorm" in stats:  # written once: zero for stored keys, so the cache's running sum keeps it
-        stats["knorm"][..., n_past:] = seg.k_new.float().norm(dim=-1)
+        stats["knorm"][..., n_past:] = _knorm_new(seg)
     if "blocks" in wanted:
         n_blocks = int(seg.pos_new.max()) // block + 1
         stats["blocks"] = torch.zeros(b, hkv, n_blocks, n_all, dtype=torch.float32, device=dev)
@@ -281,7 +285,7 @@ def _attend_fused(query, seg: _Segments, scale, window, softcap, wanted, observe
     stats = {name: torch.zeros(b, hkv, n_past + 1, dtype=torch.float32, device=query.device)
              for name in wanted if name != "last" and wanted != ("sum",)}
     if "knorm" in stats:
-        stats["knorm"][..., n_past:] = seg.k_new.float().norm(dim=-1)
+        stats["knorm"][..., n_past:] = _knorm_new(seg)
     if wanted == ("sum",):  # H2O: pg is the statistic itself (a fresh tensor)
         stats["sum"] = pg
     elif pg is not None and stats:
@@ -291,6 +295,10 @@ def _attend_fused(query, seg: _Segments, scale, window, softcap, wanted, observe
     if "last" in wanted:
         stats["last"] = pg
     return out.transpose(1, 2).contiguous(), stats
+
+
+def _knorm_new(seg: _Segments) -> torch.Tensor:
+    return seg.knorm_new if seg.knorm_new is not None else seg.k_new.float().norm(dim=-1)
 
 
 def _expected_attention(qs, seg: _Segments, w: int):

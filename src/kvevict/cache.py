@@ -19,6 +19,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .attention import ATTN_NAME, PaddingInfo, _Segments, hand_off, register
 from .input_checks import max_positions, no_new_tokens, positions_after
+from .keyspace import KeySpace
 from .merge import Summary
 from .policies import Policy, make_policy
 from .policies.window import Windowed, window_recency
@@ -83,6 +84,7 @@ class EvictingLayer(CacheLayerMixin):
         self.returned_keys = None
         self.prompt_end = None
         self.summary: Summary | None = None  # the evicted tokens' mean slot (policy.merge)
+        self.keyspace: KeySpace | None = None  # keys stored centred and rotated (low-bit storage)
         self._new = None
         self._padded = False  # whether any slot may hold padding (then attention needs the mask)
 
@@ -121,6 +123,7 @@ class EvictingLayer(CacheLayerMixin):
         self.n_real = torch.zeros(b, dtype=torch.long, device=self.device)
         self.rows = Rows(policy, self.budget, b, self.device)  # every row: this policy and budget
         self.summary = self._summary(b, h, dk, value_states.shape[-1])
+        self.keyspace = KeySpace() if st.rotates_keys else None
         self._expose()
         self.is_initialized = True
 
@@ -202,6 +205,8 @@ class EvictingLayer(CacheLayerMixin):
         self.rows.map_batch(fn)
         if self.summary is not None:
             self.summary.map_batch(fn)
+        if self.keyspace is not None:
+            self.keyspace.map_batch(fn)
         wanted = set(self.rows.stats)
         for tier in self.tiers:  # statistics only the rows that left read: dropped with them
             tier.keep_stats(wanted)
@@ -261,7 +266,8 @@ class EvictingLayer(CacheLayerMixin):
             tier.map_batch(lambda t: theirs.append(t) or t)
         ends = [] if other.prompt_end is None else [other.prompt_end]
         mean = [] if other.summary is None else other.summary.tensors()
-        rows = iter([*theirs, other.n_real, *ends, other.rows.kind, *mean])
+        basis = [] if other.keyspace is None else other.keyspace.tensors()
+        rows = iter([*theirs, other.n_real, *ends, other.rows.kind, *mean, *basis])
         self.longest = max(self.longest, other.longest)
         self._map_batch(lambda t: torch.cat([t, next(rows)]))
         for tier in other.tiers:  # paged: their rows' pages are this cache's now (a rectangle: copied)
@@ -304,6 +310,8 @@ class EvictingLayer(CacheLayerMixin):
         extra = self.prompt_end.nbytes if self.prompt_end is not None else 0
         if self.summary is not None:
             extra += self.summary.nbytes()
+        if self.keyspace is not None:
+            extra += self.keyspace.nbytes()
         return sum(t.nbytes() for t in self.tiers) + self.n_real.nbytes + extra
 
     def segments(self, value_view, info: PaddingInfo | None, q_len: int) -> _Segments:
@@ -312,6 +320,12 @@ class EvictingLayer(CacheLayerMixin):
         if info is not None and info.padding is not None:
             valid_new = info.real_upto(self.seen + q_len)[:, self.seen:]
             self._padded = True
+        knorm_new = None
+        if self.keyspace is not None:  # stored and attended in the rotated basis (kvevict.keyspace)
+            if "knorm" in self.tiers[0].stat_names:  # a key's norm, as the model made it
+                knorm_new = k_new.float().norm(dim=-1)
+            k_new = self.keyspace.enter(k_new, valid_new)
+            self._new = (k_new, v_new)
         if valid_new is None:
             pos_new = self.n_real[:, None] + torch.arange(q_len, device=self.device)
         else:
@@ -329,14 +343,14 @@ class EvictingLayer(CacheLayerMixin):
             # d = (first new position) - f maps compact positions onto the queries' own rotation
             shift = (self.n_real - f).view(-1, 1, 1)
             compact = compact_positions(pos_past, valid_past) + shift
-            pieces = _shifted(pieces, compact - pos_past, self.inv_freq)
+            pieces = _shifted(pieces, compact - pos_past, self.inv_freq, self.keyspace)
             pos_past = compact
         # decoding reads the tiers as stored (fused kernels); re-rotated keys exist only as pieces
         runs = [t.store.run(t.filled) for t in self.tiers] if q_len == 1 and self.inv_freq is None else None
         return _Segments(
             pieces=pieces, pos_past=pos_past, valid_past=valid_past if self._padded or self.shared > 1 else None,
             k_new=k_new, v_new=v_new, pos_new=pos_new, valid_new=valid_new, runs=runs,
-            summary=None if self.summary is None else self.summary.term(k_new.dtype),
+            summary=None if self.summary is None else self.summary.term(k_new.dtype), knorm_new=knorm_new,
         )
 
     def absorb(self, stats: dict, valid_new, pos_new) -> None:
@@ -405,12 +419,18 @@ def _cat(parts: list) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
-def _shifted(pieces: list, delta: torch.Tensor, inv_freq) -> list:
-    """The pieces' keys re-rotated by ``delta`` (b, h, n_past), one piece at a time."""
+def _shifted(pieces: list, delta: torch.Tensor, inv_freq, keyspace: KeySpace | None = None) -> list:
+    """The pieces' keys re-rotated by ``delta`` (b, h, n_past), one piece at a time (stored in a
+    rotated basis: taken back to the model's, re-rotated by RoPE, and stored again)."""
+    def shift(k, d):
+        if keyspace is None:
+            return shift_keys(k, d, inv_freq)
+        return keyspace.enter(shift_keys(keyspace.leave(k), d, inv_freq))
+
     out, o = [], 0
     for p in pieces:
         d = delta[..., o: o + p.n]
-        out.append(Piece(p.n, lambda p=p, d=d: shift_keys(p.keys(), d, inv_freq), p.values))
+        out.append(Piece(p.n, lambda p=p, d=d: shift(p.keys(), d), p.values))
         o += p.n
     return out
 
@@ -560,7 +580,7 @@ def _head_dim(model) -> int | None:
 
 def make_cache(model, policy=None, budget=0.2, recent=None, compact=False, kv_bits=None, group=None,
                evicted_bits=None, evicted_budget=None, memory=None, question=None, plan=None, pages=None,
-               **policy_params) -> EvictingCache:
+               keys=None, **policy_params) -> EvictingCache:
     """A cache for ``model.generate(..., cache=cache)`` that keeps at most ``budget``
     tokens per layer and KV head, evicting with ``policy``.
 
@@ -570,6 +590,8 @@ def make_cache(model, policy=None, budget=0.2, recent=None, compact=False, kv_bi
     the model never sees a distance longer than the cache and can go on past its context length.
     kv_bits: store kept keys and values in 16 (float16), 8, 4 or 2 bits (packed, per-token groups
     of ``group`` channels, default 32 or gcd(32, head_dim); see kvevict.store); None keeps the model's dtype.
+    keys: the basis keys are stored in: None (default) rotated for packed (8, 4, 2-bit) tiers, "rotated" or
+    "raw" (``kvevict.storage.Storage``, ``kvevict.keyspace``).
     evicted_bits: demote evicted tokens into a tier of that many bits instead of dropping them
     (MiKV); ``evicted_budget`` caps it (int tokens or fraction of the prompt; default the rest of the prompt).
     policy: a name (``kvevict.POLICIES``), a spec or a Policy; not given: ``h2o`` with a token
@@ -629,7 +651,8 @@ def make_cache(model, policy=None, budget=0.2, recent=None, compact=False, kv_bi
         budget, kv_bits, evicted_bits, evicted_budget = (p.budget, storage.kv_bits, storage.evicted_bits,
                                                           storage.evicted_budget)
     check_budget(budget)
-    storage = Storage(kv_bits=kv_bits, group=group, evicted_bits=evicted_bits, evicted_budget=evicted_budget)
+    storage = Storage(kv_bits=kv_bits, group=group, evicted_bits=evicted_bits, evicted_budget=evicted_budget,
+                      keys=keys)
     num_layers = _check_hookable(model)
     if head_dim is not None:  # fail now, not inside the first forward
         for bits in (storage.kv_bits, storage.evicted_bits):

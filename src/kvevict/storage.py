@@ -18,6 +18,12 @@ POS_BYTES = 2  # a slot's position, int16 (kvevict.tier)
 # it after ~25K steps and stays first), and the int4 slot's bookkeeping falls to 12 of its 64 code
 # bytes (docs/quality-per-byte.md). Counters and squares stay float32: float16 counts stop at 2,048
 # and squared probabilities underflow.
+# keys stored in a rotated basis by default at these bits: a per-token group with one step cannot
+# hold outlier channels as the model makes them (Qwen2.5-1.5B: garbage at int4, +1.3% NLL at int8;
+# rotated +0.2% and +0.03%, docs/families.md)
+LOW_BITS = (8, 4, 2)
+KEY_BASES = (None, "rotated", "raw")
+
 HALF_STATS = frozenset({"sum", "last", "max", "obs", "knorm"})
 FP16_MAX = torch.finfo(torch.float16).max
 
@@ -37,12 +43,16 @@ class Storage:
     group: channels per quantization group along the head dimension.
     evicted_bits: None (evicted tokens are dropped) or the bits of the tier they are demoted to.
     evicted_budget: that tier's slots per (sequence, KV head): an int, or a float fraction of the
-    prompt (default: the rest of the prompt, prompt length - budget; later tokens evict by the policy)."""
+    prompt (default: the rest of the prompt, prompt length - budget; later tokens evict by the policy).
+    keys: "rotated" (keys stored centred and Hadamard-rotated, ``kvevict.keyspace``: exact, and what
+    keeps outlier channels in 8 bits and under), "raw" (as the model makes them), or None (default):
+    rotated when a tier stores packed codes (8, 4 or 2 bits), raw otherwise."""
 
     kv_bits: int | None = None
     group: int = DEFAULT_GROUP
     evicted_bits: int | None = None
     evicted_budget: int | float | None = None
+    keys: str | None = None
 
     def __post_init__(self):
         check_bits(self.kv_bits)
@@ -55,6 +65,15 @@ class Storage:
             from .cache import check_budget
 
             check_budget(self.evicted_budget)
+        if self.keys not in KEY_BASES:
+            raise ValueError(f"keys must be one of {', '.join(map(repr, KEY_BASES))}, got {self.keys!r}.")
+
+    @property
+    def rotates_keys(self) -> bool:
+        """Whether keys are stored centred and rotated (``kvevict.keyspace``)."""
+        if self.keys is None:
+            return any(b in LOW_BITS for b in (self.kv_bits, self.evicted_bits))
+        return self.keys == "rotated"
 
     @property
     def label(self) -> str:
@@ -82,6 +101,11 @@ class Storage:
             return cls()
         kept, _, evicted = label.partition("+")
         return cls(kv_bits=bits(kept), evicted_bits=bits(evicted) if evicted else None)
+
+    def row_bytes(self, kv_heads: int, head_dim_k: int) -> int:
+        """Bytes a layer holds per sequence besides its slots: the key centre (float16, one per KV
+        head and channel, ``kvevict.keyspace``) when keys are rotated."""
+        return kv_heads * head_dim_k * 2 if self.rotates_keys else 0
 
     def slot_bytes(self, head_dim_k: int, head_dim_v: int, dtype_bytes: int, stats_bytes: int) -> float:
         """Bytes one kept slot of one (sequence, KV head) takes at ``kv_bits``: key, value, position

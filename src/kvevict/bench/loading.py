@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def load_for_bench(name_or_path: str):
+def load_for_bench(name_or_path: str, dtype: str = "float32"):
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -14,13 +14,13 @@ def load_for_bench(name_or_path: str):
     from ..models import KNOWN_MODELS, load_model
 
     if name_or_path in KNOWN_MODELS:
-        return load_model(name_or_path)[0]
+        return load_model(name_or_path, dtype=getattr(torch, dtype))[0]
     if not Path(name_or_path).is_dir():
         known = ", ".join(sorted(KNOWN_MODELS))
         raise ValueError(f"unknown model {name_or_path!r}: give a local model folder or one of: {known}.")
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=getattr(torch, dtype)).eval()
 
 
 def model_folder(name_or_path: str) -> Path:

@@ -54,7 +54,7 @@ def run_bench(s: Settings, out_dir: Path, command: str = "", log=print) -> dict:
     for n in notes:
         log(f"  note: {n}")
     res["bandwidth"] = measure_copy_bandwidth(32 * 2**20 if s.quick else 256 * 2**20)
-    model = load_for_bench(s.model)
+    model = load_for_bench(s.model, s.dtype)
     # the imports and the model are a heap of long-lived objects that every full collection would
     # walk again (about a second per gc.collect() here, twice per timed point): take them out of it
     gc.freeze()

@@ -15,6 +15,7 @@ PEER_PRESSES = ("snapkv", "expected_attention", "knorm", "observed_attention", "
 @dataclass
 class Settings:
     model: str = "smollm2-135m"
+    dtype: str = "float32"  # the model's weights: bfloat16 for a model past ~1B parameters on a CPU
     contexts: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])
     batches: list[int] = field(default_factory=lambda: [1, 8, 16])
     budgets: list[float] = field(default_factory=lambda: [0.1, 0.2, 0.5])

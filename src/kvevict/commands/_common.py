@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+DTYPES = ("float32", "bfloat16", "float16")
+
 
 def parse_budget(text: str):
     """'0.2' -> 0.2 (fraction of the prompt), '512' -> 512 (tokens)."""
@@ -29,7 +31,11 @@ def number_list(text: str, flag: str, kind=float) -> list:
 def add_model_args(p, policy=True, prefill=True):
     """--model, --threads; with ``policy`` --policy/--budget/--recent, and with ``prefill`` too the
     per-run options (--prefill, --stride, --compact, --param) that only single runs honour."""
-    p.add_argument("--model", default="smollm2-135m", help="known name (smollm2-135m, gemma3-270m) or local HF folder")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="known name (smollm2-135m, gemma3-270m, qwen2.5-coder-1.5b) or local HF folder")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
+                   help="the model's weights and activations (bfloat16: about 2x faster prefill on a CPU with "
+                        "AVX-512 BF16 or AMX)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: $OMP_NUM_THREADS, else half the cores; all cores stall "
                         "when another process is busy)")
@@ -140,3 +146,12 @@ def setup_threads(args) -> int:
 
 def mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
+
+
+def load_model_args(args):
+    """(model, tokenizer) for --model in --dtype."""
+    import torch
+
+    from ..models import load_model
+
+    return load_model(args.model, dtype=getattr(torch, getattr(args, "dtype", None) or "float32"))

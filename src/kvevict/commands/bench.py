@@ -18,7 +18,9 @@ def _names(text: str) -> list[str]:
 def add_arguments(p):
     p.add_argument("--quick", action="store_true", help="tiny smoke run (< 2 min): checks the outputs, not speed")
     p.add_argument("--out", default="results/bench", help="output folder (default results/bench)")
-    p.add_argument("--model", default=None, help="known name (smollm2-135m, gemma3-270m) or local HF folder")
+    p.add_argument("--model", default=None,
+                   help="known name (smollm2-135m, gemma3-270m, qwen2.5-coder-1.5b) or local HF folder")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="the model's dtype (default float32)")
     p.add_argument("--contexts", help="comma list of contexts (default 1024,2048,4096,8192)")
     p.add_argument("--batches", help="comma list of batch sizes (default 1,8,16)")
     p.add_argument("--budgets", help="comma list of budget fractions (default 0.1,0.2,0.5)")
@@ -58,7 +60,7 @@ def settings_from(args):
     from ..bench.settings import Settings, quick_settings
 
     given = {
-        "model": args.model, "threads": args.threads, "repeats": args.repeats, "steps": args.steps,
+        "model": args.model, "dtype": args.dtype, "threads": args.threads, "repeats": args.repeats, "steps": args.steps,
         "kv_memory_gib": args.kv_memory_gib, "prefill_context": args.prefill_context,
         "prefill_repeats": args.prefill_repeats,
         "contexts": number_list(args.contexts, "--contexts", int) if args.contexts else None,

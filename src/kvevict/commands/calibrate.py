@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from ._common import setup_threads
+from ._common import DTYPES, load_model_args, setup_threads
 
 NAME = "calibrate"
 HELP = "measure which storage each memory budget should use on this model, and write the plan memory= uses"
 
 
 def add_arguments(p):
-    p.add_argument("--model", default="smollm2-135m", help="known name (smollm2-135m, gemma3-270m) or a local HF folder")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="known name (smollm2-135m, gemma3-270m, qwen2.5-coder-1.5b) or a local HF folder")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="the model's dtype (a plan is per dtype)")
     p.add_argument("--memory", default="0.2,0.1,0.05", help="comma-separated memory shares of a 16-bit stock cache")
     p.add_argument("--policy", help="the streaming policy the plan is for (default: the one memory= picks for streamed text, mas)")
     # 4 windows of 1,024 tokens: with 2 of 512 SmolLM2's choice at 20% lost to the rule held out
@@ -34,10 +36,8 @@ def run(args):
         raise ValueError("--memory needs at least one share, e.g. 0.2,0.1.")
     if args.tokens < 64 or args.windows < 1 or args.chunk < 1:
         raise ValueError("--tokens must be >= 64, --windows >= 1 and --chunk >= 1.")
-    from ..models import load_model
-
     setup_threads(args)
-    model, tok = load_model(args.model)
+    model, tok = load_model_args(args)
     plan = calibrate(model, tok, memories, args.policy, args.tokens, args.windows, args.windows, args.chunk)
     path = save(plan, args.out or default_path(model))
     print(f"wrote {path}" + ("" if args.out else " (memory= uses it for this model; plan=False ignores it)"))

@@ -3,7 +3,7 @@ kvevict's recommended cache at the same share of a 16-bit stock cache's bytes (`
 
 from __future__ import annotations
 
-from ._common import add_model_args, mib, setup_threads
+from ._common import add_model_args, load_model_args, mib, setup_threads
 
 NAME = "demo"
 HELP = ("passkey in a long Paul Graham essay: full cache vs plain H2O vs the recommended cache at the same "
@@ -27,13 +27,12 @@ def run(args):
     from ..storage import Storage, stat_bytes
     from ..memory import parse_memory
     from ..stock import STOCK_BYTES
-    from ..models import load_model
 
     memory = parse_memory(args.memory)
     if not isinstance(memory, float):
         raise ValueError("the demo compares at a share of a 16-bit stock cache's bytes: give --memory as 0.2 or 20%.")
     setup_threads(args)
-    model, tok = load_model(args.model)
+    model, tok = load_model_args(args)
     task = passkey_prompt(haystack(tok, args.tokens), args.depth, seed=args.tokens)
     # plain H2O at the same bytes: tokens in the model's dtype, each slot with its bookkeeping
     d = _head_dim(model)

@@ -3,7 +3,7 @@ resumable, with a markdown summary and plots."""
 
 from __future__ import annotations
 
-from ._common import add_model_args, number_list, parse_budget, setup_threads
+from ._common import add_model_args, load_model_args, number_list, parse_budget, setup_threads
 
 NAME = "eval"
 MIN_PASSKEY_LENGTH = 128
@@ -92,10 +92,9 @@ def run(args):
         from ..eval.peer_kvpress import press_names, run_peer
         presses = press_names(args.peer_presses)  # checked before the model loads
     if not args.summary_only:
-        from ..models import load_model
 
         setup_threads(args)
-        model, tok = load_model(args.model)
+        model, tok = load_model_args(args)
         tasks = build_tasks(task_list, args, lengths, depths)
         run_grid(model, tok, tasks, policies, budgets, args.samples, args.out, args.model)
         if args.peer == "kvpress":

