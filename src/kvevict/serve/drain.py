@@ -33,15 +33,27 @@ class DrainingServer(uvicorn.Server):
             self.force_exit = self.should_exit = True
 
     def _drain(self) -> None:
-        self.engine.drain()
-        print(f"kvevict: draining, up to {self.drain_timeout:g} s for the requests in flight", file=sys.stderr)
-        deadline = time.monotonic() + self.drain_timeout
-        while not self.engine.idle and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if not self.engine.idle:  # past the deadline: the rest end with "shutting down" (503)
-            print("kvevict: drain deadline passed, ending the requests still running", file=sys.stderr)
-        self.engine.stop()
-        self.should_exit = True
+        try:
+            self.engine.drain()
+            _say(f"kvevict: draining, up to {self.drain_timeout:g} s for the requests in flight")
+            deadline = time.monotonic() + self.drain_timeout
+            while not self.engine.idle and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if not self.engine.idle:  # past the deadline: the rest end with "shutting down" (503)
+                _say("kvevict: drain deadline passed, ending the requests still running")
+            self.engine.stop()
+        finally:  # whatever happened above, the process must still stop
+            self.should_exit = True
+
+
+def _say(line: str) -> None:
+    """A line on stderr, which may be a pipe whose reader is gone (a supervisor that died): the
+    drain must not end there (it did: a BrokenPipeError killed the drain thread and the server
+    never exited)."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
 
 
 def serve(app, engine, host: str, port: int, drain_timeout: float) -> None:
