@@ -298,6 +298,20 @@ def _wait(cond, timeout=20.0):
     return True
 
 
+def open_stream(url, body):
+    """A streamed chat request read up to its third token; returns (the connection, its request id)."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("POST", "/v1/chat/completions", json.dumps({**body, "stream": True}),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    events = []
+    while len(events) < 4:  # the role event and three tokens
+        line = resp.readline().decode()
+        events += [json.loads(line[6:])] if line.startswith("data: ") else []
+    return conn, events[0]["id"].removeprefix("chatcmpl-")
+
+
 def test_client_disconnect_drops_its_sequence_and_frees_its_cache(folder):
     # max_batch 2: the two requests below share one batch (and one cache), the second joining the first
     app, engine = build(folder, {**DEFAULTS, "max_batch": 2, "policy": "full"})
@@ -308,16 +322,7 @@ def test_client_disconnect_drops_its_sequence_and_frees_its_cache(folder):
         t = threading.Thread(target=lambda: stayer.update(r=client.chat.completions.create(
             model=MODEL, messages=long["messages"], max_tokens=400, extra_body={"ignore_eos": True})))
         t.start()
-        host, port = srv.url.removeprefix("http://").split(":")
-        conn = http.client.HTTPConnection(host, int(port), timeout=30)
-        conn.request("POST", "/v1/chat/completions", json.dumps({**long, "stream": True}),
-                     {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        events = []
-        while len(events) < 4:  # the role event and three tokens
-            line = resp.readline().decode()
-            events += [json.loads(line[6:])] if line.startswith("data: ") else []
-        leaver = events[0]["id"].removeprefix("chatcmpl-")
+        conn, leaver = open_stream(srv.url, long)
         conn.sock.close()  # the client goes away mid-stream
         conn.close()
         t.join(60)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 
@@ -34,6 +35,16 @@ def add_arguments(p):
                         "dtype (default 8: at the same --kv-memory, more rows and tokens at the same quality)")
     p.add_argument("--max-tokens", type=int, default=128, help="max_tokens when a request gives none")
     p.add_argument("--max-tokens-limit", type=int, default=4096, help="the most max_tokens a request may ask")
+    p.add_argument("--api-key", default=None, help="every /v1 route asks for 'Authorization: Bearer KEY' "
+                   "(401 otherwise); default $KVEVICT_API_KEY, else none (open). /health stays open")
+    p.add_argument("--protect-metrics", action="store_true", help="/metrics asks for the --api-key too")
+    p.add_argument("--max-queue", type=int, default=1024, help="requests that may wait for memory or a "
+                   "slot; past it a request gets 429 with Retry-After")
+    p.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                   help="end a request not done this long after it arrived (504; its memory freed). Default: none")
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM: new requests get 503 and those in flight get this long to finish, "
+                        "then the server exits 0")
     p.add_argument("--replicas", type=int, default=1, help="N > 1: N replicas under Ray Serve (needs kvevict[ray])")
     p.add_argument("--ray", default=None, metavar="ADDRESS",
                    help="with --replicas: Ray cluster address or 'auto' (default: start a local Ray)")
@@ -57,14 +68,29 @@ def settings_from_args(args) -> dict:
                              "in the model's dtype: drop --kv-bits or name a policy.")
         storage["kv_bits"] = parse_kv_bits(args.kv_bits)
     for name in ("max_batch", "budget_share", "max_tokens", "max_tokens_limit", "replicas", "budget_round",
-                 "min_budget"):
+                 "min_budget", "max_queue"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
     return dict(model_id=args.served_name or args.model, policy="full" if policy == "none" else policy,
                 budget=budget, recent=args.recent, max_tokens=args.max_tokens,
                 max_tokens_limit=args.max_tokens_limit, max_batch=args.max_batch, budget_share=args.budget_share,
                 kv_memory=parse_bytes(args.kv_memory), min_budget=args.min_budget, budget_round=args.budget_round,
-                **storage)
+                **storage, **hosting_from_args(args))
+
+
+def hosting_from_args(args) -> dict:
+    """--api-key (or $KVEVICT_API_KEY), --protect-metrics, --max-queue, --request-timeout; --drain-timeout checked."""
+    key = args.api_key if args.api_key is not None else os.environ.get("KVEVICT_API_KEY")
+    if key is not None and (not key.strip() or key != key.strip()):
+        raise ValueError("--api-key / KVEVICT_API_KEY must be a non-empty key without surrounding spaces.")
+    if args.protect_metrics and not key:
+        raise ValueError("--protect-metrics keys /metrics with the API key: give --api-key (or KVEVICT_API_KEY).")
+    for name in ("request_timeout", "drain_timeout"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {value}.")
+    return dict(api_key=key, protect_metrics=args.protect_metrics, max_queue=args.max_queue,
+                request_timeout=args.request_timeout)
 
 
 def parse_kv_bits(text: str) -> int | None:
@@ -93,7 +119,7 @@ def parse_bytes(text: str) -> int:
 def run(args):
     try:
         import fastapi  # noqa: F401
-        import uvicorn
+        import uvicorn  # noqa: F401
     except ImportError:
         raise ValueError("kvevict serve needs the serve extra: pip install 'kvevict[serve]'.") from None
     settings = settings_from_args(args)
@@ -101,6 +127,7 @@ def run(args):
         from ..serve.replicas import serve_replicas
 
         return serve_replicas(args.model, settings, args.replicas, args.host, args.port, args.ray, args.threads)
+    from ..serve.drain import serve
     from ..serve.server import build
     from ..storage import Storage
 
@@ -109,5 +136,8 @@ def run(args):
           f"(default kv_policy={settings['policy']}, kv_budget={engine.settings.budget} tokens, "
           f"{Storage(kv_bits=engine.settings.kv_bits).label or 'model dtype'} storage, "
           f"kv_memory={settings['kv_memory']} bytes)", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    if not settings["api_key"] and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"kvevict: warning: {args.host} is reachable from other hosts and there is no --api-key: "
+              "anyone who reaches the port can use the model", file=sys.stderr)
+    serve(app, engine, args.host, args.port, args.drain_timeout)
     return 0

@@ -6,6 +6,9 @@
     batch.py      one left-padded decode batch sharing one cache
     detokenize.py token ids -> streamed text deltas, stop strings
     sampling.py   greedy / temperature / top-p
+    logprobs.py   token log-probabilities from the step's logits, in OpenAI's layouts
+    auth.py       --api-key: Bearer keys on /v1 (401)
+    drain.py      SIGTERM: 503 for new requests, in-flight ones finish, exit 0
     responses.py  OpenAI response and chunk objects, SSE
     metrics.py    Prometheus text format
     server.py     uvicorn in the foreground or in a thread

@@ -1,6 +1,6 @@
 """The HTTP API (FastAPI): OpenAI's /v1/chat/completions, /v1/completions and /v1/models, plus
 /health and Prometheus /metrics. Handlers only parse, submit and relay: every model call happens
-on the engine's worker thread."""
+on the engine's worker thread. With ``Settings.api_key`` the /v1 routes ask for it (``auth``)."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from . import responses
+from .auth import KeyGuard
 from .engine import Engine, Handle
-from .errors import BadRequest, error_body
+from .errors import ENDED_TYPES, BadRequest, error_body
+from .logprobs import Layout
 from .protocol import parse_chat, parse_completion
-
-POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
 
 
 def create_app(engine: Engine, stop_engine_on_shutdown: bool = True) -> FastAPI:
@@ -31,17 +31,23 @@ def create_app(engine: Engine, stop_engine_on_shutdown: bool = True) -> FastAPI:
     app = FastAPI(title="kvevict", lifespan=lifespan)
     model_id = engine.settings.model_id
     started = int(time.time())
+    layout = Layout(engine.tokenizer)
+    if engine.settings.api_key:
+        app.add_middleware(KeyGuard, key=engine.settings.api_key, protect_metrics=engine.settings.protect_metrics,
+                           on_reject=lambda: engine.metrics.add("kvevict_requests_total", outcome="unauthorized"))
 
     @app.exception_handler(BadRequest)
     async def bad_request(request, err: BadRequest):
-        engine.metrics.add("kvevict_requests_total", outcome="rejected")
-        return JSONResponse(err.body(), status_code=err.status)
+        engine.metrics.add("kvevict_requests_total", outcome=err.outcome)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
     @app.get("/health")
     async def health():
-        alive = engine.alive
-        # pid: which process (which replica, under Ray Serve) answered
-        return JSONResponse({"status": "ok" if alive else "engine stopped", "model": model_id, "pid": os.getpid()},
+        alive = engine.alive and not engine.draining
+        status = "ok" if alive else ("draining" if engine.draining else "engine stopped")
+        # pid: which process (which replica, under Ray Serve) answered; 503 while draining takes the
+        # server out of a load balancer's rotation before it goes
+        return JSONResponse({"status": status, "model": model_id, "pid": os.getpid()},
                             status_code=200 if alive else 503)
 
     @app.get("/metrics")
@@ -72,26 +78,33 @@ def create_app(engine: Engine, stop_engine_on_shutdown: bool = True) -> FastAPI:
             return StreamingResponse(_stream(handle), media_type="text/event-stream")
         return await _whole(handle, request)
 
+    def logprobs(req, entries: list, offset: int = 0):
+        if req.logprobs is None:
+            return None
+        return layout.chat(entries) if req.kind == "chat" else layout.completion(entries, offset)
+
     async def _whole(handle: Handle, request: Request):
-        parts, finished = [], False
+        req, parts, entries, finished = handle.req, [], [], False
+        watch = asyncio.create_task(_until_disconnect(request, handle))
         try:
             while True:
-                try:
-                    event = await asyncio.wait_for(handle.queue.get(), POLL_S)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        handle.cancel()  # the worker drops the sequence at its next step
-                        return JSONResponse(error_body("client disconnected"), status_code=499)
-                    continue
-                if event[0] == "delta":
+                event = await handle.queue.get()
+                if event[0] == "gone":  # the client went away: the worker drops the row at its next step
+                    return JSONResponse(error_body("client disconnected"), status_code=499)
+                if event[0] == "prompt":
+                    entries += event[1]
+                elif event[0] == "delta":
                     parts.append(event[1])
+                    entries += event[2]
                 elif event[0] == "finish":
                     finished = True
-                    return responses.whole(handle.req, model_id, "".join(parts), event[1], event[2])
+                    text = (req.prompt_text if req.echo else "") + "".join(parts)
+                    return responses.whole(req, model_id, text, event[1], event[2], logprobs(req, entries))
                 else:
                     finished = True
-                    return JSONResponse(error_body(event[1], "server_error"), status_code=500)
+                    return _ended(event)
         finally:  # also when this handler is cancelled (shutdown): the worker must not go on for nobody
+            watch.cancel()
             if not finished:
                 handle.cancel()
 
@@ -100,23 +113,45 @@ def create_app(engine: Engine, stop_engine_on_shutdown: bool = True) -> FastAPI:
         try:
             if req.kind == "chat":
                 yield responses.sse(responses.chunk(req, model_id, first=True))
+            sent = 0  # characters streamed: the completions layout's text_offset
             while True:
                 event = await handle.queue.get()
                 if event[0] == "delta":
-                    yield responses.sse(responses.chunk(req, model_id, event[1]))
+                    lp = logprobs(req, event[2], sent)
+                    sent += len(event[1])
+                    yield responses.sse(responses.chunk(req, model_id, event[1], logprobs=lp))
                 elif event[0] == "finish":
                     yield responses.sse(responses.chunk(req, model_id, finish_reason=event[1]))
                     if req.include_usage:
                         yield responses.sse(responses.chunk(req, model_id, usage=event[2]))
                     break
-                else:
-                    yield responses.sse(error_body(event[1], "server_error"))
+                else:  # the status a whole response would have had, as the error's code
+                    yield responses.sse(error_body(event[1], ENDED_TYPES.get(event[2], "server_error"), None, event[2]))
                     break
             yield responses.sse("[DONE]")
         finally:  # normal end, or the client went away and the server cancelled this generator
             handle.cancel()
 
     return app
+
+
+def _ended(event) -> JSONResponse:
+    """An ("error", message, status) event as the response: 504 past the deadline, 503 at shutdown,
+    500 when generation failed. x-should-retry: a deadline or a failure would come again (the
+    openai client otherwise retries any 5xx twice, tripling the load); a shutdown may not."""
+    _, message, status = event
+    return JSONResponse(error_body(message, ENDED_TYPES.get(status, "server_error"), None, status),
+                        status_code=status, headers={"x-should-retry": "true" if status == 503 else "false"})
+
+
+async def _until_disconnect(request: Request, handle: Handle) -> None:
+    """Wait for the client to go away, then cancel ``handle`` and wake its handler. The body has
+    been read, so the next ASGI message is ``http.disconnect`` as soon as the connection closes:
+    no polling, the worker learns of it before its next step."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    handle.cancel()
+    handle.queue.put_nowait(("gone",))
 
 
 async def _json(request: Request):

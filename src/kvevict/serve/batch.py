@@ -34,11 +34,12 @@ class DecodeBatch:
 
     @classmethod
     def prefill_many(cls, model, prompts: list[list[int]], policy: str, budget_tokens: int | None,
-                     recent: int | None, kv_bits: int | None = None, pages=None):
+                     recent: int | None, kv_bits: int | None = None, pages=None, all_logits: bool = False):
         """Prompts of one policy and budget into one fresh cache in one forward, left-padded to the
         longest (a short prompt's padding is masked, and an evicting cache stores none of it);
         returns (the batch of their rows, each row's last logits (rows, vocab)). One forward over
-        many short prompts uses the CPU's matrix units far better than one per prompt."""
+        many short prompts uses the CPU's matrix units far better than one per prompt. ``all_logits``:
+        the logits at every position instead (rows, longest, vocab), for echo's prompt logprobs."""
         if policy == "full":
             # kvevict attention is exact with a DynamicCache, so the model keeps one implementation
             cache = DynamicCache(config=model.config)
@@ -50,8 +51,9 @@ class DecodeBatch:
         kw = {}
         if not bool(mask.all()):  # positions count real tokens only, as generate's do
             kw = {"attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0)}
-        out = model(ids, cache=cache, use_cache=True, logits_to_keep=1, **kw)
-        return cls(model, cache, mask, torch.tensor([len(p) for p in prompts])), out.logits[:, -1]
+        out = model(ids, cache=cache, use_cache=True, logits_to_keep=0 if all_logits else 1, **kw)
+        logits = out.logits if all_logits else out.logits[:, -1]
+        return cls(model, cache, mask, torch.tensor([len(p) for p in prompts])), logits
 
     @property
     def size(self) -> int:

@@ -6,8 +6,10 @@ Each loop of the worker (1) admits waiting requests, oldest first, while their K
 bytes); admitted prompts of one policy and budget are prefilled together in one forward, each gives
 its first token at once, and they join the running batch: one ``EvictingCache`` holds rows of any policies and budgets (each evicts by its
 own), and full-cache rows share a batch of their own; (2) steps every running batch by one token.
-A sequence that ends (EOS, max_tokens, stop string) or whose client went away leaves its batch at
-once and its storage is freed, so a waiting request can take its place at the next step.
+A sequence that ends (EOS, max_tokens, stop string), whose client went away or whose deadline
+(``request_timeout``) passed leaves its batch at the next step and its storage is freed, so a
+waiting request can take its place. At most ``max_queue`` requests wait (429 past it); a draining
+engine (SIGTERM, ``drain``) refuses new ones (503) and finishes those it has.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from ..rows import shareable
 from .batch import DecodeBatch
 from .detokenize import TextStream
 from .errors import BadRequest
+from .logprobs import prompt_entries, token_entries
 from .memory import Budgeter, spec_policy
 from .metrics import Metrics
 from .protocol import GenRequest
@@ -37,16 +40,22 @@ PREFILL_TOKENS_PER_STEP = 2048  # prompt tokens prefilled between two decode ste
 class Handle:
     """One request's side of the engine: its events arrive on ``queue`` in the request's event loop.
 
-    Events: ("delta", text), ("finish", finish_reason, usage), ("error", message).
+    Events: ("prompt", logprob entries) with echo + logprobs, ("delta", text, logprob entries of the
+    tokens it holds), ("finish", finish_reason, usage), ("error", message, HTTP status).
     """
 
-    def __init__(self, req: GenRequest, loop, reserve: int):
+    def __init__(self, req: GenRequest, loop, reserve: int, timeout: float | None = None, loops=lambda: 0):
         self.req, self.loop, self.reserve = req, loop, reserve
         # what admission counts of this row in a shared batch (see Budgeter.batch_bytes)
         self.spec = (req.policy, req.budget_tokens, req.recent, len(req.prompt_ids) + req.max_tokens)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
         self.submitted = time.monotonic()
+        self.deadline = None if timeout is None else self.submitted + timeout
+        self._loops, self.cancel_loop = loops, None  # the worker loop it was cancelled in (the log's)
+
+    def expired(self, now: float) -> bool:
+        return self.deadline is not None and now > self.deadline
 
     def push(self, event: tuple) -> None:
         try:
@@ -55,6 +64,8 @@ class Handle:
             self.cancelled.set()
 
     def cancel(self) -> None:
+        if not self.cancelled.is_set():
+            self.cancel_loop = self._loops()
         self.cancelled.set()
 
 
@@ -68,6 +79,7 @@ class _Row:
         self.generated = 0
         self.fed = len(handle.req.prompt_ids)  # real tokens the cache has been given
         self.pending = None  # the token sampled last, fed at the next step
+        self.entries: list = []  # logprob entries of tokens whose text has not been sent yet
 
 
 class _Running:
@@ -88,6 +100,8 @@ class Engine:
         self._running: list[_Running] = []
         self._cond = threading.Condition()
         self._stopping = False
+        self.draining = False  # SIGTERM: new requests get 503, those admitted or waiting finish
+        self.loops = 0  # worker loops so far: how soon a cancelled row leaves is counted in them
         self._thread = threading.Thread(target=self._run, name="kvevict-engine", daemon=True)
         # one attention implementation for every policy, "full" included (exact with a DynamicCache)
         register()
@@ -142,9 +156,31 @@ class Engine:
                              "max_tokens" if req.policy == "full" else "kv_budget")
         return need
 
-    def submit(self, req: GenRequest, loop) -> Handle:
-        handle = Handle(req, loop, self.reserve_bytes(req))
+    @property
+    def idle(self) -> bool:
+        """Nothing waits and nothing runs (a drain is over)."""
         with self._cond:
+            return not self._pending and not self._running
+
+    def drain(self) -> None:
+        """Refuse new requests from now on (503); those already here go on (``idle`` says when done)."""
+        with self._cond:
+            self.draining = True
+
+    def submit(self, req: GenRequest, loop) -> Handle:
+        handle = Handle(req, loop, self.reserve_bytes(req), self.settings.request_timeout, lambda: self.loops)
+        with self._cond:
+            if self.draining or self._stopping:
+                raise BadRequest("the server is shutting down and takes no new requests; send this one to "
+                                 "another replica, or retry once it is back.", status=503,
+                                 type="service_unavailable", headers={"Retry-After": "5"}, outcome="draining")
+            if len(self._pending) >= self.settings.max_queue:
+                # 429 + Retry-After: clients (the openai one included) back off and retry; one second
+                # is about a decode step's worth of rows leaving at the defaults
+                raise BadRequest(f"the server is overloaded: {len(self._pending)} requests already wait for "
+                                 f"memory (--max-queue {self.settings.max_queue}); retry after a moment.",
+                                 status=429, type="rate_limit_error", code="queue_full",
+                                 headers={"Retry-After": "1"}, outcome="overloaded")
             self._pending.append(handle)
             self.metrics.set("kvevict_queued_requests", len(self._pending))
             self._cond.notify_all()
@@ -155,17 +191,17 @@ class Engine:
         torch.set_grad_enabled(False)
         with torch.inference_mode():
             while True:
+                self.loops += 1
                 admitted = self._admit()
                 if admitted is None:
                     break
                 for group in self._groups(admitted):
                     self._start(group)
-                for run in list(self._running):
-                    self._step(run)
+                self._step_all()
                 self._gauges()
         for run in self._running:
             for r in run.rows:
-                r.handle.push(("error", "the server is shutting down."))
+                r.handle.push(("error", "the server is shutting down.", 503))
         self._running.clear()
         self._gauges()
 
@@ -190,15 +226,19 @@ class Engine:
             while True:
                 if self._stopping:
                     for h in self._pending:
-                        h.push(("error", "the server is shutting down."))
+                        h.push(("error", "the server is shutting down.", 503))
                     self._pending.clear()
                     return None
-                gone = [h for h in self._pending if h.cancelled.is_set()]
+                now = time.monotonic()
+                gone = [h for h in self._pending if h.cancelled.is_set() or h.expired(now)]
                 for h in gone:
                     self._pending.remove(h)
-                    self.log.append({"event": "cancelled", "id": h.req.id, "t": time.monotonic(), "queued": True})
-                if gone:
-                    self.metrics.add("kvevict_requests_total", len(gone), outcome="cancelled")
+                    timed_out = not h.cancelled.is_set()
+                    if timed_out:
+                        h.push(("error", self._timeout_message(), 504))
+                    self.log.append({"event": "timeout" if timed_out else "cancelled", "id": h.req.id, "t": now,
+                                     "queued": True})
+                    self.metrics.add("kvevict_requests_total", outcome="timeout" if timed_out else "cancelled")
                 if self._running or self._pending:
                     break
                 self._cond.wait(0.5)
@@ -246,6 +286,7 @@ class Engine:
             pol = None if p == "full" else spec_policy(p, recent)
             key = (p,) if p == "full" else (p, budget, recent, self.budgeter.fits(pol, budget, n),
                                             n if getattr(pol, "adaptive", False) else None)
+            key += (_scores_prompt(h.req),)  # those prefills keep every position's logits: apart
             groups.setdefault(key, []).append(h)
         return list(groups.values())
 
@@ -260,10 +301,15 @@ class Engine:
                              "running": running + i, "prefill": len(handles)})
         rows = [_Row(h, self.tokenizer) for h in handles]
         req = handles[0].req
+        scores = _scores_prompt(req)
         try:
             batch, logits = DecodeBatch.prefill_many(self.model, [h.req.prompt_ids for h in handles], req.policy,
                                                      req.budget_tokens, req.recent, self.settings.kv_bits,
-                                                     self.pages)
+                                                     self.pages, all_logits=scores)
+            if scores:  # echo + logprobs: the prompt's own, from the prefill's logits at every position
+                for i, h in enumerate(handles):
+                    h.push(("prompt", prompt_entries(logits[i], h.req.prompt_ids, h.req.logprobs)))
+                logits = logits[:, -1]
         except Exception as err:  # these requests fail alone; the running batches go on
             self._fail(rows, err)
             return
@@ -292,10 +338,17 @@ class Engine:
         self.log.append({"event": "join", "id": req.id, "size": len(run.rows), "batch": id(run),
                          "ids": [r.req.id for r in run.rows], "t": time.monotonic()})
 
+    def _step_all(self) -> None:
+        # a method, not a loop in _run: a loop variable there would keep the last batch that ended
+        # (and its pages) alive while the worker waits idle for the next request
+        for run in list(self._running):
+            self._step(run)
+
     def _step(self, run: _Running) -> None:
-        gone = [i for i, r in enumerate(run.rows) if r.handle.cancelled.is_set()]
+        now = time.monotonic()
+        gone = [i for i, r in enumerate(run.rows) if r.handle.cancelled.is_set() or r.handle.expired(now)]
         for i in gone:
-            self._finish(run.rows[i], "cancelled")
+            self._finish(run.rows[i], "cancelled" if run.rows[i].handle.cancelled.is_set() else "timeout")
         if gone:
             self._keep(run, [i for i in range(len(run.rows)) if i not in gone])
             if not run.rows:
@@ -317,6 +370,12 @@ class Engine:
         end and return their indices."""
         tokens = pick_tokens(logits, [(r.req.temperature, r.req.top_p, r.generator) for r in rows])
         self.metrics.add("kvevict_generated_tokens_total", len(rows))
+        want = [i for i, r in enumerate(rows) if r.req.logprobs is not None]
+        if want:  # from the logits the step already has: one log_softmax for the rows that ask
+            index = torch.tensor(want, device=logits.device)
+            for i, e in zip(want, token_entries(logits[index], [tokens[i] for i in want],
+                                                [rows[i].req.logprobs for i in want])):
+                rows[i].entries.append(e)
         ended = set()
         for i, (r, tok) in enumerate(zip(rows, tokens)):
             r.generated += 1
@@ -327,7 +386,7 @@ class Engine:
             else:
                 delta = r.text.add(tok)
                 if delta:
-                    r.handle.push(("delta", delta))
+                    self._send(r, delta)
                 if r.text.stopped:
                     reason = "stop"
                 elif r.generated >= r.req.max_tokens:
@@ -336,6 +395,11 @@ class Engine:
                 self._finish(r, reason)
                 ended.add(i)
         return ended
+
+    def _send(self, r: _Row, text: str) -> None:
+        """A text delta with the logprob entries of the tokens it completes."""
+        r.handle.push(("delta", text, r.entries))
+        r.entries = []
 
     def _keep(self, run: _Running, keep: list[int]) -> None:
         before, size = run.batch.kv_bytes(), len(run.rows)
@@ -354,8 +418,10 @@ class Engine:
     def _finish(self, r: _Row, reason: str) -> None:
         """A sequence ends: tell its client how, and what its cache held."""
         req, prompt = r.req, len(r.req.prompt_ids)
-        self.log.append({"event": "finish", "id": req.id, "reason": reason, "generated": r.generated,
-                         "t": time.monotonic()})
+        entry = {"event": "finish", "id": req.id, "reason": reason, "generated": r.generated, "t": time.monotonic()}
+        if r.handle.cancel_loop is not None:
+            entry["loops_after_cancel"] = self.loops - r.handle.cancel_loop
+        self.log.append(entry)
         self.metrics.add("kvevict_prompt_tokens_total", prompt)
         budget = req.budget_tokens
         evicted = 0 if budget is None else max(0, r.fed - budget)
@@ -363,9 +429,13 @@ class Engine:
         if reason == "cancelled":
             self.metrics.add("kvevict_requests_total", outcome="cancelled")
             return
+        if reason == "timeout":
+            self.metrics.add("kvevict_requests_total", outcome="timeout")
+            r.handle.push(("error", self._timeout_message(), 504))
+            return
         tail = r.text.flush()
-        if tail:
-            r.handle.push(("delta", tail))
+        if tail or r.entries:  # held-back text, and the logprobs of tokens with no text (EOS)
+            self._send(r, tail)
         held = self.budgeter.row_bytes(req.policy, budget, req.recent, r.fed)
         usage = {"prompt_tokens": prompt, "completion_tokens": r.generated, "total_tokens": prompt + r.generated,
                  "kv_policy": req.policy, "kv_budget": req.budget, "kv_budget_tokens": budget,
@@ -373,10 +443,14 @@ class Engine:
         self.metrics.add("kvevict_requests_total", outcome="completed")
         r.handle.push(("finish", reason, usage))
 
+    def _timeout_message(self) -> str:
+        return (f"the request did not finish within the server's --request-timeout of "
+                f"{self.settings.request_timeout:g} s; lower max_tokens, or retry when the server is less busy.")
+
     def _fail(self, rows: list[_Row], err: Exception) -> None:
         msg = f"generation failed: {type(err).__name__}: {err}"
         for r in rows:
-            r.handle.push(("error", msg))
+            r.handle.push(("error", msg, 500))
         self.metrics.add("kvevict_requests_total", len(rows), outcome="failed")
         self.log.append({"event": "failed", "ids": [r.req.id for r in rows], "error": msg})
 
@@ -392,6 +466,11 @@ class Engine:
         m.set("kvevict_kv_pool_bytes", self.pages.nbytes())
         m.set("kvevict_kv_bytes_full", sum(self.budgeter.stock_bytes(r.fed) for run in self._running for r in run.rows))
         m.peak("kvevict_kv_bytes_peak", held)
+
+
+def _scores_prompt(req: GenRequest) -> bool:
+    """Whether a request asks for its prompt's logprobs (echo with logprobs)."""
+    return req.echo and req.logprobs is not None
 
 
 def _format(spec: tuple) -> tuple:

@@ -7,7 +7,12 @@ Extra body fields (``extra_body`` in the openai client): ``kv_policy`` (a name o
 A float budget is resolved against the request's own prompt, never below the server's
 ``min_budget`` (so a short chat is not cut to a handful of tokens), rounded up to a multiple of
 ``budget_round``; batching never changes it.
+
+Log-probabilities (``kvevict.serve.logprobs``): chat takes ``logprobs: true`` and ``top_logprobs``
+(0-20); completions take ``logprobs`` as the number of top tokens (0-20) and ``echo`` (the prompt
+back before the completion, with ``logprobs`` its tokens' log-probabilities too, the first null).
 """
+
 
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from ..cache import check_budget, layer_budgets, resolve_budget
 from ..generate import FULL
 from ..policies import POLICIES
 from .errors import BadRequest
+from .logprobs import MAX_TOP
 from .memory import spec_policy
 from .settings import Settings
 
@@ -41,6 +47,9 @@ class GenRequest:
     stream: bool = False
     include_usage: bool = False
     ignore_eos: bool = False
+    logprobs: int | None = None  # top tokens to list per token; None: no logprobs at all
+    echo: bool = False  # completions: the prompt back first (its logprobs too with ``logprobs``)
+    prompt_text: str | None = None  # what echo sends back: the prompt as given (token ids decoded)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -65,6 +74,7 @@ def parse_completion(body, tokenizer, settings: Settings, context: int, layers: 
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
+    text = prompt if isinstance(prompt, str) else None
     if isinstance(prompt, str):
         ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -77,7 +87,10 @@ def parse_completion(body, tokenizer, settings: Settings, context: int, layers: 
     else:
         raise BadRequest("'prompt' must be one string or one list of token ids; send one request per prompt.",
                          "prompt")
-    return _request("completion", body, list(ids), settings, context, "max_tokens", layers)
+    req = _request("completion", body, list(ids), settings, context, "max_tokens", layers)
+    if req.echo:
+        req.prompt_text = text if text is not None else tokenizer.decode(ids, skip_special_tokens=False)
+    return req
 
 
 def _object(body) -> dict:
@@ -124,6 +137,7 @@ def _request(kind, body, ids, settings: Settings, context: int, limit_name: str,
         raise BadRequest(f"the prompt has {len(ids)} tokens and {limit_name}={max_tokens}: together more than the "
                          f"model's {context} positions; shorten the prompt or lower {limit_name}.", limit_name)
     policy, budget, recent, budget_tokens = _kv_fields(body, settings, len(ids), layers)
+    logprobs, echo = (_chat_logprobs if kind == "chat" else _completion_logprobs)(body)
     return GenRequest(
         kind=kind, prompt_ids=ids, max_tokens=max_tokens, policy=policy, budget=budget,
         budget_tokens=budget_tokens, recent=recent,
@@ -131,8 +145,42 @@ def _request(kind, body, ids, settings: Settings, context: int, limit_name: str,
         top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
         seed=_seed(body.get("seed")), stop=_stop(body.get("stop")), stream=_bool(body, "stream"),
         include_usage=_bool(body.get("stream_options") or {}, "include_usage"),
-        ignore_eos=_bool(body, "ignore_eos"),
+        ignore_eos=_bool(body, "ignore_eos"), logprobs=logprobs, echo=echo,
     )
+
+
+def _top(v, name: str, hint: str = "") -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_TOP:
+        raise BadRequest(f"'{name}' must be an integer in [0, {MAX_TOP}], got {v!r}{hint}.", name)
+    return v
+
+
+def _chat_logprobs(body) -> tuple[int | None, bool]:
+    """Chat: ``logprobs`` true/false and ``top_logprobs`` (which needs it), as OpenAI's API."""
+    wanted, top = _bool(body, "logprobs"), body.get("top_logprobs")
+    if top is not None:
+        _top(top, "top_logprobs")
+        if not wanted:
+            raise BadRequest("'top_logprobs' needs 'logprobs': true.", "top_logprobs")
+    if body.get("echo") not in (None, False):
+        raise BadRequest("'echo' is a /v1/completions field; chat has no echo (send the prompt to "
+                         "/v1/completions to score it).", "echo")
+    return (top or 0) if wanted else None, False
+
+
+def _completion_logprobs(body) -> tuple[int | None, bool]:
+    """Completions: ``logprobs`` is the number of top tokens (OpenAI's legacy API), ``echo`` a bool."""
+    v = body.get("logprobs")
+    if v is not None:
+        _top(v, "logprobs", " (on /v1/completions it is how many top tokens to list; 'logprobs': true "
+                            "with 'top_logprobs' is /v1/chat/completions' form)")
+    if body.get("top_logprobs") is not None:
+        raise BadRequest("'top_logprobs' is a /v1/chat/completions field; on /v1/completions 'logprobs' "
+                         "itself is the number of top tokens.", "top_logprobs")
+    echo = _bool(body, "echo")
+    if echo and _bool(body, "stream"):
+        raise BadRequest("'echo' with 'stream' is not supported: send the request without 'stream'.", "echo")
+    return v, echo
 
 
 def _kv_fields(body, settings: Settings, prompt_len: int, layers: int):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 GiB = 1 << 30
 
@@ -34,3 +34,13 @@ class Settings:
     # int8: at the same K/V memory it served about twice H2O fp32's tokens/s, at the same quality
     # (int8 at the same tokens costs +0.0002 nats per token; docs/serving.md, "Packed storage")
     kv_bits: int | None = 8
+    # -- hosting (issue 44) --
+    # every /v1 route asks for "Authorization: Bearer <api_key>" (None: open); repr=False keeps it
+    # out of logs and tracebacks that print the settings
+    api_key: str | None = field(default=None, repr=False)
+    protect_metrics: bool = False  # /metrics asks for the key too (it tells request counts and memory)
+    # requests waiting for memory or a batch slot; one more gets 429 with Retry-After at once, so
+    # overload is answered instead of growing an unbounded queue (and its clients' latency)
+    max_queue: int = 1024
+    # seconds from arrival to the last token; past it the request ends with 504 and frees what it held
+    request_timeout: float | None = None
