@@ -79,3 +79,23 @@ def test_qwen_tokenizer_and_chat_template_facts():
     chat = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
     assert chat == ("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
                     "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_the_one_shot_default_is_per_model_where_measured():
+    """A prompt known with its question: Ada-SnapKV on Qwen2.5-Coder-1.5B's architecture (measured
+    there), kvzip-pool elsewhere; a streamed text MAS; a token budget H2O."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen2Config
+
+    from conftest import tiny_model
+    from kvevict.generate import _observes
+    from kvevict.memory import PROMPT_POLICY, pick_policy
+
+    qwen = SimpleNamespace(config=Qwen2Config(num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                                              hidden_size=1536, vocab_size=151936))
+    tiny = tiny_model("qwen2")
+    assert pick_policy(True, True, qwen) == "ada-snapkv" and _observes("ada-snapkv", qwen)
+    assert pick_policy(True, True, tiny) == PROMPT_POLICY == "kvzip-pool" and not _observes("kvzip-pool", tiny)
+    assert not _observes("ada-snapkv", tiny)  # named by the caller on another model: its own window
+    assert pick_policy(False, True, qwen) == "mas" and pick_policy(True, False, qwen) == "h2o"

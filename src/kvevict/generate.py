@@ -9,10 +9,11 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import DynamicCache
 
-from .cache import make_cache
+from .cache import layer_windows, make_cache
 from .input_checks import max_positions, no_new_tokens, warn_past_positions
+from .memory import PROMPT_POLICY, pick_policy
 from .policies import policy_class
-from .prefill import check_mode, prefill
+from .prefill import check_mode, fill_from, prefill
 from .stock import STOCK_BYTES
 from .storage import Storage, split_spec
 
@@ -79,6 +80,21 @@ def question_tokens(tokenizer, prompt) -> int:
     return len(full) - same
 
 
+def _observes(policy, model) -> bool:
+    """Whether ``policy`` is the model's one-shot default that scores the prompt by its question
+    (``kvevict.memory.ONE_SHOT_OF``; kvzip-pool scores it by reconstruction)."""
+    return isinstance(policy, str) and policy != PROMPT_POLICY and policy == pick_policy(True, True, model)
+
+
+def _question_or_none(tokenizer, prompt) -> int | None:
+    """The question's tokens, or None where the prompt has no blank line before it (the policy then
+    observes its last ``window`` tokens, where a question at the end sits anyway)."""
+    try:
+        return question_tokens(tokenizer, prompt)
+    except ValueError:
+        return None
+
+
 def split_question(policy):
     """'h2o+q' -> ('h2o', True); other specs (and policy objects) -> (policy, False)."""
     if isinstance(policy, str) and policy.lower().endswith(QUESTION):
@@ -118,15 +134,15 @@ def generate(model, tokenizer, prompt, policy=None, budget=0.2, max_new_tokens=6
     (the server runs every model call on one worker thread)."""
     check_mode(prefill_mode, stride)
     if policy is None:
-        from .memory import pick_policy
-
-        policy = pick_policy(prompt_known=prefill_mode == "full", memory=memory is not None)
+        policy = pick_policy(prompt_known=prefill_mode == "full", memory=memory is not None, model=model)
     label = policy if isinstance(policy, str) else getattr(policy, "name", policy)
     policy, asked = split_question(policy)
     if asked or question is True:
         if isinstance(prompt, torch.Tensor):
             raise ValueError("question=True needs the prompt as text or messages; with token ids pass question=N.")
         question = question_tokens(tokenizer, prompt)
+    elif question is None and memory is not None and not isinstance(prompt, torch.Tensor) and _observes(policy, model):
+        question = _question_or_none(tokenizer, prompt)  # the default observes the question where it can tell it
     ids = encode_chat(tokenizer, prompt) if not isinstance(prompt, torch.Tensor) else prompt
     if ids.shape[-1] == 0:
         raise ValueError(no_new_tokens(0))
@@ -148,13 +164,22 @@ def generate(model, tokenizer, prompt, policy=None, budget=0.2, max_new_tokens=6
         if name in FULL:  # nothing evicted: room for the prompt and the answer
             name, budget = "h2o", ids.shape[1] + max_new_tokens
         policy = name
-    record_seconds = 0.0
+    record_seconds, context = 0.0, None
     found = policy_class(policy)
     if found is not None and getattr(found[0], "needs_prompt", False):
         # a policy that scores the prompt in a pass of its own (kvzip): its cost is timed with the rest
         t0 = time.perf_counter()
         cache_params = {k: policy_params.pop(k) for k in _CACHE_PARAMS if k in policy_params}
-        policy = found[0].record(model, tokenizer, ids, **{**found[1], **policy_params})
+        params = {**found[1], **policy_params}
+        if prefill_mode == "full" and ids.shape[1] > 1 and all(w is None for w in layer_windows(model)):
+            # the prompt (but its last token, which generate feeds) runs once: scored on top of this
+            # cache, which then fills the budgeted one (prefill.fill_from)
+            ids_ctx, context = ids[:, :-1], DynamicCache(config=model.config)
+            model.set_attn_implementation("sdpa")
+            model(ids_ctx, cache=context, use_cache=True, logits_to_keep=1)
+            policy = found[0].record(model, tokenizer, ids_ctx, context=context, **params)
+        else:
+            policy = found[0].record(model, tokenizer, ids, **params)
         policy_params = cache_params
         record_seconds = time.perf_counter() - t0
     if policy in FULL:
@@ -172,7 +197,10 @@ def generate(model, tokenizer, prompt, policy=None, budget=0.2, max_new_tokens=6
             specs = [layer.budget_spec for layer in cache.layers]
             budget = specs[0] if len(set(specs)) == 1 else round(sum(specs) / len(specs))
     start = time.perf_counter()
-    if policy not in FULL:
+    if context is not None:
+        fill_from(cache, context)
+        context = None  # its full-size keys and values go now, before decoding
+    elif policy not in FULL:
         prefill(model, cache, ids, mode=prefill_mode, stride=stride)
     out = _greedy(model, tokenizer, ids, cache, max_new_tokens)
     seconds = time.perf_counter() - start + record_seconds

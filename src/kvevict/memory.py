@@ -148,12 +148,31 @@ def storage_kind(kv_bits=None, evicted_bits=None, evicted_budget=None) -> str | 
 TOKEN_POLICY = "h2o"  # a token budget's default (no memory budget): the library's default policy
 
 
-def pick_policy(prompt_known: bool, memory: bool = True) -> str:
+# A prompt known with its question before decoding (one answer, ``kvevict.generate``), per model where
+# measured (``model_key`` -> policy). Qwen2.5-Coder-1.5B: Ada-SnapKV over the question (or the prompt's
+# last 64 tokens) found every RULER needle at 2K that kvzip-pool found, its scores taken from the
+# prefill itself: 1.3x the full cache's time to answer the demo, kvzip-pool's reconstruction pass
+# 2.6x. SmolLM2-135M: SnapKV lost 2 of 8 essay needles at 20% that kvzip-pool keeps (20 of 20), so
+# kvzip-pool everywhere else (docs/families.md).
+ONE_SHOT_OF = {("qwen2", 28, 12, 2, 1536, 151936): "ada-snapkv"}
+
+
+def model_key(model) -> tuple | None:
+    """What ``ONE_SHOT_OF`` knows a model by: its architecture and shapes (not its path or dtype)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return tuple(getattr(config, k, None) for k in ("model_type", "num_hidden_layers", "num_attention_heads",
+                                                    "num_key_value_heads", "hidden_size", "vocab_size"))
+
+
+def pick_policy(prompt_known: bool, memory: bool = True, model=None) -> str:
     """The policy a memory budget uses when none is named (see the module's rule); without a memory
-    budget (``memory=False``: a token budget), H2O."""
+    budget (``memory=False``: a token budget), H2O. ``model``: a prompt known in advance gets the
+    model's measured one-shot policy (``ONE_SHOT_OF``), else ``PROMPT_POLICY``."""
     if not memory:
         return TOKEN_POLICY
-    return PROMPT_POLICY if prompt_known else STREAM_POLICY
+    if not prompt_known:
+        return STREAM_POLICY
+    return ONE_SHOT_OF.get(model_key(model), PROMPT_POLICY) if model is not None else PROMPT_POLICY
 
 
 class PromptShare(float):

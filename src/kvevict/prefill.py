@@ -54,3 +54,29 @@ def prefill(model, cache, input_ids, attention_mask=None, mode: str = "full", st
         logits = model(input_ids[:, start:stop], attention_mask=mask, cache=cache,
                        use_cache=True, logits_to_keep=1).logits
     return logits
+
+
+@torch.no_grad()
+def fill_from(cache, context) -> None:
+    """Store the keys and values of ``context`` (a DynamicCache the model already ran the prompt
+    into, e.g. to score it: ``KVzip.record(context=...)``) in the budgeted ``cache`` as the prompt's
+    own forward would: each layer takes them in one chunk and evicts to its budget by its policy, so
+    the prompt runs through the model once. Only for a policy that reads no attention statistic (its
+    scores were recorded), on a model without sliding layers (their DynamicCache keeps the window
+    only); then ``model.generate(ids, cache=cache)`` goes on from the tokens given."""
+    from .attention import _take_handoff
+
+    for i, src in enumerate(context.layers):
+        layer = cache.layers[i]
+        if getattr(src, "is_sliding", False) or getattr(layer, "window", None) is not None:
+            raise ValueError("fill_from needs every token of every layer: this model has sliding-window layers; "
+                             "run the prompt through the model instead (prefill / generate).")
+        k, v = src.keys, src.values
+        cache.update(k, v, i)
+        layer = _take_handoff(layer.returned_keys)
+        wanted, _ = layer.attention_request()
+        if wanted:
+            raise ValueError(f"{layer.policy.name} collects {', '.join(wanted)} from the prompt's attention; "
+                             "fill_from has none to give: run the prompt through the model instead.")
+        seg = layer.segments(v, None, k.shape[2])
+        layer.absorb({}, seg.valid_new, seg.pos_new)

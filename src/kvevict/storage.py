@@ -19,8 +19,7 @@ POS_BYTES = 2  # a slot's position, int16 (kvevict.tier)
 # bytes (docs/quality-per-byte.md). Counters and squares stay float32: float16 counts stop at 2,048
 # and squared probabilities underflow.
 # keys stored in a rotated basis by default at these bits: a per-token group with one step cannot
-# hold outlier channels as the model makes them (Qwen2.5-1.5B: garbage at int4, +1.3% NLL at int8;
-# rotated +0.2% and +0.03%, docs/families.md)
+# hold outlier channels as the model makes them (docs/families.md: Qwen2.5-Coder-1.5B)
 LOW_BITS = (8, 4, 2)
 KEY_BASES = (None, "rotated", "raw")
 

@@ -43,18 +43,19 @@ class Settings:
                 out[name] = getattr(self, name)
         return out
 
-    def policy_for(self, kind: str) -> str:
+    def policy_for(self, kind: str, model=None) -> str:
         """The policy requests of type ``kind`` run: the one named, else the one the memory budget
-        picks (``kvevict.memory.pick_policy``): ``kvzip-pool`` where a request's whole context is
-        known before the cache decodes (``generate_until`` and ``loglikelihood``, one request per
-        batch, full prefill), ``mas`` where text streams in (``loglikelihood_rolling``, batches,
-        chunked prefill), ``h2o`` where no memory budget is given."""
+        picks (``kvevict.memory.pick_policy``): the model's one-shot policy (``kvzip-pool`` unless
+        measured otherwise for ``model``) where a request's whole context is known before the cache
+        decodes (``generate_until`` and ``loglikelihood``, one request per batch, full prefill),
+        ``mas`` where text streams in (``loglikelihood_rolling``, batches, chunked prefill), ``h2o``
+        where no memory budget is given."""
         if self.policy is not None:
             return self.policy
         from ..memory import pick_policy
 
         known = kind != "loglikelihood_rolling" and self.batch_size == 1 and self.prefill == "full"
-        return pick_policy(prompt_known=known, memory=self.memory is not None)
+        return pick_policy(prompt_known=known, memory=self.memory is not None, model=model)
 
     def describe(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("device", "max_batch_size")}

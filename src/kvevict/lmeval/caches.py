@@ -29,7 +29,7 @@ def new_cache(model, tokenizer, settings, kind: str, prompt=None):
         model.set_attn_implementation("sdpa")
         return DynamicCache(config=model.config)
     params = settings.cache_params()
-    policy = settings.policy_for(kind)
+    policy = settings.policy_for(kind, model)
     if needs_prompt(policy):
         if prompt is None or prompt.shape[0] != 1:
             raise ValueError(f"{policy} records one unpadded prompt per cache; run it with batch_size=1.")

@@ -92,13 +92,13 @@ class KvevictLM(TemplateLM):
     def get_model_info(self) -> dict:
         """lm-eval adds this to its results' ``config``: the settings and the bytes held."""
         return {"kvevict": {**self.settings.describe(), "threads": self.threads, "bytes": self.bytes.summary(),
-                            "policies": {kind: self.settings.policy_for(kind) for kind in self.bytes.kv}}}
+                            "policies": {kind: self.settings.policy_for(kind, self.model) for kind in self.bytes.kv}}}
 
     # -- batching ---------------------------------------------------------------------------
     def _batches(self, items: list, length, kind: str):
         """Index batches, longest first (lm-eval's order for padding), one request per batch for a
         policy that records its prompt (kvzip)."""
-        size = 1 if needs_prompt(self.settings.policy_for(kind)) else self.settings.batch_size
+        size = 1 if needs_prompt(self.settings.policy_for(kind, self.model)) else self.settings.batch_size
         order = sorted(range(len(items)), key=lambda i: length(items[i]), reverse=True)
         return [order[i:i + size] for i in range(0, len(order), size)]
 

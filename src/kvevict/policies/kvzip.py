@@ -84,7 +84,8 @@ class KVzip(Policy):
 
     @classmethod
     @torch.no_grad()
-    def record(cls, model, tokenizer, input_ids, attention_mask=None, chunk: int = 4096, **params) -> "KVzip":
+    def record(cls, model, tokenizer, input_ids, attention_mask=None, chunk: int = 4096, context=None,
+               **params) -> "KVzip":
         """Score ``input_ids`` by reconstruction, as KVzip's chunked scoring does (Kim et al. 2025,
         Sec. 3.3): the context is cached once, then each piece of ``chunk`` tokens is reconstructed
         on top of it, ``[repeat, piece]`` attending to the whole context, and a key's score is its
@@ -92,7 +93,9 @@ class KVzip(Policy):
         and keeps positions at n + r + chunk instead of 2n + r. The last piece takes in a remainder
         shorter than ``chunk / 2``: a short piece copied without the text before it is read less
         sharply (a pass key at the end of a 4,119-token prompt, in a 23-token piece, lost a digit).
-        One piece is one pass over ``[context, repeat, context]``."""
+        One piece is one pass over ``[context, repeat, context]``. ``context``: a DynamicCache that
+        already holds ``input_ids`` (the caller's own prefill, kept to fill the budgeted cache from:
+        ``kvevict.prefill.fill_from``), so the context is not run again; it is left as given."""
         from transformers import DynamicCache
 
         from ..attention import record_attention_stats
@@ -109,13 +112,16 @@ class KVzip(Policy):
         starts = list(range(0, n, chunk))
         if len(starts) > 1 and n - starts[-1] < chunk / 2:
             starts.pop()  # the last piece takes in the short remainder
-        if len(starts) == 1:
+        if len(starts) == 1 and context is None:
             seq = torch.cat([input_ids, rep, input_ids], dim=1)
             # the queries after the context: the repeat request and the reconstruction
             stats = record_attention_stats(model, seq, ("max",), observe=seq.shape[1] - n)
             return cls(scores=[st["max"][..., :n] for st in stats], **params)
-        context = DynamicCache()
-        record_attention_stats(model, input_ids, (), cache=context)
+        if context is None:
+            context = DynamicCache()
+            record_attention_stats(model, input_ids, (), cache=context)
+        elif context.get_seq_length() != n:
+            raise ValueError(f"the context cache holds {context.get_seq_length()} tokens, the prompt has {n}.")
         scores = None
         for s, e in zip(starts, starts[1:] + [n]):
             piece = torch.cat([rep, input_ids[:, s:e]], dim=1)
