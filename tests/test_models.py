@@ -95,7 +95,9 @@ def test_the_one_shot_default_is_per_model_where_measured():
     qwen = SimpleNamespace(config=Qwen2Config(num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                                               hidden_size=1536, vocab_size=151936))
     tiny = tiny_model("qwen2")
-    assert pick_policy(True, True, qwen) == "ada-snapkv" and _observes("ada-snapkv", qwen)
-    assert pick_policy(True, True, tiny) == PROMPT_POLICY == "kvzip-pool" and not _observes("kvzip-pool", tiny)
-    assert not _observes("ada-snapkv", tiny)  # named by the caller on another model: its own window
-    assert pick_policy(False, True, qwen) == "mas" and pick_policy(True, False, qwen) == "h2o"
+    assert pick_policy(True, True, qwen, 0.2) == "ada-snapkv" and _observes("ada-snapkv", qwen, 0.3)
+    assert pick_policy(True, True, qwen, 0.1) == PROMPT_POLICY  # measured below its share: kvzip-pool
+    assert pick_policy(True, True, qwen, None) == PROMPT_POLICY  # bytes: no share to compare
+    assert pick_policy(True, True, tiny, 0.2) == PROMPT_POLICY == "kvzip-pool" and not _observes("kvzip-pool", tiny, 0.2)
+    assert not _observes("ada-snapkv", tiny, 0.2)  # named by the caller on another model: its own window
+    assert pick_policy(False, True, qwen, 0.2) == "mas" and pick_policy(True, False, qwen) == "h2o"

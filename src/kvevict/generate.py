@@ -80,10 +80,18 @@ def question_tokens(tokenizer, prompt) -> int:
     return len(full) - same
 
 
-def _observes(policy, model) -> bool:
-    """Whether ``policy`` is the model's one-shot default that scores the prompt by its question
-    (``kvevict.memory.ONE_SHOT_OF``; kvzip-pool scores it by reconstruction)."""
-    return isinstance(policy, str) and policy != PROMPT_POLICY and policy == pick_policy(True, True, model)
+def _share(memory):
+    """A memory budget as a share of a 16-bit stock cache (None for bytes or no budget)."""
+    from .memory import parse_memory
+
+    value = None if memory is None else parse_memory(memory)
+    return value if isinstance(value, float) else None
+
+
+def _observes(policy, model, share) -> bool:
+    """Whether ``policy`` is the model's one-shot default at this share that scores the prompt by
+    its question (``kvevict.memory.ONE_SHOT_OF``; kvzip-pool scores it by reconstruction)."""
+    return isinstance(policy, str) and policy != PROMPT_POLICY and policy == pick_policy(True, True, model, share)
 
 
 def _question_or_none(tokenizer, prompt) -> int | None:
@@ -125,23 +133,26 @@ def generate(model, tokenizer, prompt, policy=None, budget=0.2, max_new_tokens=6
     ``policy="full"`` runs the stock transformers DynamicCache with SDPA as the reference.
     ``prefill_mode``: full, token or block (with ``stride``), see kvevict.prefill.
     ``memory``: a budget in bytes instead of ``budget`` (see ``make_cache``).
-    ``policy`` not given: with ``memory``, ``kvzip-pool`` when the whole prompt enters at once (it
-    is known before decoding) and ``mas`` under token or block prefill (``kvevict.memory.pick_policy``);
-    without, ``h2o``.
+    ``policy`` not given: with ``memory``, the model's one-shot policy when the whole prompt enters
+    at once (it is known before decoding: ``kvzip-pool``, or where measured better for the model and
+    share, ``kvevict.memory.ONE_SHOT_OF``, a policy that observes the prompt's question) and ``mas``
+    under token or block prefill (``kvevict.memory.pick_policy``); without, ``h2o``.
     ``question``: protect the prompt's last N tokens and observe them (``make_cache(question=N)``);
     True (or a policy spec ending in ``+q``) counts the question with ``question_tokens``.
     Switches the model's attention implementation: not for concurrent use on a shared model
     (the server runs every model call on one worker thread)."""
     check_mode(prefill_mode, stride)
     if policy is None:
-        policy = pick_policy(prompt_known=prefill_mode == "full", memory=memory is not None, model=model)
+        policy = pick_policy(prompt_known=prefill_mode == "full", memory=memory is not None, model=model,
+                             share=_share(memory))
     label = policy if isinstance(policy, str) else getattr(policy, "name", policy)
     policy, asked = split_question(policy)
     if asked or question is True:
         if isinstance(prompt, torch.Tensor):
             raise ValueError("question=True needs the prompt as text or messages; with token ids pass question=N.")
         question = question_tokens(tokenizer, prompt)
-    elif question is None and memory is not None and not isinstance(prompt, torch.Tensor) and _observes(policy, model):
+    elif (question is None and memory is not None and not isinstance(prompt, torch.Tensor)
+          and _observes(policy, model, _share(memory))):
         question = _question_or_none(tokenizer, prompt)  # the default observes the question where it can tell it
     ids = encode_chat(tokenizer, prompt) if not isinstance(prompt, torch.Tensor) else prompt
     if ids.shape[-1] == 0:

@@ -149,12 +149,13 @@ TOKEN_POLICY = "h2o"  # a token budget's default (no memory budget): the library
 
 
 # A prompt known with its question before decoding (one answer, ``kvevict.generate``), per model where
-# measured (``model_key`` -> policy). Qwen2.5-Coder-1.5B: Ada-SnapKV over the question (or the prompt's
-# last 64 tokens) found every RULER needle at 2K that kvzip-pool found, its scores taken from the
-# prefill itself: 1.3x the full cache's time to answer the demo, kvzip-pool's reconstruction pass
-# 2.6x. SmolLM2-135M: SnapKV lost 2 of 8 essay needles at 20% that kvzip-pool keeps (20 of 20), so
-# kvzip-pool everywhere else (docs/families.md).
-ONE_SHOT_OF = {("qwen2", 28, 12, 2, 1536, 151936): "ada-snapkv"}
+# measured: ``model_key`` -> (policy, the smallest memory share it was measured to hold at). On
+# Qwen2.5-Coder-1.5B at 20% of a 16-bit cache, Ada-SnapKV over the question (or the prompt's last
+# 64 tokens) found every RULER needle at 2K the full cache found, its scores taken from the prefill
+# itself: 1.3x the full cache's time to answer the demo, kvzip-pool's reconstruction 2.6x. At 10%
+# it lost half the multi-key needles kvzip-pool kept, so kvzip-pool there; SmolLM2: SnapKV lost
+# essay needles kvzip-pool keeps at 20%, so kvzip-pool everywhere else (docs/families.md).
+ONE_SHOT_OF = {("qwen2", 28, 12, 2, 1536, 151936): ("ada-snapkv", 0.2)}
 
 
 def model_key(model) -> tuple | None:
@@ -164,15 +165,19 @@ def model_key(model) -> tuple | None:
                                                     "num_key_value_heads", "hidden_size", "vocab_size"))
 
 
-def pick_policy(prompt_known: bool, memory: bool = True, model=None) -> str:
+def pick_policy(prompt_known: bool, memory: bool = True, model=None, share=None) -> str:
     """The policy a memory budget uses when none is named (see the module's rule); without a memory
-    budget (``memory=False``: a token budget), H2O. ``model``: a prompt known in advance gets the
-    model's measured one-shot policy (``ONE_SHOT_OF``), else ``PROMPT_POLICY``."""
+    budget (``memory=False``: a token budget), H2O. A prompt known in advance gets the model's
+    measured one-shot policy (``ONE_SHOT_OF``) where the budget ``share`` (a fraction of a 16-bit
+    stock cache) is at least what it was measured at, else ``PROMPT_POLICY``."""
     if not memory:
         return TOKEN_POLICY
     if not prompt_known:
         return STREAM_POLICY
-    return ONE_SHOT_OF.get(model_key(model), PROMPT_POLICY) if model is not None else PROMPT_POLICY
+    found = ONE_SHOT_OF.get(model_key(model)) if model is not None else None
+    if found is not None and isinstance(share, float) and share >= found[1] - 1e-9:
+        return found[0]
+    return PROMPT_POLICY
 
 
 class PromptShare(float):

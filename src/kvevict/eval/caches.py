@@ -18,19 +18,19 @@ def memory_spec(policy) -> bool:
     return isinstance(policy, str) and (policy == MEMORY or policy.startswith(MEMORY + "-"))
 
 
-def memory_policy(spec: str, prompt_known: bool, model=None) -> str:
+def memory_policy(spec: str, prompt_known: bool, model=None, share=None) -> str:
     """The policy of a memory cell: NAME for ``mem-NAME``, else what the plan picks
     (``kvevict.memory.pick_policy``: prompt-scoring when the prompt is known, streaming when not)."""
     from ..memory import pick_policy
 
-    return spec[len(MEMORY) + 1:] or pick_policy(prompt_known=prompt_known, model=model)
+    return spec[len(MEMORY) + 1:] or pick_policy(prompt_known=prompt_known, model=model, share=share)
 
 
-def memory_cell(spec: str, prompt_known: bool, model=None) -> tuple[str, dict]:
+def memory_cell(spec: str, prompt_known: bool, model=None, share=None) -> tuple[str, dict]:
     """A memory cell's policy and the bits it names: ``mem-kvzip-pool/int4`` -> ("kvzip-pool",
     {"kv_bits": 4, "evicted_bits": None}) (``make_cache(memory=..., **bits)`` spends the bytes at
     them; both None: the plan's storage)."""
-    name, storage = split_spec(memory_policy(spec, prompt_known, model))
+    name, storage = split_spec(memory_policy(spec, prompt_known, model, share))
     return name, {"kv_bits": storage.kv_bits, "evicted_bits": storage.evicted_bits}
 
 
@@ -55,7 +55,8 @@ def new_cache(model, policy: str, budget, sequence=None, covering: int | None = 
     if memory_spec(policy):
         # a prompt handed over before the cache exists is known, as in ``generate``: the plan's
         # prompt-scoring policy, recorded on it; a streamed text gets the streaming one
-        name, bits = memory_cell(policy, prompt_known=prompt is not None and tokenizer is not None, model=model)
+        name, bits = memory_cell(policy, prompt_known=prompt is not None and tokenizer is not None, model=model,
+                                 share=budget)
         return make_cache(model, _recorded(name, model, tokenizer, prompt) or name, memory=budget, **bits)
     name, storage = split_spec(policy)
     kw = {"kv_bits": storage.kv_bits, "evicted_bits": storage.evicted_bits}

@@ -55,7 +55,8 @@ class Settings:
         from ..memory import pick_policy
 
         known = kind != "loglikelihood_rolling" and self.batch_size == 1 and self.prefill == "full"
-        return pick_policy(prompt_known=known, memory=self.memory is not None, model=model)
+        share = self.memory if isinstance(self.memory, float) else None
+        return pick_policy(prompt_known=known, memory=self.memory is not None, model=model, share=share)
 
     def describe(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("device", "max_batch_size")}

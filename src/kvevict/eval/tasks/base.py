@@ -91,7 +91,7 @@ def _generate_cell(model, tokenizer, prompt, policy, budget, max_new, recorded: 
     memory, bits = None, {}
     if memory_spec(policy):
         memory = budget
-        policy, bits = memory_cell(policy, prompt_known=True, model=model)  # "mem-kvzip-pool/int4": the bytes at int4
+        policy, bits = memory_cell(policy, prompt_known=True, model=model, share=budget)  # "mem-kvzip-pool/int4": the bytes at int4
     found = policy_class(policy)
     if found is None or not getattr(found[0], "needs_prompt", False):
         return generate(model, tokenizer, prompt, policy, budget, max_new, memory=memory, **bits)
