@@ -7,7 +7,7 @@ from transformers import DynamicCache
 
 import kvevict
 from conftest import tiny_model
-from kvevict.keyspace import KeySpace, hadamard
+from kvevict.keyspace import KeySpace, hadamard, rotate
 from kvevict.storage import Storage
 from test_quantized import _stream
 
@@ -33,6 +33,10 @@ def test_the_rotation_is_orthonormal_and_symmetric(d):
     assert torch.allclose(h @ h.T, torch.eye(d, dtype=torch.float64), atol=1e-12)
     assert torch.equal(h, h.T)
     assert (h.abs() > 0).sum() == d * (d & -d)  # dense over its power-of-two blocks
+    x = torch.randn(3, 5, d, dtype=torch.float64)
+    assert torch.allclose(rotate(x), x @ h, atol=1e-6)  # the fast transform is the matrix (in float32)
+    # element by element: a row's result does not depend on the rows around it
+    assert torch.equal(rotate(x.float())[1:2], rotate(x.float()[1:2]))
 
 
 def test_scores_are_the_same_up_to_a_constant_per_query():

@@ -39,14 +39,26 @@ def _hadamard_cpu(d: int) -> torch.Tensor:
     return torch.block_diag(*([h / n ** 0.5] * (d // n)))
 
 
-_hadamards: dict = {}
-
-
 def hadamard(d: int, dtype: torch.dtype, device) -> torch.Tensor:
-    key = (d, dtype, str(device))
-    if key not in _hadamards:
-        _hadamards[key] = _hadamard_cpu(d).to(device=device, dtype=dtype)
-    return _hadamards[key]
+    """H as a matrix (the specification ``rotate`` is held to)."""
+    return _hadamard_cpu(d).to(device=device, dtype=dtype)
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """x H over the last dimension, as a fast Walsh-Hadamard transform in float32: log2(n) stages of
+    butterflies (a + b, a - b), then 1 / sqrt(n). Element by element, so a row's result does not
+    depend on the batch around it (a matmul's blocking does, by the last bit, and a bit can flip a
+    stored code: a padded batch must store what each row alone stores)."""
+    d = x.shape[-1]
+    n = d & -d
+    y = x.float().reshape(-1, n)  # every block of n channels of every vector, one per row
+    h = 1
+    while h < n:
+        y = y.view(-1, n // (2 * h), 2, h)
+        a, b = y[:, :, 0], y[:, :, 1]
+        y = torch.stack((a + b, a - b), dim=2).view(-1, n)
+        h *= 2
+    return (y.view(x.shape) * n ** -0.5).to(x.dtype)
 
 
 class KeySpace:
@@ -60,23 +72,23 @@ class KeySpace:
         """Keys (b, hkv, m, d) as stored: (k - c) H. The first call (each row's first forward) sets c
         to the mean of the row's real keys (``valid`` (b, m) bool; None: all real)."""
         if self.center is None:
-            kf = k.float()
-            if valid is None:
-                c = kf.mean(2)
-            else:
-                w = valid[:, None, :, None].to(kf.dtype)
-                c = (kf * w).sum(2) / w.sum(2).clamp(min=1)
-            self.center = c.to(torch.float16)  # any c is exact: the smallest dtype that holds a key
-        return (k - self.center.unsqueeze(2).to(k.dtype)) @ hadamard(k.shape[-1], k.dtype, k.device)
+            # row by row over a contiguous copy of its real keys: the same sum in the same order as
+            # the row alone, so a padded batch stores the same codes (one bit of c apart would not)
+            rows = []
+            for i in range(k.shape[0]):
+                real = k[i].contiguous() if valid is None else k[i][:, valid[i]]
+                rows.append(real.float().mean(1) if real.shape[1] else real.new_zeros(k.shape[1], k.shape[3]).float())
+            self.center = torch.stack(rows).to(torch.float16)  # any c is exact: the smallest dtype that holds a key
+        return rotate(k - self.center.unsqueeze(2).to(k.dtype))
 
     def leave(self, k: torch.Tensor) -> torch.Tensor:
         """The inverse of ``enter``: stored keys back in the model's basis, k' H + c."""
-        return k @ hadamard(k.shape[-1], k.dtype, k.device) + self.center.unsqueeze(2).to(k.dtype)
+        return rotate(k) + self.center.unsqueeze(2).to(k.dtype)
 
     @staticmethod
     def query(q: torch.Tensor) -> torch.Tensor:
         """Queries (b, hq, m, d) in the stored keys' basis: q H (the centre needs nothing: see above)."""
-        return q @ hadamard(q.shape[-1], q.dtype, q.device)
+        return rotate(q)
 
     def map_batch(self, fn) -> None:
         if self.center is not None:
