@@ -11,7 +11,7 @@ from transformers import DynamicCache
 
 from .cache import layer_windows, make_cache
 from .input_checks import max_positions, no_new_tokens, warn_past_positions
-from .memory import PROMPT_POLICY, pick_policy
+from .memory import PROMPT_POLICY, parse_memory, pick_policy
 from .policies import policy_class
 from .prefill import check_mode, fill_from, prefill
 from .stock import STOCK_BYTES
@@ -82,8 +82,6 @@ def question_tokens(tokenizer, prompt) -> int:
 
 def _share(memory):
     """A memory budget as a share of a 16-bit stock cache (None for bytes or no budget)."""
-    from .memory import parse_memory
-
     value = None if memory is None else parse_memory(memory)
     return value if isinstance(value, float) else None
 
@@ -142,9 +140,10 @@ def generate(model, tokenizer, prompt, policy=None, budget=0.2, max_new_tokens=6
     Switches the model's attention implementation: not for concurrent use on a shared model
     (the server runs every model call on one worker thread)."""
     check_mode(prefill_mode, stride)
+    share = _share(memory)
     if policy is None:
         policy = pick_policy(prompt_known=prefill_mode == "full", memory=memory is not None, model=model,
-                             share=_share(memory))
+                             share=share)
     label = policy if isinstance(policy, str) else getattr(policy, "name", policy)
     policy, asked = split_question(policy)
     if asked or question is True:
@@ -152,7 +151,7 @@ def generate(model, tokenizer, prompt, policy=None, budget=0.2, max_new_tokens=6
             raise ValueError("question=True needs the prompt as text or messages; with token ids pass question=N.")
         question = question_tokens(tokenizer, prompt)
     elif (question is None and memory is not None and not isinstance(prompt, torch.Tensor)
-          and _observes(policy, model, _share(memory))):
+          and _observes(policy, model, share)):
         question = _question_or_none(tokenizer, prompt)  # the default observes the question where it can tell it
     ids = encode_chat(tokenizer, prompt) if not isinstance(prompt, torch.Tensor) else prompt
     if ids.shape[-1] == 0:
