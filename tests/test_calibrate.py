@@ -7,7 +7,7 @@ from conftest import tiny_model
 from eval_helpers import tiny_tokenizer
 
 import kvevict
-from kvevict.calibrate import calibrate, candidates, default_path, load, save, signature
+from kvevict.eval.calibrate import calibrate, candidates, default_path, load, save, signature
 from kvevict.cli import main
 from kvevict.memory import head_from, plan
 

@@ -21,7 +21,7 @@ import torch
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install 'kvevict[triton]')")
 
 from kvevict.kernels.triton_decode import _factored, decode_attention_triton, interpreting, register  # noqa: E402
-from kvevict.store import dequantize, quantize  # noqa: E402
+from kvevict.storage.codes import dequantize, quantize  # noqa: E402
 
 try:
     from kvevict.kernels.runs import Run
@@ -322,7 +322,7 @@ ptrs = dict(q_ptr=bf, kc_ptr="*u8", vc_ptr="*u8", kz_ptr="*u8", ks_ptr="*u8", vz
             mask_ptr="*u8", score_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", tab_ptr="*i64")
 common = dict(HKV=8, G=4, D=128, DV=128, BITS=4, GROUP=32, BLOCK_N=64, HAS_MASK=True, SOFTCAP=True,
               CDT=tl.bfloat16, EMU=False)
-for paged in (False, True):  # storage in rectangles, and in pages read through a table (kvevict.pages)
+for paged in (False, True):  # storage in rectangles, and in pages read through a table (kvevict.storage.paged)
     k = build(tk._split_kernel, dict(common, GP=16, D_P=128, DV_P=128, GROUPED_K=True, GROUPED_V=True,
               PAGED=paged, PAGE=32, PREFETCH=paged, LOWP=paged), ptrs)
     assert "mma" in k.asm["ptx"], "the scores should run on tensor cores"
@@ -415,7 +415,7 @@ def test_the_cache_on_a_gpu_generates_as_the_torch_reference(monkeypatch, kv_bit
     from conftest import tiny_model
 
     from kvevict import ATTN_NAME, make_cache, register as register_attention
-    from kvevict.pages import Pools
+    from kvevict.storage import Pools
 
     model = tiny_model("llama-mha").to("cuda")
     register_attention()

@@ -13,7 +13,7 @@ from conftest import tiny_model
 from kvevict import kernels
 from kvevict.kernels import BACKENDS, Run, decode_attention, decode_attention_reference
 from kvevict.kernels import cpu as cpu_kernel
-from kvevict.store import quantize
+from kvevict.storage.codes import quantize
 
 # float32 throughout: the kernel dequantizes with one fma where the reference rounds twice, and
 # sums in another order; 1e-5 is ~100 ulps of an output of size ~1

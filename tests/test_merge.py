@@ -150,7 +150,7 @@ def test_the_fused_decode_reads_the_mean_slot_as_attend_does(backend, bits, g, s
     """The kernels' summary (one more slot before the new key, its log n a bias) against attend's
     column over the same keys dequantized, with a mask and a head that evicted nothing."""
     from kvevict.kernels import BACKENDS, Run
-    from kvevict.store import dequantize, quantize
+    from kvevict.storage.codes import dequantize, quantize
 
     if backend == "cpu" and not BACKENDS["cpu"].available()[0]:
         pytest.skip("the compiled CPU kernel cannot be built here")

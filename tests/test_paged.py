@@ -1,6 +1,6 @@
 """Paged storage: a cache allocates whole pages as its sequences grow, never past the budget, so it
 never holds more than the stock cache would for the same tokens plus one page per (layer, KV head)
-and its bookkeeping. The bounds below are exact by design (kvevict.tier.pages)."""
+and its bookkeeping. The bounds below are exact by design (kvevict.storage.page_slots)."""
 
 import pytest
 import torch
@@ -9,7 +9,7 @@ from transformers import DynamicCache
 
 import kvevict
 from kvevict.storage import Storage
-from kvevict.tier import PAGE, pages
+from kvevict.storage import PAGE, page_slots
 
 H, D = 2, 8  # llama-gqa: 2 KV heads of 8 dims, 3 layers
 
@@ -19,23 +19,23 @@ def _stock_bytes(cache: DynamicCache) -> int:
 
 
 def _expected(cache, tokens: int, batch: int, kv_bits, stats_bytes: int, paged: bool = False) -> int:
-    """Per layer pages(tokens, budget) slots of (key + value + position + statistics),
-    plus each row's count of real tokens (int64) and, rotated, its key centre. Paged (``kvevict.pages``): each row's own pages
+    """Per layer page_slots(tokens, budget) slots of (key + value + position + statistics),
+    plus each row's count of real tokens (int64) and, rotated, its key centre. Paged (``kvevict.storage.paged``): each row's own pages
     of each of the three per-slot tensors (K/V, position, statistic), whole pages of min(tokens,
     budget) slots, and a page table (int64) per tensor and row."""
     storage = Storage(kv_bits=kv_bits, group=8)
     slot, row = storage.slot_bytes(D, D, 4, stats_bytes), storage.row_bytes(H, D) + 8  # key centre, count
     if paged:
         return sum(batch * H * -(-min(tokens, layer.budget) // PAGE) * PAGE * slot + row * batch
-                   + 3 * batch * -(-pages(tokens, layer.budget) // PAGE) * 8 for layer in cache.layers)
-    return sum(batch * H * pages(tokens, layer.budget) * slot + row * batch for layer in cache.layers)
+                   + 3 * batch * -(-page_slots(tokens, layer.budget) // PAGE) * 8 for layer in cache.layers)
+    return sum(batch * H * page_slots(tokens, layer.budget) * slot + row * batch for layer in cache.layers)
 
 
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("budget", [1024, 40, 0.5])
 @pytest.mark.parametrize("kv_bits", [None, 4])
 def test_bytes_are_exact_at_every_length_and_within_a_page_of_the_stock_cache(budget, kv_bits, paged):
-    from kvevict.pages import Pools
+    from kvevict.storage import Pools
 
     model = tiny_model("llama-gqa")
     for prompt in (5, 33, 70):
@@ -90,7 +90,7 @@ def test_mixed_precision_tiers_grow_in_pages_too():
     with torch.no_grad():
         model(torch.randint(0, 128, (1, 50)), cache=cache, use_cache=True)
     hi, lo = cache.layers[0].tiers
-    assert (hi.capacity, lo.capacity) == (16, pages(50 - 16, 1000)) == (16, PAGE * 2)
+    assert (hi.capacity, lo.capacity) == (16, page_slots(50 - 16, 1000)) == (16, PAGE * 2)
 
 
 def _left_padded(prompts):
@@ -115,7 +115,7 @@ def test_padding_takes_no_slot_a_short_row_holds_its_own_tokens(kv_bits):
     with torch.no_grad():
         out = model(ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
         tiers = [layer.tiers[0] for layer in cache.layers]
-        assert all(t.fills == [10, 40] and t.capacity == pages(40, 512) for t in tiers)
+        assert all(t.fills == [10, 40] and t.capacity == page_slots(40, 512) for t in tiers)
         for t in tiers:
             assert torch.equal(t.pos[0, :, :10], torch.arange(10).expand(H, 10))
             assert (t.pos[0, :, 10:] == -1).all() and torch.equal(t.pos[1, :, :40], torch.arange(40).expand(H, 40))

@@ -1,4 +1,4 @@
-"""Per-row pages (kvevict.pages): rows of a shared batch hold only their own pages of one pool,
+"""Per-row pages (kvevict.storage.paged): rows of a shared batch hold only their own pages of one pool,
 read in place by the fused kernels; every answer equals the rectangle storage's, pages come and go
 with the rows, and admission counts exactly what the cache holds."""
 
@@ -11,10 +11,10 @@ import kvevict
 from conftest import decode_joining, tiny_model
 from kvevict.attention import ATTN_NAME, register
 from kvevict.kernels import BACKENDS, Run, decode_attention, decode_attention_reference
-from kvevict.pages import Pools
+from kvevict.storage import Pools
 from kvevict.serve.batch import DecodeBatch
-from kvevict.store import quantize
-from kvevict.tier import PAGE, pages
+from kvevict.storage.codes import quantize
+from kvevict.storage import PAGE, page_slots
 
 
 def _model(arch="llama-gqa"):
@@ -78,7 +78,7 @@ def test_a_short_row_beside_a_long_one_holds_its_own_pages():
         # keys and values, and each bookkeeping tensor (position, H2O's statistic): pages of their own
         holders = [t.store, *t.bookkeeping.values()]
         assert len(holders) == 3
-        assert all(x.own == [pages(200, 256) // PAGE, 1] for x in holders)  # 7 pages and 1, not 7 and 7
+        assert all(x.own == [page_slots(200, 256) // PAGE, 1] for x in holders)  # 7 pages and 1, not 7 and 7
         assert t.nbytes() == sum(8 * x.pool.page_bytes() + x.table.nbytes for x in holders)
         kv_page = t.store.pool.page_bytes()
     assert pool.pages_in_use() == 8 * 3 * layers
@@ -202,7 +202,7 @@ def test_a_paged_run_reads_as_its_rectangle(bits, group):
 def test_pages_must_be_a_pool_set():
     import kvevict
 
-    with pytest.raises(ValueError, match="kvevict.pages.Pools"):
+    with pytest.raises(ValueError, match="kvevict.storage.Pools"):
         kvevict.make_cache(_model(), "h2o", 8, pages="yes")
 
 

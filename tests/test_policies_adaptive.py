@@ -10,7 +10,7 @@ import kvevict
 from conftest import tiny_model
 from kvevict.policies import Candidates, make_policy
 from kvevict.storage import stat_bytes
-from kvevict.store import slot_bytes
+from kvevict.storage.codes import slot_bytes
 from tiny_chat_model import char_tokenizer
 
 

@@ -8,7 +8,7 @@ from transformers import DynamicCache
 import kvevict
 from conftest import tiny_model
 from kvevict.attention import _Segments, attend
-from kvevict.store import Piece
+from kvevict.storage import Piece
 from kvevict.policies import Candidates, make_policy
 from kvevict.policies.kvzip import KVzip
 

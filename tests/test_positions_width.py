@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvevict
 from kvevict.attention import ATTN_NAME, register
-from kvevict.pages import Pools
+from kvevict.storage import Pools
 from kvevict.serve.batch import DecodeBatch
 from kvevict.tier import POS16_MAX
 

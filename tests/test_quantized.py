@@ -7,7 +7,7 @@ from transformers import DynamicCache
 import kvevict
 from conftest import tiny_model
 from kvevict.storage import Storage
-from kvevict.store import dequantize, quantize, step_byte, step_value
+from kvevict.storage.codes import dequantize, quantize, step_byte, step_value
 
 
 def _logits(model, ids, cache, mask=None):

@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 import kvevict
-from kvevict.tier import PAGE
+from kvevict.storage import PAGE
 from kvevict.data.essays import haystack
 from kvevict.generate import dynamic_kv_bytes
 

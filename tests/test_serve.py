@@ -15,7 +15,7 @@ pytest.importorskip("uvicorn")
 
 import kvevict  # noqa: E402
 from kvevict.storage import stat_bytes  # noqa: E402
-from kvevict.tier import pages  # noqa: E402
+from kvevict.storage import page_slots  # noqa: E402
 from kvevict.generate import generate  # noqa: E402
 from kvevict.serve.server import ServerThread, build  # noqa: E402
 from tiny_chat_model import save_tiny_chat_model  # noqa: E402
@@ -246,13 +246,13 @@ def test_64_concurrent_requests_batched_none_lost_each_as_alone_memory_bounded(s
     for (text, policy, budget, _), (answer, usage) in zip(asks, got):
         if isinstance(budget, float):  # a fraction of the prompt, never below the server's floor
             floor = engine.settings.min_budget
-            assert usage.kv_budget_tokens == max(floor, kvevict.cache.resolve_budget(budget, usage.prompt_tokens))
+            assert usage.kv_budget_tokens == max(floor, kvevict.budget.resolve_budget(budget, usage.prompt_tokens))
         want = generate(model, tok, chat(text), policy, usage.kv_budget_tokens, max_new_tokens=12)
         assert answer.strip() == want.text, (text, policy, budget)
         assert usage.completion_tokens == want.new_tokens and usage.prompt_tokens == want.prompt_tokens
         if budget is not None:  # the memory bound: the budget, not the context
             fed = usage.prompt_tokens + usage.completion_tokens - 1  # the last token is never fed
-            assert usage.kv_bytes == held_bytes(model, pages(fed, usage.kv_budget_tokens), policy)
+            assert usage.kv_bytes == held_bytes(model, page_slots(fed, usage.kv_budget_tokens), policy)
     assert len({a for a, _ in got}) > 8  # different prompts, different answers: nothing mixed up
     events = list(engine.log)[log0:]
     assert sum(e["event"] == "finish" for e in events) == 64
@@ -371,7 +371,7 @@ def test_budget_round_lets_prompts_of_different_lengths_share_a_batch(folder, re
         for t in threads:
             t.join(60)
     budgets = [r.usage.kv_budget_tokens for r in results]
-    exact = [kvevict.cache.resolve_budget(0.3, r.usage.prompt_tokens) for r in results]
+    exact = [kvevict.budget.resolve_budget(0.3, r.usage.prompt_tokens) for r in results]
     assert exact[0] != exact[1] and budgets[0] == budgets[1] == -(-max(exact) // 16) * 16
     assert max(e["size"] for e in engine.log if e["event"] == "join") == 2  # one batch, one cache
     for text, r in zip(texts, results):  # each as alone with the rounded token budget

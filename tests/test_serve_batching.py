@@ -18,7 +18,7 @@ from kvevict.generate import generate  # noqa: E402
 from kvevict.serve.detokenize import TextStream  # noqa: E402
 from kvevict.serve.sampling import next_token, pick_tokens  # noqa: E402
 from kvevict.serve.server import ServerThread, build  # noqa: E402
-from kvevict.tier import PAGE  # noqa: E402
+from kvevict.storage import PAGE  # noqa: E402
 from test_serve import (DEFAULTS, MODEL, _wait, chat, folder, held_bytes, metric, reference,  # noqa: E402,F401
                         token_bytes)
 from tiny_chat_model import char_tokenizer  # noqa: E402
@@ -63,7 +63,7 @@ def test_a_request_arriving_mid_decode_joins_before_the_running_one_ends(folder,
 
 def test_admission_queues_when_memory_is_full_and_never_exceeds_it(folder, reference):
     model, tok = reference
-    # room for two sequences at a budget of 8 tokens: a page of 32 slots each (kvevict.pages)
+    # room for two sequences at a budget of 8 tokens: a page of 32 slots each (kvevict.storage.paged)
     app, engine = build(folder, {**DEFAULTS, "max_batch": 8, "kv_memory": int(2.5 * PAGE * token_bytes(model))})
     texts = [f"Request number {i}, tell me something." for i in range(6)]
     with ServerThread(app) as srv:
@@ -266,7 +266,7 @@ def test_64_clients_mixing_short_chats_and_long_prompts_short_ones_hold_their_ow
     """Per-row pages in the server: every request completes, the K/V held and the page pools never
     pass kv_memory, a short chat holds only its own pages, and short chats decode in one forward
     beside the long prompts (no batch of their own)."""
-    from kvevict.tier import pages
+    from kvevict.storage import page_slots
 
     model, _ = reference
     per_slot = held_bytes(model, 1, "h2o") - held_bytes(model, 0, "h2o")
@@ -287,7 +287,7 @@ def test_64_clients_mixing_short_chats_and_long_prompts_short_ones_hold_their_ow
     long_ids, short_ids = set(), set()
     for text, r in zip(asks, got):
         fed = r.usage.prompt_tokens + r.usage.completion_tokens - 1
-        assert r.usage.kv_bytes == held_bytes(model, pages(fed, 256), "h2o")
+        assert r.usage.kv_bytes == held_bytes(model, page_slots(fed, 256), "h2o")
         (long_ids if len(text) > 100 else short_ids).add(r.id.removeprefix("chatcmpl-"))
     joins = [e for e in engine.log if e["event"] == "join"]
     assert any(set(e["ids"]) & long_ids and len(set(e["ids"]) & short_ids) > 3 for e in joins)

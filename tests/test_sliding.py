@@ -6,7 +6,7 @@ import torch
 from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM
 
 import kvevict
-from kvevict.cache import layer_windows
+from kvevict.shape import layer_windows
 
 W = 8
 

@@ -6,7 +6,8 @@
 """
 
 from .attention import ATTN_NAME, register
-from .cache import EvictingCache, EvictingLayer, make_cache
+from .cache import EvictingCache, make_cache
+from .layer import EvictingLayer
 from .prefill import prefill
 from .models import load_model
 from .policies import POLICIES, Policy, make_policy

@@ -30,16 +30,13 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from .stats import FUSED_CANNOT, NOT_FROM_PG
 from .input_checks import check_mask_length, check_positions_follow
 from .kernels import decode_attention, resolve_backend
-from .store import Piece
+from .storage.interface import Piece
 
 ATTN_NAME = "kvevict"
 
-# statistics a fused decode kernel's pg cannot give (they need each head's probabilities or the keys)
-_FUSED_CANNOT = {"max", "expected", "blocks"}
-# statistics the fused path fills without pg (key norms): a layer wanting only these asks for out only
-_NOT_FROM_PG = {"knorm"}
 
 
 def fused_backend(query) -> str:
@@ -107,7 +104,7 @@ class _Segments:
     """Keys split into a past part (stored slots, any order) and the new tokens (in order). The
     past comes as pieces read one at a time (a packed store dequantizes one chunk at a time)."""
 
-    pieces: list  # of kvevict.store.Piece: consecutive runs of past slots
+    pieces: list  # of kvevict.storage.Piece: consecutive runs of past slots
     pos_past: torch.Tensor | None  # (b|1, hkv|1, n_past) positions, for sliding windows
     valid_past: torch.Tensor | None  # (b, hkv|1, n_past) bool, None = all valid
     k_new: torch.Tensor  # (b, hkv, q, d), the queries' own keys
@@ -186,7 +183,7 @@ def attend(query, seg: _Segments, scale, window, softcap, wanted=(), observe=0, 
     b, hq, q, d = query.shape
     hkv = seg.k_new.shape[1]
     g = hq // hkv
-    if q == 1 and seg.runs is not None and not _FUSED_CANNOT & set(wanted) and fused_backend(query) != "torch":
+    if q == 1 and seg.runs is not None and not FUSED_CANNOT & set(wanted) and fused_backend(query) != "torch":
         return _attend_fused(query, seg, scale, window, softcap, wanted, observe, gamma)
     n_past = sum(p.n for p in seg.pieces)
     n_all = n_past + q
@@ -277,7 +274,7 @@ def _attend_fused(query, seg: _Segments, scale, window, softcap, wanted, observe
         mask = (~hide_past).reshape(hide_past.shape[0], hide_past.shape[1], n_past).expand(b, -1, -1)
     # a policy that collects nothing from probabilities (kvzip, recency, knorm) needs no pg: out only, as SDPA computes
     out, pg = decode_attention(query, seg.runs, seg.k_new, seg.v_new, mask, scale, softcap, summary=seg.summary,
-                               pg=bool(set(wanted) - _NOT_FROM_PG))
+                               pg=bool(set(wanted) - NOT_FROM_PG))
     if seg.valid_new is not None:  # a padding query counts for nothing (attend: its probabilities are 0)
         real = seg.valid_new[:, -1].view(b, 1, 1)
         out = out * real.view(b, 1, 1, 1)

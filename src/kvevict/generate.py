@@ -9,7 +9,8 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import DynamicCache
 
-from .cache import layer_windows, make_cache
+from .cache import make_cache
+from .shape import layer_windows
 from .input_checks import max_positions, no_new_tokens, warn_past_positions
 from .memory import PROMPT_POLICY, parse_memory, pick_policy
 from .policies import policy_class

@@ -68,6 +68,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from . import plans
+from .shape import head_dim_of, text_config
 from .stock import STOCK_BYTES, kept_tokens, sliding_windows
 from .storage import DEFAULT_GROUP, Storage, stat_bytes
 
@@ -160,7 +162,7 @@ ONE_SHOT_OF = {("qwen2", 28, 12, 2, 1536, 151936): ("ada-snapkv", 0.2)}
 
 def model_key(model) -> tuple | None:
     """What ``ONE_SHOT_OF`` knows a model by: its architecture and shapes (not its path or dtype)."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = text_config(model)
     return tuple(getattr(config, k, None) for k in ("model_type", "num_hidden_layers", "num_attention_heads",
                                                     "num_key_value_heads", "hidden_size", "vocab_size"))
 
@@ -346,13 +348,11 @@ def plan_for_model(model, memory, policy, group: int = DEFAULT_GROUP, floor: int
                    plan_file=None, kind: str | None = None) -> Plan:
     """``plan`` with the model's shape: head dimension, dtype, layers x KV heads, sliding windows,
     the policy's statistics. ``plan_file``: a plan ``kvevict calibrate`` wrote (a path), None for
-    the model's own calibrated plan when it has one (``kvevict.calibrate.default_path``), False for
+    the model's own calibrated plan when it has one (``kvevict.plans.default_path``), False for
     the built-in rule. A plan applies to fractional budgets and to the policy it was calibrated with.
     ``kind``: the storage the caller named (``storage_kind``), over any plan."""
-    from .cache import _head_dim
-
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    d = _head_dim(model)
+    config = text_config(model)
+    d = head_dim_of(model)
     if d is None:
         raise ValueError(f"cannot find the head dimension of {type(model).__name__} to plan a memory budget.")
     layers_heads = config.num_hidden_layers * (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
@@ -365,14 +365,12 @@ def plan_for_model(model, memory, policy, group: int = DEFAULT_GROUP, floor: int
 
 def _calibrated_kind(model, memory, policy, plan_file) -> str | None:
     """The kind of storage a calibrated plan gives this budget and policy; None: the built-in rule."""
-    from . import calibrate
-
     if plan_file is False or not isinstance(parse_memory(memory), float):
         return None
-    path = calibrate.default_path(model) if plan_file is None else plan_file
+    path = plans.default_path(model) if plan_file is None else plan_file
     if plan_file is None and not path.exists():
         return None
-    data = calibrate.load(path, model)
+    data = plans.load(path, model)
     if data["policy"] != policy.name or getattr(policy, "needs_prompt", False):
         return None
-    return calibrate.nearest(data, parse_memory(memory))["storage"]
+    return plans.nearest(data, parse_memory(memory))["storage"]

@@ -11,7 +11,7 @@ different lengths each row stores its own tokens only (``_append``). ``capacity`
 ``budget`` the most it may grow to. Rows that leave a shared batch give their pages back
 (``fit``). Growth copies the tier once per page (amortised: a 2K-token tier copies 2K slots every
 ``PAGE`` steps, against 2K slots read by attention every step).
-With ``pages`` (a ``kvevict.pages.Pools``, the server's) every per-slot tensor is each row's own
+With ``pools`` (a ``kvevict.storage.Pools``, the server's) every per-slot tensor is each row's own
 pages of a shared pool instead of one rectangle: the keys and values (``PagedStore``) and the
 bookkeeping, positions, head ids and statistics (``PagedField`` each), so a short row beside a
 long one holds its own pages only. The policy still ranks a (b, h, capacity) rectangle of the
@@ -32,8 +32,9 @@ import torch
 
 from .policies import Candidates, Policy
 from .rows import rows_of
-from .storage import FP16_MAX, stat_dtype
-from .store import expand_index, make_store, scatter, trailing
+from .stats import FP16_MAX, STATS, stat_dtype
+from .storage.paged import PagedField, PagedStore, page_slots
+from .storage.rect import RectField, expand_index, make_store, trailing
 
 # per-candidate metadata besides the key/value pair: position (-1: not a token), one entry per statistic
 _META = ("pos",)
@@ -41,18 +42,9 @@ _META = ("pos",)
 # 2 bytes a slot, a sixth of the bookkeeping of an int4 slot at head_dim 64
 POS16_MAX = torch.iinfo(torch.int16).max
 
-# slots allocated at a time per (sequence, KV head); see docs/performance.md ("Paged storage")
-PAGE = 32
-
-
-def pages(n: int, budget: int) -> int:
-    """Slots to allocate for ``n`` tokens: whole pages, never past the budget."""
-    return min(budget, -(-n // PAGE) * PAGE)
-
-
 class Tier:
     def __init__(self, budget: int, b, h, dk, dv, dtype, device, stats: tuple, bits=None, group: int = 32,
-                 heads: int = 1, pages=None):
+                 heads: int = 1, pools=None):
         self.budget, self.filled, self.heads = budget, 0, heads
         self.capacity = 0  # slots allocated: pages, grown on demand up to ``budget``
         # slots each row has used: a row writes its next tokens at its own fill, so rows that joined
@@ -65,15 +57,13 @@ class Tier:
         # row's own, slots past it unavailable (never written, never ranked); None: every row has budget
         self.caps: torch.Tensor | None = None
         self._cols: dict = {}  # (cap, budget, candidates) -> the columns a cap group ranks
-        self.pages, self.h, self.device = pages, h, device
-        if pages is None:  # one rectangle: every row as wide as the widest
+        self.pools, self.h, self.device = pools, h, device
+        if pools is None:  # one rectangle: every row as wide as the widest
             self.store = make_store(b, h, 0, dk, dv, dtype, device, bits, group)
-        else:  # each row its own pages of a shared pool (kvevict.pages)
-            from .pages import PagedStore
-
-            self.store = PagedStore(pages, b, h, dk, dv, torch.float16 if bits == 16 else dtype, dtype, device, bits,
+        else:  # each row its own pages of a shared pool (kvevict.storage.paged)
+            self.store = PagedStore(pools, b, h, dk, dv, torch.float16 if bits == 16 else dtype, dtype, device, bits,
                                     group)
-        # per-slot bookkeeping, by name: a (b, h, capacity) tensor, or a PagedField on ``pages``
+        # per-slot bookkeeping, by name: a (b, h, capacity) tensor, or a PagedField on ``pools``
         self._meta = {"pos": self._field(b, torch.int16, -1)}
         if heads > 1:  # shared by the heads: whose each slot is
             self._meta["head"] = self._field(b, torch.uint8, 0)
@@ -83,11 +73,9 @@ class Tier:
 
     def _field(self, b, dtype, empty):
         """A new per-slot tensor of ``b`` rows, every slot ``empty``, as many slots as the tier's."""
-        if self.pages is None:
+        if self.pools is None:
             return RectField(torch.full((b, self.h, self.capacity), empty, dtype=dtype, device=self.device), empty)
-        from .pages import PagedField
-
-        f = PagedField(self.pages, b, self.h, dtype, empty, self.device)
+        f = PagedField(self.pools, b, self.h, dtype, empty, self.device)
         f.resize(self.capacity)
         f.ensure(self.fills)
         return f
@@ -136,12 +124,12 @@ class Tier:
     def widen_positions(self, last: int) -> None:
         """Make room for positions up to ``last`` (int16 -> int32 once a sequence passes 32,767)."""
         if last > POS16_MAX and self.pos_dtype == torch.int16:
-            self._meta["pos"] = self._meta["pos"].astype(self.pages, torch.int32)
+            self._meta["pos"] = self._meta["pos"].astype(self.pools, torch.int32)
 
     def narrow_positions(self, last: int) -> None:
         """Back to int16 once every position held is at most ``last`` <= 32,767 (the rows past it left)."""
         if last <= POS16_MAX and self.pos_dtype != torch.int16:
-            self._meta["pos"] = self._meta["pos"].astype(self.pages, torch.int16)
+            self._meta["pos"] = self._meta["pos"].astype(self.pools, torch.int16)
 
     def meta(self, name: str) -> torch.Tensor:
         return self._meta[name].rect(self.capacity)
@@ -167,9 +155,10 @@ class Tier:
         for name in self._stats:
             st = self.meta(name)
             got = stats[name][..., offset: offset + f]
-            if name == "last":
+            fold = STATS[name].fold
+            if fold == "set":
                 st[..., :f] = got
-            elif name == "hits_ema":  # older hits fade: a history window of about 1 / (1 - gamma) steps
+            elif fold == "decay":  # older values fade: a history of about 1 / (1 - gamma) steps
                 st[..., :f].mul_(decay ** m).add_(got)
             else:
                 st[..., :f] += got
@@ -233,7 +222,7 @@ class Tier:
         if bool(real.all()):
             return None, every
         counts = real.sum(-1).tolist()
-        width = max(self.capacity, pages(max(min(c, f + a) for f, c, a in zip(self.fills, caps, counts)), self.budget))
+        width = max(self.capacity, page_slots(max(min(c, f + a) for f, c, a in zip(self.fills, caps, counts)), self.budget))
         if any(f + a > c or f + m > width for f, c, a in zip(self.fills, caps, counts)):
             return None, every
         return real, counts
@@ -361,7 +350,7 @@ class Tier:
 
     def reserve(self, n: int) -> None:
         """Allocate the pages ``n`` tokens need (never past the budget); the new slots are empty."""
-        self.grow_to(pages(n, self.budget))
+        self.grow_to(page_slots(n, self.budget))
 
     def grow_to(self, n: int) -> None:
         if n > self.capacity:
@@ -386,7 +375,7 @@ class Tier:
         once every row has the full width."""
         self._set_fills(self.fill.tolist())  # one host read per batch change, none per step
         self._caps_host = None
-        keep = pages(self.filled, self.budget)
+        keep = page_slots(self.filled, self.budget)
         if keep < self.capacity:  # rows that left held the last pages
             self._resize(keep)
         if self.caps is None:
@@ -423,49 +412,3 @@ class Tier:
     def nbytes(self) -> int:
         """Every byte this tier holds: keys and values (codes, steps, zeros), positions, statistics."""
         return self.store.nbytes() + sum(f.nbytes() for f in self._meta.values())
-
-
-class RectField:
-    """A per-slot bookkeeping tensor as one (b, h, capacity) rectangle, with ``PagedField``'s
-    interface (kvevict.pages) so that a tier treats both alike; its rectangle is the storage."""
-
-    def __init__(self, t: torch.Tensor, empty):
-        self.t, self.empty = t, empty
-
-    @property
-    def dtype(self):
-        return self.t.dtype
-
-    def rect(self, n: int) -> torch.Tensor:
-        return self.t
-
-    def write(self, idx, src, take=None) -> None:
-        scatter(self.t, idx, src.to(self.t.dtype), take)
-
-    def map_batch(self, fn) -> None:
-        self.t = fn(self.t)
-
-    def resize(self, n: int, fn=None) -> None:
-        """``fn``: the tier's cut-or-pad; new slots are ``empty``."""
-        old = self.t.shape[-1]
-        self.t = fn(self.t) if fn is not None else self.t[..., :n].clone()
-        if n > old:
-            self.t[..., old:] = self.empty
-
-    def astype(self, pools, dtype) -> "RectField":
-        return RectField(self.t.to(dtype), self.empty)
-
-    def nbytes(self) -> int:
-        return self.t.nbytes
-
-    def ensure(self, fills) -> None:
-        """Slots are allocated with the rectangle (``resize``)."""
-
-    def sync(self) -> None:
-        """The rectangle is the storage: nothing to write back."""
-
-    def drop_view(self) -> None:
-        pass
-
-    def disown(self) -> None:
-        pass

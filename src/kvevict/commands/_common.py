@@ -84,7 +84,7 @@ def policy_params(args) -> dict:
 
 def check_policy_args(args) -> None:
     """Fail on a bad policy, budget or prefill before the model takes seconds to load."""
-    from ..cache import check_budget
+    from ..budget import check_budget
     from ..generate import split_question
     from ..policies import POLICIES, policy_class
     from ..prefill import check_mode

@@ -23,7 +23,7 @@ def add_arguments(p):
 
 
 def run(args):
-    from ..calibrate import calibrate, default_path, save
+    from ..eval.calibrate import calibrate, default_path, save
     from ..memory import parse_memory
 
     memories = []

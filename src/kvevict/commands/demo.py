@@ -21,7 +21,7 @@ def add_arguments(p):
 def run(args):
     from ..data.essays import haystack
     from ..data.passkey import for_tokenizer, passkey_prompt
-    from ..cache import _head_dim
+    from ..shape import head_dim_of
     from ..generate import generate
     from ..policies import POLICIES
     from ..storage import Storage, stat_bytes
@@ -35,7 +35,7 @@ def run(args):
     model, tok = load_model_args(args)
     task = passkey_prompt(haystack(tok, args.tokens), args.depth, seed=args.tokens)
     # plain H2O at the same bytes: tokens in the model's dtype, each slot with its bookkeeping
-    d = _head_dim(model)
+    d = head_dim_of(model)
     share = memory * 2 * d * STOCK_BYTES / Storage().slot_bytes(d, d, model.dtype.itemsize,
                                                                 stat_bytes(POLICIES["h2o"].stats))
     runs = [("full cache (stock)", dict(policy="full")),

@@ -40,7 +40,7 @@ def parse_args(args):
     budgets = [parse_budget(b) for b in args.budgets.split(",") if b.strip()]
     if not budgets:
         raise ValueError("give at least one budget, e.g. --budgets 0.1,0.2,0.4.")
-    from ..cache import check_budget
+    from ..budget import check_budget
     for b in budgets:
         check_budget(b)
     tasks = task_names(args.tasks)

@@ -23,7 +23,7 @@ def add_arguments(p):
 def run(args):
     import kvevict
 
-    from ..cache import check_budget
+    from ..budget import check_budget
     from ..policies import make_policy
 
     path = Path(args.text)

@@ -57,7 +57,7 @@ def settings_from_args(args) -> dict:
     policy = args.policy.lower()
     if policy not in POLICIES and policy not in ("full", "none"):
         raise ValueError(f"unknown --policy {args.policy!r}; known: full, {', '.join(sorted(POLICIES))}.")
-    from ..cache import check_budget
+    from ..budget import check_budget
 
     if budget is not None:
         check_budget(budget)
@@ -95,7 +95,7 @@ def hosting_from_args(args) -> dict:
 
 def parse_kv_bits(text: str) -> int | None:
     """'8' -> 8, 'none' -> None (the model's dtype); anything else a ValueError that lists the choices."""
-    from ..store import check_bits
+    from ..storage import check_bits
 
     if text.strip().lower() in ("none", "fp", "dtype"):
         return None

@@ -33,7 +33,7 @@ def _items(args):
         raise ValueError("--policies, --budgets, --tokens and --depths each need at least one value.")
     if any(not 0 <= d <= 1 for d in depths):
         raise ValueError(f"--depths must be in [0, 1], got {depths}.")
-    from ..cache import check_budget
+    from ..budget import check_budget
     from ..policies import POLICIES
 
     for b in budgets:  # before any worker loads the model

@@ -15,11 +15,11 @@ class Run:
     bits: 8, 4, 2 (packed codes), 16 (float16 dense) or 32 (the model's dtype, dense).
     group: channels per step / zero-point group (packed only).
     k, v: packed: (codes (b, h, n, d*bits/8), zeros (b, h, n, d/group), steps (same)), all uint8,
-          x_hat = step * (code - zero / 2^(8 - bits)) per group (``kvevict.store.quantize``); dense: (keys (b, h, n, d),).
+          x_hat = step * (code - zero / 2^(8 - bits)) per group (``kvevict.storage.codes.quantize``); dense: (keys (b, h, n, d),).
     h is the number of KV heads, or 1 for an Ada-KV pooled tier (one pool shared by the heads; the
     attention mask then says which head sees which slot). Tensors may be slices [:, :, :n] of larger
     storage: kernels take their strides, they do not copy.
-    table: None, or paged storage (``kvevict.pages``): every tensor is a pool (pages, h, page, width)
+    table: None, or paged storage (``kvevict.storage.paged``): every tensor is a pool (pages, h, page, width)
     and row b's slot i lives at (table[b, i // page], i % page).
     """
 

@@ -3,7 +3,7 @@ through ``triton_decode``, which checks that triton is there first).
 
 Split-K decode attention (FlashDecoding, Dao et al. 2023): keys are cut into splits; one program
 per (sequence, KV head, split) streams its keys in tiles of BLOCK_N, dequantizes them in registers
-(x_hat = step * (code - zero / 2^(8 - bits)), ``kvevict.store.quantize``), and keeps for each query head h of the
+(x_hat = step * (code - zero / 2^(8 - bits)), ``kvevict.storage.codes.quantize``), and keeps for each query head h of the
 KV group an online softmax (Milakov & Gimelshein 2018):
 
     m_h = max_i s_hi,   l_h = sum_i exp(s_hi - m_h),   acc_h = sum_i exp(s_hi - m_h) v_i
@@ -57,7 +57,7 @@ def _operand(x, CDT: tl.constexpr, EMU: tl.constexpr):
 
 @triton.jit
 def _step(u):
-    """Step bytes -> fp32 steps (``kvevict.store.step_value``; 16 is ``kvevict.store.STEP_BIAS``)."""
+    """Step bytes -> fp32 steps (``kvevict.storage.codes.step_value``; 16 is ``kvevict.storage.codes.STEP_BIAS``)."""
     return ((u.to(tl.int32) << 20) + ((127 - 16) << 23)).to(tl.float32, bitcast=True)
 
 
@@ -77,7 +77,7 @@ def _fetch(c_ptr, z_ptr, s_ptr, sc_n, sc_d, sz_n, sz_d, ss_n, ss_d, rows, nm, co
            BITS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, GROUPED: tl.constexpr):
     """A tile's stored bytes as loaded, not yet used (``_dequant`` reads them): a dense tile's
     values (its zeros and steps are dummies), or packed codes, zeros and steps. Packed: channel c
-    of a token sits in byte c % W at bit (c // W) * BITS, W = D * BITS / 8 (``kvevict.store.pack``),
+    of a token sits in byte c % W at bit (c // W) * BITS, W = D * BITS / 8 (``kvevict.storage.codes.pack``),
     its group is c // GROUP. GROUPED (D a power of two and each group inside one W-byte part): read
     as (BLOCK_N, groups, GROUP), a group's bytes one contiguous vector and its zero and step once."""
     valid = nm[:, None] & (cols[None, :] < D)  # rows in the run, channels of the (padded) head dim
@@ -108,7 +108,7 @@ def _dequant(raw, z, s, cols, BITS: tl.constexpr, GROUP: tl.constexpr, D: tl.con
              EMU: tl.constexpr, GROUPED: tl.constexpr, BLOCK_N: tl.constexpr, LOWP: tl.constexpr):
     """(BLOCK_N, D_P) keys or values from ``_fetch``'s bytes, rounded to the compute dtype CDT (held
     in fp32, or in CDT with LOWP): x_hat = (step / U) * (U code - zero), U = 2^(8 - BITS), exact
-    before the one rounding to CDT that ``kvevict.store.dequantize`` makes too, so both backends see
+    before the one rounding to CDT that ``kvevict.storage.codes.dequantize`` makes too, so both backends see
     the same keys. LOWP (bf16 only): the product taken in bf16, the same one rounding, since
     U code - zero (|.| <= 256) and step / U (a 4-bit mantissa) are exact in bf16 and so is no
     more than their 12-bit product before it rounds."""
@@ -270,7 +270,7 @@ def _split_kernel(
 def _word_order(D: tl.constexpr, BITS: tl.constexpr, MAGIC: tl.constexpr, LANES: tl.constexpr = False):
     """The order the factored kernel holds a token's channels in, each 32-bit word's PER = 32 / BITS
     codes together: position w PER + j holds the code at bit b of word w, which is channel
-    ((b % 8) // BITS) W + 4 w + b // 8 (byte 4 w + b // 8, part (b % 8) // BITS; ``kvevict.store.pack``,
+    ((b % 8) // BITS) W + 4 w + b // 8 (byte 4 w + b // 8, part (b % 8) // BITS; ``kvevict.storage.codes.pack``,
     W = D BITS / 8), with b = 8 (j % 4) + BITS (j // 4), or with MAGIC (``_unpack``) b = BITS (j // 2)
     + 16 (j % 2). LANES (with MAGIC; ``_key_words``): position p = 16 (cc CL + cl) + 8 h + 2 t + e
     (CL = 8 / BITS, CC = D BITS / 128) holds word t CC + cc, j = 2 (2 cl + h) + e: lane t of a

@@ -96,7 +96,7 @@ def _int(name, value, low=1, none=False):
 def parse_settings(kwargs: dict) -> Settings:
     """``kwargs`` (what lm-eval parsed out of ``--model_args`` plus its own batch_size/device) ->
     Settings. Anything not a setting nor a parameter of the chosen policy is a ValueError."""
-    from ..cache import check_budget
+    from ..budget import check_budget
     from ..prefill import check_mode
 
     kwargs = dict(kwargs)

@@ -27,6 +27,8 @@ from typing import ClassVar
 
 import torch
 
+from ..stats import stat
+
 INF = float("inf")
 
 
@@ -78,10 +80,15 @@ class Policy:
     # each candidate's priority depends on its own state only (not on its neighbours'), so a
     # protected newcomer can be left out of the ranking without changing the choice
     independent: ClassVar[bool] = True
-    # statistics the attention must collect for this policy (see kvevict.attention)
+    # statistics the attention must collect for this policy, by name (declared in kvevict.stats)
     stats: ClassVar[tuple[str, ...]] = ()
     # whether its candidates may mix KV heads (adaptive budgets): False when the scope ranks a row
     adaptable: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for name in cls.__dict__.get("stats", ()):  # an undeclared statistic fails here, not mid-forward
+            stat(name)
 
     def score(self, c: Candidates) -> torch.Tensor:
         raise NotImplementedError

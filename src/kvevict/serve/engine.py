@@ -22,7 +22,7 @@ from collections import deque
 import torch
 
 from ..attention import ATTN_NAME, register
-from ..pages import Pools
+from ..storage import Pools
 from ..rows import shareable
 from .batch import DecodeBatch
 from .detokenize import TextStream
@@ -107,7 +107,7 @@ class Engine:
         register()
         model.set_attn_implementation(ATTN_NAME)
         self.budgeter = Budgeter(model, settings.kv_bits)
-        # every budgeted row's keys and values: its own pages of these pools (kvevict.pages)
+        # every budgeted row's keys and values: its own pages of these pools (kvevict.storage.paged)
         self.pages = Pools(limit=settings.kv_memory)
         self._opened: set = set()  # keys of the page pools open (Budgeter.opening): their page 0 is idle bytes
         if settings.budget is None:

@@ -4,9 +4,9 @@ of every running batch, with it added, stay within ``Settings.kv_memory``; other
 Budgeted rows of any policies and budgets share one ``EvictingCache``. Storage grows in pages
 (``tier.PAGE`` slots) as a sequence does, never past its budget. In the server each row's keys and
 values, and each slot's position and every policy's statistics beside them, are its own pages of
-one pool (``kvevict.pages``): a row holds ``ceil(min(tokens, budget) / PAGE)`` pages per layer
+one pool (``kvevict.storage.paged``): a row holds ``ceil(min(tokens, budget) / PAGE)`` pages per layer
 and per-slot tensor, whatever the other rows of its batch hold. What stays batch-wide is a page
-table per tensor (8 bytes per page column): as wide as ``pages(longest row, widest budget)``.
+table per tensor (8 bytes per page column): as wide as ``page_slots(longest row, widest budget)``.
 
 Bytes are measured, not derived from a formula: at start-up one token runs through the model into
 a ``DynamicCache`` (a full-cache token's K + V bytes), and two budgeted caches per policy are
@@ -26,12 +26,15 @@ import functools
 import torch
 from transformers import DynamicCache
 
-from ..cache import layer_budgets, layer_windows, make_cache
+from ..budget import layer_budgets
+from ..cache import make_cache
+from ..shape import layer_windows
 from ..policies import POLICIES, make_policy
 from ..rows import stat_names
 from ..stock import STOCK_BYTES
-from ..storage import stat_bytes
-from ..tier import PAGE, POS16_MAX, pages
+from ..stats import stat_bytes
+from ..storage import PAGE, page_slots
+from ..tier import POS16_MAX
 
 PROBES = (64, 128)  # budgets of the two probe caches
 TABLE_BYTES = 8  # a page table entry (int64), per row, layer and page column
@@ -101,7 +104,7 @@ class Budgeter:
         """Slots per layer and KV head a row of ``length`` tokens holds: whole pages, never past its
         per-layer budget (PyramidKV: a schedule), nor past a sliding layer's window."""
         budgets = layer_budgets(policy, budget_tokens, len(self.per_layer))
-        return [pages(length, b if w is None else min(b, w)) for b, w in zip(budgets, self.windows)]
+        return [page_slots(length, b if w is None else min(b, w)) for b, w in zip(budgets, self.windows)]
 
     def row_bytes(self, policy: str, budget_tokens: int | None, recent: int | None, length: int) -> int:
         """The most bytes one sequence's cache holds: a full cache grows to ``length`` (prompt +
@@ -123,7 +126,7 @@ class Budgeter:
         return self.heads if getattr(policy, "adaptive", False) and self.heads > 1 else 1
 
     def own_pages(self, policy, budget_tokens: int, length: int) -> list[int]:
-        """Pages per layer and per-slot tensor one row of ``length`` tokens holds in a pool (``kvevict.pages``):
+        """Pages per layer and per-slot tensor one row of ``length`` tokens holds in a pool (``kvevict.storage.paged``):
         its first min(length, budget) slots per KV head (Ada-KV: x heads, one pooled slot each)."""
         return [-(-min(length, w) * self.shared(policy) // PAGE) for w in self.slots(policy, budget_tokens, length)]
 
@@ -169,7 +172,7 @@ class Budgeter:
         the longest. Budgeted rows share one EvictingCache: rows x (per layer, the pages of the
         longest row under the largest budget any row has there x the bytes of a slot carrying
         every row's policy statistics, + the bytes per row besides). ``paged`` (the server's caches,
-        ``kvevict.pages``): a row holds only its own pages (``own_pages``) of every per-slot tensor
+        ``kvevict.storage.paged``): a row holds only its own pages (``own_pages``) of every per-slot tensor
         (K/V, positions, statistics), and each row a page table per tensor as wide as the widest.
         Positions are one tensor of the whole batch: int32 for every row when one row's length may
         pass 32,767 (``wide``)."""

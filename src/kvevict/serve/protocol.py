@@ -20,7 +20,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from ..cache import check_budget, layer_budgets, resolve_budget
+from ..budget import check_budget, layer_budgets, resolve_budget
 from ..generate import FULL
 from ..policies import POLICIES
 from .errors import BadRequest

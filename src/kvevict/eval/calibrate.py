@@ -26,45 +26,18 @@ another model, or a file that is not a plan, is a ValueError that says to calibr
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-from pathlib import Path
 
-from .storage import DEFAULT_GROUP, stat_bytes
+import torch
 
-FORMAT = "kvevict-plan/1"
-KINDS = ("fp16", "int8", "int4", "int8+int4")
-SIGNATURE_KEYS = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                  "hidden_size", "vocab_size", "sliding_window", "layer_types")
-
-
-def signature(model) -> dict:
-    """What a plan depends on: the architecture and shapes of the model (not its weights' path)."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    sig = {k: getattr(config, k, None) for k in SIGNATURE_KEYS}
-    sig = {k: (list(v) if isinstance(v, tuple) else v) for k, v in sig.items()}
-    sig["dtype"] = str(model.dtype).removeprefix("torch.")
-    return sig
-
-
-def signature_id(sig: dict) -> str:
-    name = sig.get("model_type") or "model"
-    return f"{name}-{hashlib.sha256(json.dumps(sig, sort_keys=True).encode()).hexdigest()[:12]}"
-
-
-PLANS_ENV = "KVEVICT_PLANS"  # the folder of calibrated plans (default: plans/ in kvevict's cache)
-
-
-def default_path(model) -> Path:
-    """Where ``kvevict calibrate`` writes a model's plan and ``memory=`` looks for it:
-    ``$KVEVICT_PLANS`` or ``~/.cache/kvevict/plans``, one file per model signature."""
-    import os
-
-    from .fetch import cache_dir
-
-    folder = Path(os.environ[PLANS_ENV]) if os.environ.get(PLANS_ENV) else cache_dir("plans")
-    return folder / f"{signature_id(signature(model))}.json"
+from ..data.essays import haystack
+from ..memory import STREAM_POLICY, head_from, plan
+from ..policies import make_policy
+from ..shape import head_dim_of
+from ..stock import sliding_windows
+from .streaming import stream_compare
+from ..plans import FORMAT, KINDS, default_path, load, save, signature  # noqa: F401  (the plan file's API)
+from ..storage import DEFAULT_GROUP, stat_bytes
 
 
 def candidates(memory: float, head_dim: int, dtype_bytes: int, stats_bytes: int, group: int = DEFAULT_GROUP,
@@ -72,8 +45,6 @@ def candidates(memory: float, head_dim: int, dtype_bytes: int, stats_bytes: int,
     """[(storage label, share of the tokens at the first tier's bits)] for a memory share (see the
     module): ``kvevict.memory.plan`` with each kind forced, so the bytes are the rule's own
     (``windows``: a sliding model's, so its token budgets are solved per layer as ``memory=`` does)."""
-    from .memory import plan
-
     out = []
     for kind in KINDS:
         p = plan(memory, head_dim, head_dim, dtype_bytes, stats_bytes, group=group, windows=windows, floor=1,
@@ -83,42 +54,13 @@ def candidates(memory: float, head_dim: int, dtype_bytes: int, stats_bytes: int,
     return out
 
 
-def load(path, model) -> dict:
-    """A plan file for ``model``: a ValueError saying what to do when it is missing, not a plan, or another model's."""
-    path = Path(path)
-    hint = f"run `kvevict calibrate --model ...` for this model (it writes {default_path(model)})"
-    if not path.exists():
-        raise ValueError(f"no plan file at {path}: {hint}, or drop plan= to use the built-in rule.")
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path} is not a kvevict plan file ({err}): {hint}.") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("choices"), list):
-        raise ValueError(f"{path} is not a kvevict plan file (format {FORMAT}): {hint}.")
-    if data.get("signature") != signature(model):
-        raise ValueError(f"{path} was calibrated for another model ({signature_id(data.get('signature') or {})}, "
-                         f"this one is {signature_id(signature(model))}): {hint}.")
-    return data
-
-
-def nearest(plan: dict, memory: float) -> dict:
-    """The plan's entry for the memory share nearest ``memory`` (in ratio)."""
-    return min(plan["choices"], key=lambda c: abs(math.log(c["memory"] / memory)))
-
-
 def _windows(tokenizer, tokens: int, count: int, start: int):
-    import torch
-
-    from .data.essays import haystack
-
     return [torch.tensor([tokenizer(haystack(tokenizer, tokens + 8, start=start + i),
                                     add_special_tokens=False)["input_ids"][:tokens]]) for i in range(count)]
 
 
 def _mean_nll(model, windows, cells: list, chunk: int) -> dict:
     """{cell: mean NLL per token over the windows}, every cell streamed beside one full cache."""
-    from .eval.streaming import stream_compare
-
     nll = {cell: [] for cell in cells}
     for ids in windows:
         for cell, sc in stream_compare(model, ids, cells, chunk=chunk).items():
@@ -130,13 +72,7 @@ def calibrate(model, tokenizer, memories=(0.2, 0.1, 0.05), policy: str | None = 
               windows: int = 4, heldout: int = 4, chunk: int = 32, log=print) -> dict:
     """Score every candidate per memory share on ``windows`` essay windows of ``tokens`` tokens,
     then the winner and the built-in rule's choice on ``heldout`` other windows; the plan dict."""
-    from .cache import _head_dim
-    from .memory import STREAM_POLICY, head_from
-    from .memory import plan as builtin_plan
-    from .policies import make_policy
-    from .stock import sliding_windows
-
-    d = _head_dim(model)
+    d = head_dim_of(model)
     if d is None:
         raise ValueError(f"cannot find the head dimension of {type(model).__name__} to calibrate memory budgets.")
     policy = policy or STREAM_POLICY
@@ -158,7 +94,7 @@ def calibrate(model, tokenizer, memories=(0.2, 0.1, 0.05), policy: str | None = 
         for cell in cells:
             log(f"  memory {m:g}: {cell[0]:16s} {cell[1]:6.1%} of the tokens  NLL {scored[cell] - scored[full]:+.4f}")
         best = min(cells, key=lambda c: scored[c])
-        kind = builtin_plan(m, d, d, dtype_bytes, stats_bytes, group=group, windows=sliding, floor=1,
+        kind = plan(m, d, d, dtype_bytes, stats_bytes, group=group, windows=sliding, floor=1,
                             head_from=head_from(pol)).storage.label
         rule = next(c for c in cells if c[0] == f"{policy}/{kind}")
         picks[m] = (best, rule)
@@ -183,8 +119,3 @@ def calibrate(model, tokenizer, memories=(0.2, 0.1, 0.05), policy: str | None = 
             "choices": choices}
 
 
-def save(plan: dict, path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(plan, indent=1) + "\n")
-    return path

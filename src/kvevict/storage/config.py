@@ -5,36 +5,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from .store import check_bits, slot_bytes
+from .codes import check_bits, slot_bytes
 
 # per-token groups of 32 channels: measured against 16 and 64 on SmolLM2 (docs/quality-per-byte.md)
 DEFAULT_GROUP = 32
 POS_BYTES = 2  # a slot's position, int16 (kvevict.tier)
 
-# Statistics a policy only ranks by are float16 (attention sums, last or largest attention, key
-# norms): a rank needs no more than 11 bits, H2O's sums saturate at FP16_MAX (a sink token reaches
-# it after ~25K steps and stays first), and the int4 slot's bookkeeping falls to 12 of its 64 code
-# bytes (docs/quality-per-byte.md). Counters and squares stay float32: float16 counts stop at 2,048
-# and squared probabilities underflow.
 # keys stored in a rotated basis by default at these bits: a per-token group with one step cannot
 # hold outlier channels as the model makes them (docs/families.md: Qwen2.5-Coder-1.5B)
 LOW_BITS = (8, 4, 2)
 KEY_BASES = (None, "rotated", "raw")
-
-HALF_STATS = frozenset({"sum", "last", "max", "obs", "knorm"})
-FP16_MAX = torch.finfo(torch.float16).max
-
-
-def stat_dtype(name: str) -> torch.dtype:
-    return torch.float16 if name in HALF_STATS else torch.float32
-
-
-def stat_bytes(stats) -> int:
-    """Bytes a slot gives the statistics ``stats`` (names), per (sequence, KV head)."""
-    return sum(stat_dtype(n).itemsize for n in stats)
-
 
 @dataclass(frozen=True)
 class Storage:
@@ -61,7 +41,7 @@ class Storage:
         if self.evicted_budget is not None:
             if self.evicted_bits is None:
                 raise ValueError("evicted_budget sizes the low-bit tier of evicted tokens: give evicted_bits too.")
-            from .cache import check_budget
+            from ..budget import check_budget
 
             check_budget(self.evicted_budget)
         if self.keys not in KEY_BASES:

@@ -30,9 +30,20 @@ import weakref
 
 import torch
 
-from . import tier as _tier
-from .kernels.runs import Run
-from .store import DenseStore, PackedStore, Piece, _Packed, _spans, dequantize, quantize, trailing
+from ..kernels.runs import Run
+from .codes import dequantize, quantize
+from .interface import Piece
+from .rect import DenseStore, PackedStore, _Packed, _spans, trailing
+
+# slots allocated at a time per (sequence, KV head), in a rectangle's growth as in a pool's pages;
+# see docs/performance.md ("Paged storage")
+PAGE = 32
+
+
+def page_slots(n: int, budget: int) -> int:
+    """Slots to allocate for ``n`` tokens: whole pages, never past the budget."""
+    return min(budget, -(-n // PAGE) * PAGE)
+
 
 
 class PagePool:
@@ -40,7 +51,7 @@ class PagePool:
     () -> bytes the pool may still grow by before a growth takes only what is asked (None: no limit)."""
 
     def __init__(self, parts: list, device, page: int | None = None, room=None, empty=0):
-        self.page, self.room, self.empty = page or _tier.PAGE, room, empty
+        self.page, self.room, self.empty = page or PAGE, room, empty
         self.tensors = [torch.full((1, h, self.page, w), empty, dtype=dt, device=device) for h, w, dt in parts]
         self.free: list[int] = []
         self.holders = weakref.WeakSet()  # the stores and fields whose tables name its pages

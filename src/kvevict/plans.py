@@ -1,0 +1,75 @@
+"""Calibrated memory plans, read by ``memory=``: the JSON file ``kvevict calibrate`` writes per model
+(``kvevict.eval.calibrate`` measures it), keyed by the model's signature (its architecture and
+shapes), one entry per memory share: the storage that measured best there."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+
+from .shape import text_config
+
+FORMAT = "kvevict-plan/1"
+KINDS = ("fp16", "int8", "int4", "int8+int4")
+SIGNATURE_KEYS = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                  "hidden_size", "vocab_size", "sliding_window", "layer_types")
+
+
+def signature(model) -> dict:
+    """What a plan depends on: the architecture and shapes of the model (not its weights' path)."""
+    config = text_config(model)
+    sig = {k: getattr(config, k, None) for k in SIGNATURE_KEYS}
+    sig = {k: (list(v) if isinstance(v, tuple) else v) for k, v in sig.items()}
+    sig["dtype"] = str(model.dtype).removeprefix("torch.")
+    return sig
+
+
+def signature_id(sig: dict) -> str:
+    name = sig.get("model_type") or "model"
+    return f"{name}-{hashlib.sha256(json.dumps(sig, sort_keys=True).encode()).hexdigest()[:12]}"
+
+
+PLANS_ENV = "KVEVICT_PLANS"  # the folder of calibrated plans (default: plans/ in kvevict's cache)
+
+
+def default_path(model) -> Path:
+    """Where ``kvevict calibrate`` writes a model's plan and ``memory=`` looks for it:
+    ``$KVEVICT_PLANS`` or ``~/.cache/kvevict/plans``, one file per model signature."""
+    import os
+
+    from .fetch import cache_dir
+
+    folder = Path(os.environ[PLANS_ENV]) if os.environ.get(PLANS_ENV) else cache_dir("plans")
+    return folder / f"{signature_id(signature(model))}.json"
+
+
+def load(path, model) -> dict:
+    """A plan file for ``model``: a ValueError saying what to do when it is missing, not a plan, or another model's."""
+    path = Path(path)
+    hint = f"run `kvevict calibrate --model ...` for this model (it writes {default_path(model)})"
+    if not path.exists():
+        raise ValueError(f"no plan file at {path}: {hint}, or drop plan= to use the built-in rule.")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is not a kvevict plan file ({err}): {hint}.") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("choices"), list):
+        raise ValueError(f"{path} is not a kvevict plan file (format {FORMAT}): {hint}.")
+    if data.get("signature") != signature(model):
+        raise ValueError(f"{path} was calibrated for another model ({signature_id(data.get('signature') or {})}, "
+                         f"this one is {signature_id(signature(model))}): {hint}.")
+    return data
+
+
+def nearest(plan: dict, memory: float) -> dict:
+    """The plan's entry for the memory share nearest ``memory`` (in ratio)."""
+    return min(plan["choices"], key=lambda c: abs(math.log(c["memory"] / memory)))
+
+
+def save(plan: dict, path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(plan, indent=1) + "\n")
+    return path
