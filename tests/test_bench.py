@@ -286,7 +286,7 @@ def test_kvpress_peer_runs_in_its_venv(tiny_dir):
 
     py = kvpress_python()
     if py is None:
-        pytest.skip("no kvpress environment (kvevict peers setup --only kvpress; see docs/performance.md)")
+        pytest.skip("no kvpress environment (kvevict peers setup --only kvpress; see docs/results/performance.md)")
     (rec,) = run_jobs(kvpress_jobs(py, tiny_dir, ["knorm"], 0.25, 64, 1, 1, 0), repeats=1, log=lambda m: None)
     assert "error" not in rec, rec.get("error")
     # knorm keeps 25% of the 64 prompt tokens: 16 tokens x 3 layers x 2 KV heads x (8 + 8) dims x 4 B (head_dim 64/8)

@@ -1,4 +1,4 @@
-"""Issue 10's evaluation plumbing: cells that name their storage, and quality against bytes."""
+"""Evaluation plumbing: cells that name their storage, and quality against bytes."""
 
 import pytest
 import torch
@@ -8,18 +8,19 @@ from conftest import tiny_model
 from kvevict.eval.bytes_report import pareto, rows
 from kvevict.eval.caches import new_cache, policy_names
 from kvevict.eval.runner import cells_for
-from kvevict.storage import Storage, split_spec
+from kvevict.spec import CacheSpec
+from kvevict.storage import Storage
 
 
 def test_cache_specs_name_their_storage():
-    assert split_spec("h2o/int8+int4") == ("h2o", Storage(kv_bits=8, evicted_bits=4))
-    assert split_spec("full/int4") == ("full", Storage(kv_bits=4))
-    assert split_spec("snapkv") == ("snapkv", Storage())
+    assert CacheSpec.parse("h2o/int8+int4") == CacheSpec("h2o", Storage(kv_bits=8, evicted_bits=4))
+    assert CacheSpec.parse("full/int4") == CacheSpec("full", Storage(kv_bits=4))
+    assert CacheSpec.parse("snapkv") == CacheSpec("snapkv") and CacheSpec.parse("snapkv").storage is None
     assert Storage(kv_bits=4, evicted_bits=2).label == "int4+int2" and Storage(evicted_bits=4).label == "fp+int4"
     with pytest.raises(ValueError, match="kv_bits must be one of 16, 8, 4, 2"):
-        split_spec("h2o/int3")
+        CacheSpec.parse("h2o/int3")
     with pytest.raises(ValueError, match="unknown storage 'q4'"):
-        split_spec("h2o/q4")
+        CacheSpec.parse("h2o/q4")
     with pytest.raises(ValueError, match="unknown policy 'nope/int4'"):
         policy_names("h2o,nope/int4", kvevict.POLICIES)
     assert policy_names("h2o/int4,full/int8", kvevict.POLICIES) == ["h2o/int4", "full/int8"]

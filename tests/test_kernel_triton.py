@@ -377,7 +377,7 @@ def test_the_sass_counts_show_what_the_switches_save(tmp_path):
     """kvevict.bench.triton_sass compiles the split program for sm_90 here and counts its loop: with
     the bias folded into the zeros no paired subtraction is left (128 a thread a tile without),
     values paired along the tokens plus the fold cost fewer instructions and fewer shared-memory
-    operations than neither, and so do the products transposed (the claims of docs/performance.md,
+    operations than neither, and so do the products transposed (the claims of docs/results/performance.md,
     held on the installed triton)."""
     import json
     import subprocess

@@ -20,6 +20,7 @@ from .input_checks import max_positions, no_new_tokens, positions_after
 from .layer import EvictingLayer
 from .policies import Policy, make_policy
 from .rope import rope_inv_freq
+from .spec import FULL, CacheSpec
 from .shape import check_hookable, head_dim_of, layer_windows
 from .stock import STOCK_BYTES
 from .storage import DEFAULT_GROUP, Pools, Storage, check_group
@@ -117,14 +118,14 @@ class EvictingCache(Cache):
         return self.layers[0].budget
 
 
-def make_cache(model, policy=None, budget=0.2, recent=None, compact=False, kv_bits=None, group=None,
+def make_cache(model, policy=None, budget=None, recent=None, compact=False, kv_bits=None, group=None,
                evicted_bits=None, evicted_budget=None, memory=None, question=None, plan=None, pages=None,
                keys=None, **policy_params) -> EvictingCache:
     """A cache for ``model.generate(..., cache=cache)`` that keeps at most ``budget``
     tokens per layer and KV head, evicting with ``policy``.
 
     budget: int (tokens kept per layer and KV head) or float in (0, 1] (that fraction of the
-    prompt length). recent: the recent window (default: the policy's; half the budget for H2O).
+    prompt length); default 0.2. recent: the recent window (default: the policy's; half the budget for H2O).
     compact: give the kept tokens consecutive positions (keys re-rotated, as StreamingLLM does), so
     the model never sees a distance longer than the cache and can go on past its context length.
     kv_bits: store kept keys and values in 16 (float16), 8, 4 or 2 bits (packed, per-token groups
@@ -133,7 +134,8 @@ def make_cache(model, policy=None, budget=0.2, recent=None, compact=False, kv_bi
     "raw" (``kvevict.storage.Storage``, ``kvevict.keyspace``).
     evicted_bits: demote evicted tokens into a tier of that many bits instead of dropping them
     (MiKV); ``evicted_budget`` caps it (int tokens or fraction of the prompt; default the rest of the prompt).
-    policy: a name (``kvevict.POLICIES``), a spec or a Policy; not given: ``h2o`` with a token
+    policy: a name (``kvevict.POLICIES``), a Policy, or a cache spec naming its storage and budget too
+    (``kvevict.spec``: ``h2o/int4@0.2``, ``kvzip-pool@memory=0.1``); not given: ``h2o`` with a token
     budget, ``mas`` with a memory budget (the streaming policy a cache handed to ``model.generate``
     needs, ``kvevict.memory.pick_policy``; a prompt known in advance is better served by
     ``kvevict.generate.generate``, which picks ``kvzip-pool``).
@@ -157,6 +159,9 @@ def make_cache(model, policy=None, budget=0.2, recent=None, compact=False, kv_bi
     head-adaptive budgets, the layer's kv_heads x budget slots shared by its heads (see policies/adakv.py).
     Switches the model's attention to the ``kvevict`` implementation (exact with any other cache).
     """
+    if isinstance(policy, str):
+        policy, budget, memory, kv_bits, evicted_bits = _from_spec(policy, budget, memory, kv_bits, evicted_bits)
+    budget = DEFAULT_BUDGET if budget is None and memory is None else budget
     if pages is not None and not isinstance(pages, Pools):  # before the model's attention is switched
         raise ValueError(f"pages must be a kvevict.storage.Pools (shared by the caches whose rows may be batched "
                          f"together) or None; got {type(pages).__name__}.")
@@ -217,3 +222,25 @@ def make_cache(model, policy=None, budget=0.2, recent=None, compact=False, kv_bi
     return cache
 
 
+DEFAULT_BUDGET = 0.2  # a fifth of the prompt's tokens
+
+
+def _from_spec(text: str, budget, memory, kv_bits, evicted_bits):
+    """``make_cache``'s policy, budget, memory and bits from a cache spec; what the spec names must
+    not be given again as an argument."""
+    spec = CacheSpec.parse(text)
+    if spec.policy == FULL:
+        raise ValueError(f"{text!r} keeps every token: use transformers' DynamicCache for the full cache, or a "
+                         "policy with a budget that covers the sequence (make_cache(model, 'h2o/int4@4096')).")
+    if spec.question:
+        raise ValueError(f"{text!r}: +q needs the prompt's text to count its question: use kvevict.generate.generate, "
+                         "or pass question=N (the prompt's last N tokens).")
+    named = spec.cache_kwargs()
+    given = {"budget": budget, "memory": memory, "kv_bits": kv_bits, "evicted_bits": evicted_bits}
+    twice = sorted(k for k in named if given[k] is not None)
+    if twice:
+        raise ValueError(f"{text!r} names {', '.join(twice)} already: drop the argument or that part of the spec.")
+    if spec.memory and spec.budget is None and memory is None:
+        raise ValueError(f"{text!r} spends a memory budget: give memory= or write {spec.policy or ''}@memory=0.2.")
+    given.update(named)
+    return spec.policy, given["budget"], given["memory"], given["kv_bits"], given["evicted_bits"]

@@ -16,9 +16,9 @@ from .memory import PROMPT_POLICY, parse_memory, pick_policy
 from .policies import policy_class
 from .prefill import check_mode, fill_from, prefill
 from .stock import STOCK_BYTES
-from .storage import Storage, split_spec
+from .spec import FULL, CacheSpec
 
-FULL = ("full", "none")
+DEFAULT_BUDGET = 0.2  # a token budget not given: a fifth of the prompt
 # make_cache parameters that describe the cache, not the policy
 _CACHE_PARAMS = ("compact", "kv_bits", "group", "evicted_bits", "evicted_budget")
 
@@ -61,9 +61,6 @@ def plain_text(messages: list[dict]) -> str:
     return "\n\n".join(m["content"] for m in messages)
 
 
-QUESTION = "+q"  # a policy spec suffix: "snapkv+q" protects and observes the prompt's question
-
-
 def question_tokens(tokenizer, prompt) -> int:
     """Tokens of the prompt's question: the last paragraph (after the last blank line) of the last
     message, plus the chat template's tail, i.e. every token from where the question starts."""
@@ -102,11 +99,15 @@ def _question_or_none(tokenizer, prompt) -> int | None:
         return None
 
 
-def split_question(policy):
-    """'h2o+q' -> ('h2o', True); other specs (and policy objects) -> (policy, False)."""
-    if isinstance(policy, str) and policy.lower().endswith(QUESTION):
-        return policy[: -len(QUESTION)], True
-    return policy, False
+def _spec_budget(spec: CacheSpec, budget, memory):
+    """The token or memory budget of a call given a spec: the spec's own, unless the call gives one."""
+    if spec.budget is None:
+        if spec.memory and memory is None:
+            raise ValueError(f"{spec} spends a memory budget: give memory= (or write it as {spec.policy}@memory=0.2).")
+        return budget, memory
+    if budget is not None or memory is not None:
+        raise ValueError(f"{spec} names its budget already: drop budget= and memory=, or the @ part of the spec.")
+    return (None, spec.budget) if spec.memory else (spec.budget, None)
 
 
 def dynamic_kv_bytes(cache: DynamicCache) -> int:
@@ -126,10 +127,12 @@ def _greedy(model, tokenizer, ids, cache, max_new_tokens) -> torch.Tensor:
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prompt, policy=None, budget=0.2, max_new_tokens=64, prefill_mode="full",
+def generate(model, tokenizer, prompt, policy=None, budget=None, max_new_tokens=64, prefill_mode="full",
              stride=None, memory=None, question=None, **policy_params) -> Result:
     """Greedy generation of one prompt (chat messages or raw text) under ``policy`` and ``budget``;
-    ``policy="full"`` runs the stock transformers DynamicCache with SDPA as the reference.
+    ``policy="full"`` runs the stock transformers DynamicCache with SDPA as the reference. ``policy``
+    may be a cache spec (``kvevict.spec``: ``snapkv+q/int8@0.2``, ``kvzip-pool@memory=0.1``) or a
+    Policy; ``budget`` not given: 0.2 of the prompt.
     ``prefill_mode``: full, token or block (with ``stride``), see kvevict.prefill.
     ``memory``: a budget in bytes instead of ``budget`` (see ``make_cache``).
     ``policy`` not given: with ``memory``, the model's one-shot policy when the whole prompt enters
@@ -137,17 +140,22 @@ def generate(model, tokenizer, prompt, policy=None, budget=0.2, max_new_tokens=6
     share, ``kvevict.memory.ONE_SHOT_OF``, a policy that observes the prompt's question) and ``mas``
     under token or block prefill (``kvevict.memory.pick_policy``); without, ``h2o``.
     ``question``: protect the prompt's last N tokens and observe them (``make_cache(question=N)``);
-    True (or a policy spec ending in ``+q``) counts the question with ``question_tokens``.
+    True (or a spec with ``+q``) counts the question with ``question_tokens``.
     Switches the model's attention implementation: not for concurrent use on a shared model
     (the server runs every model call on one worker thread)."""
     check_mode(prefill_mode, stride)
+    label = policy if isinstance(policy, str) else None
+    spec = CacheSpec.parse(policy) if isinstance(policy, str) else None
+    if spec is not None:
+        budget, memory = _spec_budget(spec, budget, memory)
+        policy = spec.policy
+    budget = DEFAULT_BUDGET if budget is None else budget
     share = _share(memory)
     if policy is None:
         policy = pick_policy(prompt_known=prefill_mode == "full", memory=memory is not None, model=model,
                              share=share)
-    label = policy if isinstance(policy, str) else getattr(policy, "name", policy)
-    policy, asked = split_question(policy)
-    if asked or question is True:
+    label = label or (policy if isinstance(policy, str) else getattr(policy, "name", policy))
+    if (spec is not None and spec.question) or question is True:
         if isinstance(prompt, torch.Tensor):
             raise ValueError("question=True needs the prompt as text or messages; with token ids pass question=N.")
         question = question_tokens(tokenizer, prompt)
@@ -158,7 +166,7 @@ def generate(model, tokenizer, prompt, policy=None, budget=0.2, max_new_tokens=6
     if ids.shape[-1] == 0:
         raise ValueError(no_new_tokens(0))
     limit, fed = max_positions(model), ids.shape[-1] + max_new_tokens - 1  # the last token is never fed
-    warned = bool(limit and fed > limit and (policy in FULL or not policy_params.get("compact")))
+    warned = bool(limit and fed > limit and (policy == FULL or not policy_params.get("compact")))
     if warned:  # before a long prefill, not after it
         warn_past_positions(fed, limit)
     if policy == "oracle":  # Belady needs the future: the full cache's own continuation, recorded
@@ -169,12 +177,10 @@ def generate(model, tokenizer, prompt, policy=None, budget=0.2, max_new_tokens=6
         compact = policy_params.pop("compact", False)
         policy = Oracle.record(model, full_seq, **policy_params)
         policy_params = {"compact": compact} if compact else {}
-    name, storage = split_spec(policy) if isinstance(policy, str) else (policy, Storage())
-    if storage != Storage():  # "h2o/int4", "full/int4": a storage named with the policy
-        policy_params.update(kv_bits=storage.kv_bits, evicted_bits=storage.evicted_bits)
-        if name in FULL:  # nothing evicted: room for the prompt and the answer
-            name, budget = "h2o", ids.shape[1] + max_new_tokens
-        policy = name
+    if spec is not None and spec.storage is not None:  # "h2o/int4", "full/int4": a storage named with the policy
+        policy_params.update(kv_bits=spec.storage.kv_bits, evicted_bits=spec.storage.evicted_bits)
+        if policy == FULL:  # nothing evicted: room for the prompt and the answer
+            policy, budget = "h2o", ids.shape[1] + max_new_tokens
     record_seconds, context = 0.0, None
     found = policy_class(policy)
     if found is not None and getattr(found[0], "needs_prompt", False):
@@ -193,7 +199,7 @@ def generate(model, tokenizer, prompt, policy=None, budget=0.2, max_new_tokens=6
             policy = found[0].record(model, tokenizer, ids, **params)
         policy_params = cache_params
         record_seconds = time.perf_counter() - t0
-    if policy in FULL:
+    if policy == FULL:
         model.set_attn_implementation("sdpa")
         cache = DynamicCache(config=model.config)
     else:
@@ -211,20 +217,20 @@ def generate(model, tokenizer, prompt, policy=None, budget=0.2, max_new_tokens=6
     if context is not None:
         fill_from(cache, context)
         context = None  # its full-size keys and values go now, before decoding
-    elif policy not in FULL:
+    elif policy != FULL:
         prefill(model, cache, ids, mode=prefill_mode, stride=stride)
     out = _greedy(model, tokenizer, ids, cache, max_new_tokens)
     seconds = time.perf_counter() - start + record_seconds
     new = out[0, ids.shape[1]:]
-    if policy in FULL:  # the stock cache itself: its bytes, and the same tensors in 16 bits
+    if policy == FULL:  # the stock cache itself: its bytes, and the same tensors in 16 bits
         held = own = dynamic_kv_bytes(cache)
         full = stock_kv_bytes16(cache)
     else:
         held, full, own = cache.kv_bytes(), cache.full_kv_bytes(), cache.full_kv_bytes(dtype_bytes=None)
-    return Result(policy=label, budget=None if policy in FULL else budget,
+    return Result(policy=label, budget=None if policy == FULL else budget,
                   text=tokenizer.decode(new, skip_special_tokens=True).strip(), prompt_tokens=ids.shape[1],
                   new_tokens=len(new), kv_bytes=held, full_kv_bytes=full, seconds=seconds,
-                  storage="" if policy in FULL else _storage_label(cache), model_kv_bytes=own)
+                  storage="" if policy == FULL else _storage_label(cache), model_kv_bytes=own)
 
 
 def _storage_label(cache) -> str:

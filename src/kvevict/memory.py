@@ -1,65 +1,31 @@
 """Budgets in bytes: say how much memory the cache may hold, get tokens kept x bits per token.
 
-``make_cache(model, memory=0.2)`` uses it. A memory budget is a fraction of what a stock
+``make_cache(model, memory=0.2)`` uses it. A memory budget is a fraction m of what a stock
 transformers cache would hold for the prompt with 16-bit keys and values (``kvevict.stock``:
 sliding-window layers at their window, every other layer at every token), whatever the model's own
-dtype (``0.2``, ``"20%"``), or bytes per sequence (``"64MiB"``, ``2**26``). ``plan`` turns it into a
-storage and a token budget by the rule measured on SmolLM2 (docs/quality-per-byte.md), with r8 and
-r4 the bytes of an int8 and an int4 slot over a 16-bit token's (0.55 and 0.30 at head_dim 64):
+dtype (``0.2``, ``"20%"``), or bytes per sequence (``"64MiB"``, ``2**26``). With r_b the bytes of a
+b-bit slot over a 16-bit token's (``Storage.slot_bytes``: codes, a step and a zero byte per group,
+an int16 position, the policy's statistics), ``plan`` spends m as:
 
-  - from r8, every token at int8 (+0.0002 nats per token: lossless);
-  - from r4 (what int4 for every token costs) to r8, every token still kept, in two tiers: the
-    share f the policy ranks highest at int8, the rest demoted to int4 (mixed precision, MiKV),
-    f chosen so the two tiers fill the memory: f r8 + (1 - f) r4 = memory;
-  - from ``HEAD_FROM`` x r4 to r4, three tiers for a streaming policy: its top share h at int8,
-    holding ``HEAD_BYTES`` of the memory (h r8 = HEAD_BYTES x memory), the next share g at int4 in
-    the rest (g r4 = memory - h r8), the others evicted. At 20% of a 16-bit cache on SmolLM2 this
-    halved int4-alone's streaming NLL cost for H2O; at 10% H2O's int8 tier cost more tokens than
-    it was worth. MAS (``HEAD_FROM_OF``, the streaming pick) keeps three tiers from 5%: at 10% they
-    cut its streaming NLL cost by a third against int4 alone (+1.4% perplexity against +2.1%).
-    A model with sliding-window layers keeps int4 alone there (its bytes are solved per layer);
-  - below, evict with the policy and keep int4 for the tokens kept (memory / r4 of them). 2-bit
-    storage (for every token, or for the demoted ones) costs +1 to +3 nats per token, or more than
-    evicting: never chosen;
-  - a policy that ranks the whole prompt before decoding (``kvzip-pool``) never keeps int4 alone on
-    a model without sliding layers (see below): per-token int4 keys blur the sharp attention a
-    copied needle needs (every token at int4, or kvzip-pool's 69% at int4 at 20% of a 16-bit cache,
-    answered a RULER essay needle's first digits only, 18 of 20 against int8's 19). From
-    ``PROMPT_FROM`` x r4 to r4 it keeps three tiers, its top at int8 in ``PROMPT_HEAD_BYTES`` of the
-    bytes (half: the needles it ranks highest stay sharp), the next at int4: at 20% on SmolLM2 that
-    found 20 of 20 essay needles, returned 73% of the full cache's multi-query values against int8
-    alone's 59%, and cost +1.5% continuation perplexity against +4.0% (docs/ruler.md,
-    docs/quality-per-byte.md). Elsewhere it evicts and keeps int8 (memory / r8 of the tokens; from
-    r4 to r8 not measured with tiers). A model with sliding-window layers keeps one tier below r4
-    (three tiers are not solved per layer), int8 or int4 by the prompt's length: KVzip pools its layers' budgets
-    by score, and on Gemma 3 at 20% of a 16-bit cache and 3.9K tokens the int8 pool held 95% of its
-    tokens in two of the three global layers, leaving the third 58 and each sliding layer 12-31 of
-    its 511; over int4 the pool holds almost twice the tokens and found 10 of the full cache's 16
-    multi-key needles where int8 found 5. At 1.7K, where the int8 pool could hold 92-95% of the
-    global layers' tokens, int8 found 10 pass keys and int4 8: so int8 while its tokens could hold
-    ``GLOBAL_HOLD`` of the global layers' tokens, int4 past that (``PromptShare.coarser``;
-    docs/ruler.md, "A second model").
+  - m >= r8: every token at int8;
+  - r4 <= m < r8: every token kept, the policy's top share f at int8, the rest at int4 (MiKV's
+    mixed precision), f r8 + (1 - f) r4 = m;
+  - ``HEAD_FROM`` r4 <= m < r4 (a streaming policy): three tiers, the top h at int8 holding
+    ``HEAD_BYTES`` of the bytes (h r8 = HEAD_BYTES m), the next g at int4 (g r4 = m - h r8), the
+    rest evicted; a prompt-scoring policy (``kvzip-pool``) from ``PROMPT_FROM`` r4 with
+    ``PROMPT_HEAD_BYTES``, and int8 alone elsewhere (never int4 alone: per-token int4 keys blur the
+    sharp attention a copied needle needs);
+  - below: evict, the kept m / r4 tokens at int4. 2-bit storage is never chosen.
 
-A fractional budget never cuts a short prompt: it keeps at least ``MIN_TOKENS`` tokens per layer
-and KV head (as the server's ``--min-budget`` does for token budgets; two tiers together, split as
-the plan splits them, or the first tier alone where the floor sets their tokens), so a short chat
-is stored whole and holds more than the fraction says. On a
-model with sliding-window layers the token budget B is solved in bytes once the prompt's length n
-is known, a sliding layer holding min(window, B) tokens:
+A model with sliding-window layers solves its token budget B per layer once the prompt length n
+is known (sum_l min(cap_l, B) r = m sum_l kept_l(n)) and keeps one tier below r4: int8 while its
+tokens could hold ``GLOBAL_HOLD`` of the global layers' tokens, int4 past that. A fraction never
+cuts a short prompt: at least ``MIN_TOKENS`` tokens per layer and KV head.
 
-    sum_l min(cap_l, B) x r = memory x sum_l kept_l(n).
-
-Which policy a budget picks when none is named (``pick_policy``): a prompt-scoring one
-(``kvzip-pool``) when the whole prompt is known before decoding (``kvevict.generate.generate``,
-``kvevict generate``, the demo), a streaming one (``mas``, the RoCo paper's mean attention
-score) when it is not (a cache handed to ``model.generate``, chunked prefill, streams). At 20% of
-the 16-bit stock cache on SmolLM2, ``kvzip-pool`` over int4 found the access codes the full cache
-found (10/12 at 1.2K tokens, 6/6 at 3.5K) where H2O over int4 found 4/12 and 2/6 (issue 20); RULER
-at 4K: docs/ruler.md. Streaming 20 text windows under the rule, MAS cost +0.26% perplexity at 20%
-and, in three tiers, +1.39% at 10% where H2O cost +0.46% and +2.31% (paired, n = 20).
-
-Per slot and KV head: ``Storage.slot_bytes`` (codes, a step byte and a zero byte per group, an
-int16 position, the policy's statistics: ``storage.stat_bytes``, 2 bytes for H2O's float16 sum).
+Which policy a budget picks when none is named (``pick_policy``): a prompt-scoring one when the
+whole prompt is known before decoding (``kvevict.generate.generate``), a streaming one (``mas``,
+the RoCo paper's mean attention score) when it is not; per model where measured (``ONE_SHOT_OF``).
+Every constant cites the measurement that chose it: docs/results/memory-rule.md.
 """
 
 from __future__ import annotations
@@ -109,10 +75,10 @@ def parse_memory(memory) -> float | int:
 MIN_TOKENS = 128  # a fractional memory budget keeps at least this many tokens per layer and KV head
 PROMPT_POLICY = "kvzip-pool"  # scores the whole prompt before decoding
 # scores what streams in: MAS, H2O's sum over how many queries saw the key, beat H2O on streaming LM
-# at 20% and 10% of a 16-bit cache (docs/quality-per-byte.md) at the same bytes (n_i from positions)
+# at 20% and 10% of a 16-bit cache (docs/results/quality-per-byte.md) at the same bytes (n_i from positions)
 STREAM_POLICY = "mas"
 # below r4, a streaming policy's three tiers (int8 top, int4 next, the rest evicted) from this share
-# of r4 on, the int8 tier holding this share of the bytes (docs/quality-per-byte.md)
+# of r4 on, the int8 tier holding this share of the bytes (docs/results/quality-per-byte.md)
 HEAD_FROM, HEAD_BYTES = 0.49, 0.28
 # MAS ranks by mean attention, so its top share earns int8 further down: three tiers from 5% of a
 # 16-bit cache at head_dim 64 (H2O's top, its largest sums, lost there to int4 alone)
@@ -124,10 +90,10 @@ def head_from(policy) -> float:
     return HEAD_FROM_OF.get(getattr(policy, "name", policy), HEAD_FROM)
 
 # a prompt-scoring policy's three tiers: from this share of r4 on (10% of a 16-bit cache at head_dim
-# 64), the int8 tier holding this share of the bytes (docs/ruler.md, docs/quality-per-byte.md)
+# 64), the int8 tier holding this share of the bytes (docs/results/ruler.md, docs/results/quality-per-byte.md)
 PROMPT_FROM, PROMPT_HEAD_BYTES = 0.34, 0.5
 # a sliding model under a prompt-scoring policy, below r4: int8 while its tokens, over all layers,
-# could hold this share of the global layers' tokens, else int4 (docs/ruler.md, "A second model")
+# could hold this share of the global layers' tokens, else int4 (docs/results/ruler.md, "A second model")
 GLOBAL_HOLD = 0.9
 
 
@@ -156,7 +122,7 @@ TOKEN_POLICY = "h2o"  # a token budget's default (no memory budget): the library
 # 64 tokens) found every RULER needle at 2K the full cache found, its scores taken from the prefill
 # itself: 1.3x the full cache's time to answer the demo, kvzip-pool's reconstruction 2.6x. At 10%
 # it lost half the multi-key needles kvzip-pool kept, so kvzip-pool there; SmolLM2: SnapKV lost
-# essay needles kvzip-pool keeps at 20%, so kvzip-pool everywhere else (docs/families.md).
+# essay needles kvzip-pool keeps at 20%, so kvzip-pool everywhere else (docs/results/families.md).
 ONE_SHOT_OF = {("qwen2", 28, 12, 2, 1536, 151936): ("ada-snapkv", 0.2)}
 
 
@@ -224,7 +190,7 @@ class PromptShare(float):
         """A two-tier plan whose tokens for an n-token prompt the floor sets: int4 would buy no token
         more, so the floor's tokens are kept at the first tier's bits alone (int8). Copying a
         passage of 122-204 tokens, three tiers split over the floor's 128 tokens lost 15 BLEU points
-        against int8 alone (docs/quality-per-byte.md)."""
+        against int8 alone (docs/results/quality-per-byte.md)."""
         return bool(self.pair) and sum(self.pair) * n <= self.floor
 
     def storage_for(self, n: int, planned: Storage) -> Storage:

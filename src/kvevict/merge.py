@@ -14,7 +14,7 @@ Cache Merging for Memory-efficient LLMs Inference"), which merge each evicted to
 ones; here every evicted token of a head goes into one slot, so no kept token's key or value
 changes and a covering budget (nothing evicted: n = 0, the slot masked) stays exact.
 
-Why (docs/ruler.md, "Dropped tokens and their attention mass"): on RULER's multi-query NIAH
+Why (docs/results/ruler.md, "Dropped tokens and their attention mass"): on RULER's multi-query NIAH
 SmolLM2 answers a numbered list of no numbers once about half of the haystack is dropped, whichever
 tokens go, needles kept; with the same tokens replaced by copies of their mean it answers as
 with the full cache.

@@ -13,7 +13,7 @@ dtype: what a slot stores. Statistics a policy only ranks by are float16 (a rank
 than 11 bits; a sum saturates at ``FP16_MAX``, where a sink token stays first, after ~25K steps);
 counters and squares stay float32 (float16 counts stop at 2,048 and squared probabilities
 underflow). With them the int4 slot's bookkeeping falls to 12 of its 64 code bytes
-(docs/quality-per-byte.md).
+(docs/results/quality-per-byte.md).
 fused: whether the fused decode kernels' output gives it (``kvevict.kernels``): they return p
 summed over the group, so per-head maxima, expected attention and per-block sums are not.
 from_pg: computed from p; False for key norms (taken when a key is written).

@@ -41,7 +41,8 @@ def add_model_args(p, policy=True, prefill=True):
                         "when another process is busy)")
     if policy:
         p.add_argument("--policy", default="h2o", help="eviction policy, or 'full' for the stock full cache")
-        p.add_argument("--budget", default="0.2", help="tokens kept per layer and KV head (int) or fraction of the prompt")
+        p.add_argument("--budget", default=None,
+                       help="tokens kept per layer and KV head (int) or fraction of the prompt (default 0.2)")
         p.add_argument("--recent", type=int, default=None, help="recent window (default: the policy's own)")
     if policy and prefill:
         p.add_argument("--prefill", default="full", choices=["full", "token", "block"],
@@ -54,7 +55,7 @@ def add_model_args(p, policy=True, prefill=True):
         p.add_argument("--memory", default=None,
                        help="a budget in bytes instead of --budget: share of a 16-bit stock cache (0.2, 20%%) "
                             "or size (64MiB); kvevict picks tokens kept x bits, and the policy unless --policy "
-                            "names one (see README)")
+                            "names one (see docs/guide.md)")
         p.add_argument("--kv-bits", type=int, default=None, help="store kept tokens in 16, 8, 4 or 2 bits")
         p.add_argument("--evicted-bits", type=int, default=None,
                        help="demote evicted tokens to a tier of 16, 8, 4 or 2 bits instead of dropping them")
@@ -82,18 +83,26 @@ def policy_params(args) -> dict:
     return out
 
 
-def check_policy_args(args) -> None:
-    """Fail on a bad policy, budget or prefill before the model takes seconds to load."""
-    from ..budget import check_budget
-    from ..generate import split_question
-    from ..policies import POLICIES, policy_class
-    from ..prefill import check_mode
+def cli_budget(args, default: str):
+    """--budget as generate() takes it: None where --policy's spec names its own budget."""
+    from ..spec import CacheSpec
 
-    name = split_question(args.policy or "h2o")[0]  # "snapkv+q": the question protected and observed
-    if name not in ("full", "oracle") and policy_class(name) is None:
-        raise ValueError(f"unknown policy {args.policy!r}; known policies: full, {', '.join(sorted(POLICIES))} "
-                         "(ada-NAME: head-adaptive budgets; NAME+q: the prompt's question protected).")
-    if args.policy != "full":
+    if args.policy and CacheSpec.parse(args.policy).budget is not None:
+        return None
+    return parse_budget(args.budget if args.budget is not None else default)
+
+
+def check_policy_args(args) -> None:
+    """Fail on a bad policy, budget or prefill before the model takes seconds to load. --policy is a
+    cache spec (``kvevict.spec``: ``h2o``, ``snapkv+q/int8@0.2``, ``kvzip-pool@memory=0.1``)."""
+    from ..budget import check_budget
+    from ..prefill import check_mode
+    from ..spec import FULL, CacheSpec
+
+    spec = CacheSpec.parse(args.policy) if args.policy else None
+    if spec is not None and spec.budget is not None and (args.budget is not None or args.memory is not None):
+        raise ValueError(f"--policy {args.policy} names its budget already: drop --budget / --memory, or the @ part.")
+    if args.budget is not None and (spec is None or spec.policy != FULL):
         check_budget(parse_budget(args.budget))
     check_mode(args.prefill, args.stride)
     if getattr(args, "memory", None) is not None:
@@ -124,7 +133,7 @@ def default_threads() -> int:
     """Torch threads when --threads is not given: $OMP_NUM_THREADS if set, else half the cores this
     process may run on (at least 1). Why not torch's default (every core): its threads spin at each
     parallel region's barrier, so while another busy process holds a core every barrier waits for a
-    descheduled thread, and a decode step gets 4-60x slower (docs/performance.md, "Threads").
+    descheduled thread, and a decode step gets 4-60x slower (docs/results/performance.md, "Threads").
     Half the cores leaves room for one neighbour and costs at most 2x on an idle machine."""
     env = os.environ.get("OMP_NUM_THREADS", "").strip()
     if env.isdigit() and int(env) > 0:

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from ._common import add_model_args, load_model_args, check_policy_args, mib, parse_budget, policy_params, setup_threads
+from ._common import add_model_args, load_model_args, check_policy_args, cli_budget, mib, policy_params, setup_threads
 
 NAME = "generate"
 HELP = "answer a prompt under a KV budget; print the answer and the KV bytes held vs a 16-bit stock cache"
@@ -15,7 +15,7 @@ HELP = "answer a prompt under a KV budget; print the answer and the KV bytes hel
 def add_arguments(p):
     add_model_args(p)
     # like the server: short prompts stay whole, eviction starts past 1024 tokens per layer & KV head
-    p.set_defaults(budget="1024")
+    p.set_defaults(budget=None)  # 1024 unless --policy's spec names one
     # no --policy: h2o, or with --memory the policy the budget picks (kvzip-pool: the prompt is known)
     p.set_defaults(policy=None)
     src = p.add_mutually_exclusive_group(required=True)
@@ -42,7 +42,7 @@ def run(args):
     setup_threads(args)
     model, tok = load_model_args(args)
     prompt = text if args.raw else [{"role": "user", "content": text}]
-    res = generate(model, tok, prompt, args.policy, parse_budget(args.budget), args.max_new_tokens,
+    res = generate(model, tok, prompt, args.policy, cli_budget(args, "1024"), args.max_new_tokens,
                    prefill_mode=args.prefill, stride=args.stride, **policy_params(args))
     if args.json:
         print(json.dumps(res.as_dict()))

@@ -51,19 +51,31 @@ def add_arguments(p):
 
 
 def settings_from_args(args) -> dict:
-    from ..policies import POLICIES
+    from ..budget import check_budget
+    from ..spec import CacheSpec
 
     budget = None if args.budget == "auto" else parse_budget(args.budget)
-    policy = args.policy.lower()
-    if policy not in POLICIES and policy not in ("full", "none"):
-        raise ValueError(f"unknown --policy {args.policy!r}; known: full, {', '.join(sorted(POLICIES))}.")
-    from ..budget import check_budget
+    spec = CacheSpec.parse(args.policy)  # NAME[/BITS][@BUDGET]: the rows' default cache
+    if spec.memory or spec.question:
+        raise ValueError(f"--policy {args.policy}: the server's memory is --kv-memory and a request has no "
+                         "question to protect; give a policy, its storage and a token budget (h2o/int8@0.2).")
+    if spec.budget is not None:
+        if budget is not None:
+            raise ValueError(f"--policy {args.policy} names its budget already: drop --budget or the @ part.")
+        budget = spec.budget
+    if spec.storage is not None and spec.policy != "full":
+        if args.kv_bits is not None:
+            raise ValueError(f"--policy {args.policy} names its storage already: drop --kv-bits or the / part.")
+        if spec.storage.evicted_bits is not None:
+            raise ValueError("the server keeps one tier per row: name kept bits only (h2o/int8).")
+        args.kv_bits = "none" if spec.storage.kv_bits is None else str(spec.storage.kv_bits)
+    policy = spec.policy
 
     if budget is not None:
         check_budget(budget)
     storage = {}  # --kv-bits not given: the server's default (Settings.kv_bits)
     if args.kv_bits is not None:
-        if policy in ("full", "none"):
+        if policy == "full":
             raise ValueError("--kv-bits sets the storage of budgeted rows; --policy full keeps the stock cache "
                              "in the model's dtype: drop --kv-bits or name a policy.")
         storage["kv_bits"] = parse_kv_bits(args.kv_bits)
@@ -71,7 +83,7 @@ def settings_from_args(args) -> dict:
                  "min_budget", "max_queue"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
-    return dict(model_id=args.served_name or args.model, policy="full" if policy == "none" else policy,
+    return dict(model_id=args.served_name or args.model, policy=policy,
                 budget=budget, recent=args.recent, max_tokens=args.max_tokens,
                 max_tokens_limit=args.max_tokens_limit, max_batch=args.max_batch, budget_share=args.budget_share,
                 kv_memory=parse_bytes(args.kv_memory), min_budget=args.min_budget, budget_round=args.budget_round,

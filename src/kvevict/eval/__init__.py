@@ -1,1 +1,1 @@
-"""Quality under a KV budget: tasks, metrics, the grid runner and its report (issue 4)."""
+"""Quality under a KV budget: tasks, metrics, the grid runner and its report."""

@@ -2,9 +2,9 @@
 held (kv_bytes / full_kv_bytes, ``kvevict.stock``), its paired difference to the full cache with a
 95% interval, and a Pareto plot (the cells no other cell beats on both axes).
 
-    python -m kvevict.eval.bytes_report results/qpb [more folders...] --out docs/quality-per-byte
+    python -m kvevict.eval.bytes_report results/qpb [more folders...] --out docs/results/quality-per-byte
 
-Records written before issue 20 (no ``bytes_basis``) counted a full cache in the model's dtype,
+Records written before budgets were counted against a 16-bit stock cache (no ``bytes_basis``) counted a full cache in the model's dtype,
 every layer at every token: their denominator is rescaled to 16 bits by ``--legacy-dtype-bytes``
 (4: every such run of this project held SmolLM2, which has no sliding layers, in fp32).
 """
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
     p.add_argument("folders", nargs="+", help="eval output folders (records.jsonl)")
     p.add_argument("--out", required=True, help="path prefix: writes PREFIX.md and PREFIX.png")
     p.add_argument("--legacy-dtype-bytes", type=int, default=4, choices=(2, 4),
-                   help="bytes per value of the full cache in records written before issue 20 (default 4: fp32)")
+                   help="bytes per value of the full cache in records without a bytes_basis (default 4: fp32)")
     args = p.parse_args(argv)
     recs = [r for f in args.folders for r in records.load(f).values()]
     if not recs:

@@ -7,8 +7,9 @@ import json
 from pathlib import Path
 
 FILE = "records.jsonl"
-# records written since issue 20 carry it: full_kv_bytes is a stock cache at 16 bits; older ones
-# counted every layer at every token in the model's dtype (see bytes_report.stock_share)
+# records written since budgets are counted against a 16-bit stock cache carry it: full_kv_bytes is
+# a stock cache at 16 bits; older ones counted every layer at every token in the model's dtype
+# (see bytes_report.stock_share)
 BASIS = "stock16"
 
 

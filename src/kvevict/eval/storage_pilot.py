@@ -1,6 +1,6 @@
 """Quick paired NLL cost of cache configurations against the full cache, on the ppl task's windows
 (the same text streamed through every cache in lockstep, 32 tokens a step), with the bytes each held.
-What chose the group size and the memory rule (docs/quality-per-byte.md):
+What chose the group size and the memory rule (docs/results/quality-per-byte.md):
 
     python -m kvevict.eval.storage_pilot --windows 2 --config int4:kv_bits=4 \\
         --config int8+int4@0.2:kv_bits=8,evicted_bits=4,budget=0.2 --config h2o@0.2:budget=0.2

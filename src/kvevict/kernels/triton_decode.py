@@ -17,7 +17,7 @@ cores, a step and a zero per token and group the only arithmetic: ``_factored``)
 new key, the splits merged into out, and pg from the saved scores).
 On an H100 the factored int4 read (its products transposed there: ``trans_default``) takes 0.465x
 dense bf16 SDPA's GPU time at 32K context, batch 8, out only, and 0.514x with pg (replayed from a
-CUDA graph: docs/performance.md, "On a GPU: the Triton kernel"). The
+CUDA graph: docs/results/performance.md, "On a GPU: the Triton kernel"). The
 factored read computes with the exact dequantized keys and values, where the torch reference
 (and ``_split_kernel``) rounds them to a bf16 / fp16 query's dtype first: in those dtypes its pg
 is within 3e-7 of attention over the exact values, the rounded reference's about 2e-3
@@ -138,7 +138,7 @@ def plan(q, runs, k_new, v_new, mask, scale, softcap=None, summary=None, *, spli
     ``trans``: the factored read's two products transposed, the codes their first operand
     (``_split_rows_kernel``'s TRANS: on an sm_90 GPU warpgroup MMAs, the keys' words loaded where
     they are multiplied); None: on where it was timed faster, sm_90 (``trans_default``,
-    docs/performance.md), in tiles of 64 keys or more; ``pg``: see Returns."""
+    docs/results/performance.md), in tiles of 64 keys or more; ``pg``: see Returns."""
     b, hq, hkv, d, dv, n_total = _check(q, runs, k_new, v_new, mask)
     from . import triton_kernels as tk  # imports triton
 
@@ -151,7 +151,7 @@ def plan(q, runs, k_new, v_new, mask, scale, softcap=None, summary=None, *, spli
             raise ValueError(f"{name} must be a power of two >= {least}, got {value!r}.")
     if regs is not None and (isinstance(regs, bool) or not isinstance(regs, int) or not 24 <= regs <= 248 or regs % 8):
         raise ValueError(f"regs must be a multiple of 8 from 24 to 248 (registers per thread), got {regs!r}.")
-    # keys per tile, measured on an H100 (docs/performance.md, "On a GPU"): 128 for the factored
+    # keys per tile, measured on an H100 (docs/results/performance.md, "On a GPU"): 128 for the factored
     # read of codes made from their bits up to head dim 128, else 64 (the per-channel read spills
     # at 128, int8 is slower), 32 past head dim 128
     block_n = _block(split, block or (64 if max(d_p, dv_p) <= 128 else 32))
@@ -294,7 +294,7 @@ def _block(split, block_n: int) -> int:
 
 def trans_default(device) -> bool:
     """Whether ``plan`` transposes the factored read's products when not told: on an sm_90 GPU (the
-    H100 / H200), where its warpgroup MMAs timed 4% faster at 32K x batch 8 (docs/performance.md);
+    H100 / H200), where its warpgroup MMAs timed 4% faster at 32K x batch 8 (docs/results/performance.md);
     off elsewhere (untimed there) and in the interpreter (a CPU tensor)."""
     return device.type == "cuda" and _gpu(_index(device))[0] == (9, 0)
 

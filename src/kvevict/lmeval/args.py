@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..policies import POLICIES, policy_class
+from ..spec import CacheSpec
+
 # what lm-eval itself passes to every model (from --batch_size, --max_batch_size, --device)
 _HARNESS = ("batch_size", "max_batch_size", "device")
 # policy fields that kvevict fills itself (a prompt's question, scores recorded on the prompt)
@@ -67,14 +70,8 @@ OWN = tuple(f.name for f in dataclasses.fields(Settings) if f.name != "policy_pa
 
 def _policy_fields(policy: str) -> tuple:
     """The parameters the policy's dataclass takes (``sinks``, ``window``, ...); () for 'full'."""
-    from ..generate import split_question
-    from ..policies import POLICIES, policy_class
-
     if policy == "full":
         return ()
-    if split_question(policy)[1] or policy == "oracle":
-        raise ValueError(f"policy {policy!r} is not offered through lm-eval (the oracle needs the future, "
-                         "+q needs the prompt's question); choose full or one of: " + ", ".join(sorted(POLICIES)) + ".")
     found = policy_class(policy)
     if found is None:
         raise ValueError(f"unknown policy {policy!r} in model_args; choose full or one of: "
@@ -101,6 +98,18 @@ def parse_settings(kwargs: dict) -> Settings:
 
     kwargs = dict(kwargs)
     policy = str(kwargs["policy"]).lower() if kwargs.get("policy") is not None else None
+    if policy is not None and policy != "full":  # a cache spec (kvevict.spec): h2o/int4@0.2, kvzip-pool@memory=0.1
+        spec = CacheSpec.parse(policy)
+        if spec.question or spec.policy == "oracle":
+            raise ValueError(f"policy {policy!r} is not offered through lm-eval (the oracle needs the future, "
+                             "+q needs the prompt's question); choose full or one of: "
+                             + ", ".join(sorted(POLICIES)) + ".")
+        named = spec.cache_kwargs()
+        twice = sorted(k for k in named if kwargs.get(k) is not None)
+        if twice:
+            raise ValueError(f"policy={policy} names {', '.join(twice)} already: drop them from model_args.")
+        kwargs.update(named)
+        policy = kwargs["policy"] = spec.policy
     allowed_policy = _policy_fields(policy or "h2o")
     unknown = sorted(k for k in kwargs if k not in OWN and k not in allowed_policy)
     if unknown:

@@ -29,7 +29,7 @@ class KVzip(Policy):
     every context token, older ones below, so a short answer evicts context as kvpress's growing
     cache would (it keeps every generated token), while a long one keeps a window of itself beside
     the best-scored half of the context instead of losing the context (measured on the
-    ``continuation`` task, docs/retrieval.md). Build it with ``KVzip.record(model, tokenizer,
+    ``continuation`` task, docs/results/retrieval.md). Build it with ``KVzip.record(model, tokenizer,
     input_ids)``; ``kvevict.generate.generate(..., policy="kvzip")`` records it first.
 
     ``adaptive=True`` (``ada-kvzip``) pools each layer's budget over its KV heads (Ada-KV);
@@ -56,7 +56,7 @@ class KVzip(Policy):
     the first 20 (keys kept one by one left four of them answering "1. 1.1.1..."); over 60 samples
     89% against 80%, and ``merge-kvzip-span`` (its evicted tokens kept as one mean slot per head,
     kvevict.merge) 105%. Text after a compressed context cost +3.6% perplexity against +1.5%:
-    ``kvzip-pool``, unpooled, stays the memory plan's pick (docs/ruler.md).
+    ``kvzip-pool``, unpooled, stays the memory plan's pick (docs/results/ruler.md).
     """
 
     scores: list | None = field(default=None, repr=False)  # per layer: (b, hkv, n) reconstruction attention

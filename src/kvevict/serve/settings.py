@@ -32,7 +32,7 @@ class Settings:
     # bits per key/value channel of every budgeted row's storage: None (the model's dtype), 16, 8
     # or 4 (packed codes read by the fused kernels, kvevict.storage.codes); full-cache rows keep the dtype.
     # int8: at the same K/V memory it served about twice H2O fp32's tokens/s, at the same quality
-    # (int8 at the same tokens costs +0.0002 nats per token; docs/serving.md, "Packed storage")
+    # (int8 at the same tokens costs +0.0002 nats per token; docs/results/serving.md, "Packed storage")
     kv_bits: int | None = 8
     # -- hosting (issue 44) --
     # every /v1 route asks for "Authorization: Bearer <api_key>" (None: open); repr=False keeps it

@@ -9,10 +9,10 @@
 
 from ..stats import stat_bytes, stat_dtype
 from .codes import BITS, check_bits, check_group, slot_bytes
-from .config import DEFAULT_GROUP, KEY_BASES, LOW_BITS, POS_BYTES, Storage, split_spec
+from .config import DEFAULT_GROUP, KEY_BASES, LOW_BITS, POS_BYTES, Storage
 from .interface import Piece, SlotField, SlotStore
 from .paged import PAGE, Pools, page_slots
 
 __all__ = ["BITS", "DEFAULT_GROUP", "KEY_BASES", "LOW_BITS", "PAGE", "POS_BYTES", "Piece", "Pools", "SlotField",
-           "SlotStore", "Storage", "check_bits", "check_group", "page_slots", "slot_bytes", "split_spec",
+           "SlotStore", "Storage", "check_bits", "check_group", "page_slots", "slot_bytes",
            "stat_bytes", "stat_dtype"]

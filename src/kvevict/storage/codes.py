@@ -26,7 +26,7 @@ Two kinds behind one interface (``write``, ``read``, ``pieces``, ``map_batch``, 
   quantized values, every time one of its tokens is evicted. Dividing keys by a per-channel scale
   first (SmoothQuant-style) was measured and rejected: on SmolLM2 it doubled int4's NLL cost (the
   error of the outlier channels, which queries weight most, grows with their scale); see
-  docs/quality-per-byte.md. Reading happens in ``pieces`` of at
+  docs/results/quality-per-byte.md. Reading happens in ``pieces`` of at
   most ``CHUNK`` slots, so at most one chunk of a layer exists in full precision at a time.
 """
 

@@ -7,12 +7,12 @@ from dataclasses import dataclass
 
 from .codes import check_bits, slot_bytes
 
-# per-token groups of 32 channels: measured against 16 and 64 on SmolLM2 (docs/quality-per-byte.md)
+# per-token groups of 32 channels: measured against 16 and 64 on SmolLM2 (docs/results/quality-per-byte.md)
 DEFAULT_GROUP = 32
 POS_BYTES = 2  # a slot's position, int16 (kvevict.tier)
 
 # keys stored in a rotated basis by default at these bits: a per-token group with one step cannot
-# hold outlier channels as the model makes them (docs/families.md: Qwen2.5-Coder-1.5B)
+# hold outlier channels as the model makes them (docs/results/families.md: Qwen2.5-Coder-1.5B)
 LOW_BITS = (8, 4, 2)
 KEY_BASES = (None, "rotated", "raw")
 
@@ -91,9 +91,3 @@ class Storage:
         (int16, -1 for an empty slot; a sequence past ``tier.POS16_MAX`` tokens widens it to int32,
         2 bytes more), the policy's statistics (``stats_bytes``: ``stat_bytes(policy.stats)``)."""
         return slot_bytes(head_dim_k, head_dim_v, self.kv_bits, self.group, dtype_bytes) + POS_BYTES + stats_bytes
-
-
-def split_spec(spec: str) -> tuple[str, Storage]:
-    """'h2o/int4+int2' -> ('h2o', Storage(kv_bits=4, evicted_bits=2)); 'h2o' -> ('h2o', Storage())."""
-    policy, _, label = spec.partition("/")
-    return policy, Storage.parse(label)

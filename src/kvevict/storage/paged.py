@@ -36,7 +36,7 @@ from .interface import Piece
 from .rect import DenseStore, PackedStore, _Packed, _spans, trailing
 
 # slots allocated at a time per (sequence, KV head), in a rectangle's growth as in a pool's pages;
-# see docs/performance.md ("Paged storage")
+# see docs/results/performance.md ("Paged storage")
 PAGE = 32
 
 

@@ -1,0 +1,177 @@
+"""One grammar for naming a cache, parsed and printed here and nowhere else.
+
+    SPEC    := "full"                           the stock transformers cache (the reference)
+             | "full/" STORAGE                  every token kept, stored as STORAGE ("full/int4")
+             | "memory=" SIZE                   a memory budget, the policy the plan picks
+                                                (a spec whose budget a grid gives: "memory",
+                                                "NAME@memory")
+             | POLICY ["+q"] ["/" STORAGE] ["@" BUDGET]
+    POLICY  := ["merge-"] ["ada-"] NAME         a registered policy (``kvevict.POLICIES``)
+    "+q"    := the prompt's question protected and observed (``kvevict.generate.question_tokens``)
+    STORAGE := KEPT ["+" EVICTED]               fp (the model's dtype), fp16, int8, int4, int2:
+                                                "int8+int4" demotes evicted tokens to int4
+    BUDGET  := TOKENS | SHARE | "memory=" SIZE  an int, a float in (0, 1] of the prompt, or bytes:
+                                                a share of a 16-bit stock cache (0.2, 20%) or 64MiB
+
+Examples: ``h2o@0.2``, ``snapkv+q/int8@512``, ``kvzip-pool@memory=0.2``, ``memory=0.1``,
+``full/int4``. A spec may leave its budget out (an eval grid gives it: ``CacheSpec.at``). Older
+spellings still read: ``mem``, ``mem-NAME[/BITS]`` (eval grids), ``stock`` and ``kvevict-full``
+(benchmarks), a trailing ``+q`` after the storage (``h2o/int4+q``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from .memory import parse_memory
+from .policies.registry import POLICIES, policy_class
+from .storage.config import Storage
+
+FULL = "full"
+QUESTION = "+q"
+MEMORY = "memory="
+_LEGACY_MEMORY = "mem"  # eval grids: "mem", "mem-NAME", "mem-NAME/BITS" (budget = a memory share)
+_LEGACY = {"stock": FULL, "none": FULL}
+
+GRAMMAR = ("POLICY[+q][/STORAGE][@BUDGET], full[/STORAGE] or memory=SHARE: e.g. h2o@0.2, snapkv+q/int8@512, "
+           "kvzip-pool@memory=0.2, memory=0.1, full/int4 (STORAGE: fp, fp16, int8, int4, int2 or KEPT+EVICTED "
+           "such as int8+int4; BUDGET: tokens, a share of the prompt in (0, 1], or memory=SHARE / memory=64MiB)")
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """A cache by name. policy: "full", a policy name (``ada-``/``merge-`` prefixes kept), or None
+    (a memory budget's plan picks it). storage: None when not named (the model's dtype; for "full",
+    the stock cache), else the ``Storage`` named. budget: tokens (int), a share of the prompt
+    (float), or with ``memory`` a memory budget (a share of a 16-bit stock cache, or bytes)."""
+
+    policy: str | None = FULL
+    storage: Storage | None = None
+    question: bool = False
+    budget: int | float | str | None = None
+    memory: bool = False
+
+    def __post_init__(self):
+        if self.policy is None and not self.memory:
+            raise ValueError(f"a cache with no policy named is a memory budget's: write it as {MEMORY}SHARE.")
+        if self.policy == FULL and (self.question or self.budget is not None or self.memory):
+            raise ValueError("the full cache keeps every token: it takes no budget and no +q "
+                             "(write full, or full/STORAGE for every token stored as STORAGE).")
+
+    # -- reading and writing --------------------------------------------------------------------
+    @classmethod
+    def parse(cls, text) -> "CacheSpec":
+        if isinstance(text, CacheSpec):
+            return text
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"a cache spec must be a non-empty string, got {text!r}; write {GRAMMAR}.")
+        raw = text.strip().lower()
+        try:
+            return _parse(raw)
+        except ValueError as err:
+            raise ValueError(f"cannot read the cache {text!r} ({err}); write {GRAMMAR}.") from None
+
+    def __str__(self) -> str:
+        if self.policy is None:
+            head = ""
+        else:
+            head = self.policy + (QUESTION if self.question else "")
+        if self.storage is not None:
+            head += "/" + (self.storage.label or "fp")
+        if self.budget is None:  # a grid gives it (``at``); "@memory": a memory budget's
+            return (head + "@memory" if head else "memory") if self.memory else head
+        size = MEMORY + _size_text(self.budget) if self.memory else _size_text(self.budget)
+        return size if self.policy is None else f"{head}@{size}"
+
+    # -- what callers ask of it -----------------------------------------------------------------
+    @property
+    def is_stock(self) -> bool:
+        """The stock transformers cache: nothing of kvevict in the way."""
+        return self.policy == FULL and self.storage is None
+
+    def at(self, budget) -> "CacheSpec":
+        """This spec with a grid's budget (a memory spec takes it as its memory budget)."""
+        if self.policy == FULL:
+            return self
+        if self.budget is not None and budget is not None and self.budget != budget:
+            raise ValueError(f"{self} names its budget already; give it without @BUDGET to sweep budgets.")
+        return replace(self, budget=budget)
+
+    def cache_kwargs(self) -> dict:
+        """``make_cache`` keyword arguments this spec names (its storage bits, its budget)."""
+        kw: dict = {}
+        if self.storage is not None:
+            kw.update(kv_bits=self.storage.kv_bits, evicted_bits=self.storage.evicted_bits)
+        if self.budget is not None:
+            kw["memory" if self.memory else "budget"] = self.budget
+        return kw
+
+
+def _parse(raw: str) -> CacheSpec:
+    raw = _LEGACY.get(raw, raw)
+    if raw == "kvevict-full" or raw.startswith("kvevict-full/"):  # benchmarks: kvevict, nothing evicted
+        return CacheSpec(FULL, Storage.parse(raw.partition("/")[2] or "fp"))
+    if raw == "memory":
+        return CacheSpec(None, memory=True)
+    if raw.startswith(MEMORY):
+        return CacheSpec(None, budget=_memory_size(raw[len(MEMORY):]), memory=True)
+    if raw == _LEGACY_MEMORY or raw.startswith(_LEGACY_MEMORY + "-") and not raw.startswith("memory"):
+        name = raw[len(_LEGACY_MEMORY) + 1:]
+        inner = _parse(name) if name else CacheSpec(None, memory=True)
+        return replace(inner, memory=True)
+    head, at, budget = raw.partition("@")
+    if at and not budget:
+        raise ValueError("nothing after @")
+    name, slash, storage = head.partition("/")
+    question = False
+    for part in ("name", "storage"):  # "+q" after the name, or (older) after the storage
+        text = name if part == "name" else storage
+        if text.endswith(QUESTION):
+            question, text = True, text[: -len(QUESTION)]
+            name, storage = (text, storage) if part == "name" else (name, text)
+    if not name:
+        raise ValueError("no policy named")
+    if slash and not storage:
+        raise ValueError("nothing after /")
+    st = Storage.parse(storage) if slash else None
+    if storage == "fp":
+        st = Storage()
+    if name == FULL:
+        if budget:
+            raise ValueError("the full cache keeps every token: no @BUDGET")
+        return CacheSpec(FULL, st, question)
+    _check_policy(name)
+    if not budget:
+        return CacheSpec(name, st, question)
+    if budget == "memory":
+        return CacheSpec(name, st, question, memory=True)
+    if budget.startswith(MEMORY):
+        return CacheSpec(name, st, question, _memory_size(budget[len(MEMORY):]), memory=True)
+    return CacheSpec(name, st, question, _token_budget(budget))
+
+
+def _check_policy(name: str) -> None:
+    if policy_class(name) is None:
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}, each also as ada-NAME "
+                         "(head-adaptive budgets) and merge-NAME (evicted tokens merged)")
+
+
+def _token_budget(text: str) -> int | float:
+    try:
+        value = float(text) if any(c in text for c in ".e") else int(text)
+    except ValueError:
+        raise ValueError(f"budget {text!r} is not a number of tokens or a share of the prompt") from None
+    if isinstance(value, float) and not 0.0 < value <= 1.0:
+        raise ValueError(f"a share of the prompt is in (0, 1], got {text}")
+    if isinstance(value, int) and value <= 0:
+        raise ValueError(f"a budget of {value} tokens keeps nothing")
+    return value
+
+
+def _memory_size(text: str) -> float | int:
+    """0.2 or 20% (a share of a 16-bit stock cache) or 64MiB (bytes): ``memory.parse_memory``."""
+    return parse_memory(text)
+
+
+def _size_text(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
