@@ -1,4 +1,4 @@
-"""Rows of different lengths decoding together, three ways (``python -m kvevict.bench.row_pages``):
+"""Rows of different lengths decoding together, three ways (``python benchmarks/row_pages.py``):
 
 - ``pages``: one batch, each row its own pages of a shared pool (``kvevict.pages``, the server's
   storage), one forward per step;
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from ..pages import Pools
-from ..serve.batch import DecodeBatch
-from ..tier import PAGE, pages
+from kvevict.pages import Pools
+from kvevict.serve.batch import DecodeBatch
+from kvevict.tier import PAGE, pages
 
 SMALL = 4  # the old server's rule: rows of up to this many pages shared one batch
 
@@ -61,9 +61,9 @@ def steps(batches: list[DecodeBatch], n: int) -> float:
 
 
 def main(argv=None) -> int:
-    from ..models import load_model
+    from kvevict.models import load_model
 
-    p = argparse.ArgumentParser(prog="python -m kvevict.bench.row_pages", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python benchmarks/row_pages.py", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--lo", type=int, default=64, help="shortest row's context, tokens")

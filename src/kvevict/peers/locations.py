@@ -1,5 +1,5 @@
 """Where the peers' environments live: one folder per peer under a root of the user's choosing
-(``kvevict peers setup --into DIR`` creates them; see kvevict.bench.peer_setup).
+(``kvevict peers setup --into DIR`` creates them; see kvevict.peers.environments).
 
 Each peer is found, first match wins, at
 

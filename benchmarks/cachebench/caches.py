@@ -68,7 +68,7 @@ class CacheSpec:
 
     def kept_tokens(self, context: int) -> int:
         """Tokens held per (sequence, KV head) while decoding at ``context``."""
-        from ..cache import resolve_budget
+        from kvevict.cache import resolve_budget
 
         if self.budget is None or self.kind == MEMORY:  # a memory plan keeps every token or says so itself
             return context
@@ -77,9 +77,8 @@ class CacheSpec:
 
 def available_policies(requested: list[str]) -> tuple[list[str], list[str]]:
     """The requested policies that exist in ``kvevict.POLICIES`` now, and a note per missing one."""
-    from .. import POLICIES
-
-    from ..storage import split_spec
+    from kvevict import POLICIES
+    from kvevict.storage import split_spec
 
     have, notes = [], []
     for name in requested:
@@ -96,7 +95,7 @@ def specs_for(policies: list[str], budgets: list[float]) -> list[CacheSpec]:
 
 def use_attention(model, spec: CacheSpec) -> None:
     """Route the model's attention for this cache: SDPA for the stock cache, kvevict otherwise."""
-    from ..attention import ATTN_NAME
+    from kvevict.attention import ATTN_NAME
 
     model.set_attn_implementation("sdpa" if spec.kind == STOCK else ATTN_NAME)  # "kvevict-full/int4" too
 
@@ -106,8 +105,8 @@ def prefill(model, spec: CacheSpec, context: int, decode_tokens: int, seed: int 
     """A batch-1 cache in the state it has when decoding starts at ``context`` (see module doc)."""
     from transformers import DynamicCache
 
-    from ..cache import make_cache
-    from ..storage import split_spec
+    from kvevict.cache import make_cache
+    from kvevict.storage import split_spec
 
     gen = torch.Generator().manual_seed(seed)
     cfg = model.config
