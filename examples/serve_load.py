@@ -1,6 +1,6 @@
 """Load check for a running ``kvevict serve``: N requests one after another, then the same N at
 once (batched continuously by the server), through the openai client. Prints a table and writes JSON.
-The side-by-side load test against vLLM is ``python -m kvevict.bench.serve_load`` (docs/results/serving.md).
+The side-by-side load test against vLLM is ``python benchmarks/serve_load.py`` (docs/results/serving.md).
 
     kvevict serve --model smollm2-135m --max-batch 8 &
     python examples/serve_load.py --n 8 --max-tokens 32 --out runs/serve_load.json

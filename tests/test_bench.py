@@ -1,4 +1,4 @@
-"""kvevict bench: the arithmetic against hand-computed values, the caches it decodes from, its
+"""benchmarks/bench.py: the arithmetic against hand-computed values, the caches it decodes from, its
 timers, its target verdicts, and one --quick run on a tiny model for the shape of its outputs
 (never for speed: speed lives in the bench's own output)."""
 
@@ -9,9 +9,10 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from kvevict.bench import memory_math as mm
-from kvevict.bench import targets, timers
-from kvevict.bench.caches import (
+from benchmarks.bench import main
+from benchmarks.cachebench import memory_math as mm
+from benchmarks.cachebench import targets, timers
+from benchmarks.cachebench.caches import (
     NO_EVICTION,
     STOCK,
     CacheSpec,
@@ -19,8 +20,7 @@ from kvevict.bench.caches import (
     prefill,
     state_bytes,
 )
-from kvevict.bench.stats import summary
-from kvevict.cli import main
+from benchmarks.cachebench.stats import summary
 
 GiB = 2**30
 
@@ -78,7 +78,7 @@ def test_cache_labels_round_trip():
 
 
 def test_peer_comparison_pairs_kvevict_and_llamacpp_ratios():
-    from kvevict.bench.matrix import add_step_ratios, peer_comparison
+    from benchmarks.cachebench.matrix import add_step_ratios, peer_comparison
 
     def rec(cache, steps):
         return {"threads": 2, "context": 3072, "batch": 1, "cache": cache, "round_median_step_s": steps}
@@ -110,7 +110,7 @@ def test_prefilled_caches_are_in_decode_state():
     pol = prefill(model, CacheSpec("h2o", 0.25), ctx, steps)
     assert pol.budget == math.ceil(0.25 * ctx) == CacheSpec("h2o", 0.25).kept_tokens(ctx)
     for spec, base in ((CacheSpec(NO_EVICTION), full), (CacheSpec("h2o", 0.25), pol)):
-        from kvevict.bench.caches import use_attention
+        from benchmarks.cachebench.caches import use_attention
 
         use_attention(model, spec)
         c = expand(base, 3)
@@ -157,7 +157,7 @@ def _record(cache, step, batch=8, context=8192, budget=None, kept=8192, floor=No
 
 
 def test_target_verdicts_from_ratios():
-    from kvevict.bench.decode import add_ratios
+    from benchmarks.cachebench.decode import add_ratios
 
     recs = [_record("stock", 1.2), _record("h2o@0.2", 0.15, floor=0.12), _record("recency@0.2", 0.14)]
     add_ratios(recs)
@@ -188,7 +188,7 @@ def test_medians_of_an_even_count_average_the_two_middle_values():
 
 
 def test_round_medians_of_4_decode_steps(monkeypatch):
-    from kvevict.bench import decode
+    from benchmarks.cachebench import decode
 
     steps = iter([[4.0, 1.0, 3.0, 2.0], [9.0, 7.0, 8.0, 6.0]])
     monkeypatch.setattr(decode, "time_decode", lambda *a: (next(steps), 100))
@@ -212,7 +212,7 @@ def tiny_dir(tmp_path_factory):
 def test_quick_run_writes_json_markdown_plots(tiny_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("KVEVICT_KVPRESS_PYTHON", str(tmp_path / "no-venv" / "python"))
     out = tmp_path / "out"
-    rc = main(["bench", "--quick", "--model", str(tiny_dir), "--out", str(out), "--threads", "1",
+    rc = main(["--quick", "--model", str(tiny_dir), "--out", str(out), "--threads", "1",
                "--policies", "h2o,no-such-policy"])
     assert rc == 0
     res = json.loads((out / "bench.json").read_text())
@@ -276,13 +276,13 @@ def test_quick_run_writes_json_markdown_plots(tiny_dir, tmp_path, monkeypatch, c
                                        (["--matrix-caches", "h2o@0.2"], "include stock"),
                                        (["--llama-contexts", "x"], "llama-contexts")])
 def test_bad_arguments_are_one_clear_line(argv, msg, tmp_path, capsys):
-    assert main(["bench", "--quick", "--out", str(tmp_path)] + argv) == 2
+    assert main(["--quick", "--out", str(tmp_path)] + argv) == 2
     err = capsys.readouterr().err
     assert msg in err and "Traceback" not in err
 
 
 def test_kvpress_peer_runs_in_its_venv(tiny_dir):
-    from kvevict.bench.subprocess_jobs import kvpress_jobs, kvpress_python, run_jobs
+    from benchmarks.cachebench.subprocess_jobs import kvpress_jobs, kvpress_python, run_jobs
 
     py = kvpress_python()
     if py is None:
@@ -291,3 +291,32 @@ def test_kvpress_peer_runs_in_its_venv(tiny_dir):
     assert "error" not in rec, rec.get("error")
     # knorm keeps 25% of the 64 prompt tokens: 16 tokens x 3 layers x 2 KV heads x (8 + 8) dims x 4 B (head_dim 64/8)
     assert rec["kv_bytes_after_prefill"]["median"] == 16 * 3 * 2 * (8 + 8) * 4
+
+
+def test_kvevict_bench_says_where_the_benchmarks_went(capsys):
+    """The benchmarks left the installed package: ``kvevict bench`` names the script that runs them."""
+    import importlib.util
+
+    from kvevict.cli import main as kvevict
+
+    assert kvevict(["bench", "--quick", "--out", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "python benchmarks/bench.py ARGS" in err and "Traceback" not in err
+    assert importlib.util.find_spec("kvevict.bench") is None
+
+
+def test_the_script_runs_from_anywhere_with_kvevict_importable(tmp_path):
+    """``python benchmarks/bench.py`` finds its own package from any folder (a bad setting: one line)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import kvevict
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench.py"
+    env = dict(os.environ, PYTHONPATH=str(Path(kvevict.__file__).resolve().parents[1]))
+    done = subprocess.run([sys.executable, str(script), "--stream", "--stream-tokens", "0", "--out", str(tmp_path)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip() == ("python benchmarks/bench.py: error: stream tokens must be a positive int, got 0.")

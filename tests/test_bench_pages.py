@@ -1,23 +1,21 @@
 """The page-size benchmark runs end to end on a tiny model and restores the page size."""
 
-import json
-
 import torch
 from conftest import tiny_model
 
+from benchmarks import page_size
 from kvevict import tier
-from kvevict.bench import pages
 
 
 def test_decode_steps_and_page_size_restored(tmp_path):
     model = tiny_model("llama-gqa")
     before = tier.PAGE
-    assert pages.decode_steps(model, 8, context=20, batch=2, steps=10, budget=100) > 0
+    assert page_size.decode_steps(model, 8, context=20, batch=2, steps=10, budget=100) > 0
     tier.PAGE = before
     cache_pages = []
-    for size in (8, pages.PREALLOC):
+    for size in (8, page_size.PREALLOC):
         tier.PAGE = size
-        c = pages.make_cache(model, "h2o", 100)
+        c = page_size.make_cache(model, "h2o", 100)
         with torch.no_grad():
             model(torch.randint(0, 128, (1, 20)), cache=c, use_cache=True)
         cache_pages.append(c.layers[0].tiers[0].capacity)

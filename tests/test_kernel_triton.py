@@ -364,8 +364,8 @@ def test_compiles_for_an_h100_without_one():
 
 
 def test_the_sass_tool_says_what_its_switches_may_be():
-    """kvevict.bench.triton_sass refuses an unknown switch or a non-object by name, before compiling."""
-    from kvevict.bench import triton_sass
+    """benchmarks/triton_sass.py refuses an unknown switch or a non-object by name, before compiling."""
+    from benchmarks import triton_sass
 
     for argv, says in ((['{"fodl": false}'], "unknown switch(es) fodl: the JSON may name split"),
                        (["[1]"], "must be a JSON object"), (["{"], "must be a JSON object (")):
@@ -374,7 +374,7 @@ def test_the_sass_tool_says_what_its_switches_may_be():
 
 
 def test_the_sass_counts_show_what_the_switches_save(tmp_path):
-    """kvevict.bench.triton_sass compiles the split program for sm_90 here and counts its loop: with
+    """benchmarks/triton_sass.py compiles the split program for sm_90 here and counts its loop: with
     the bias folded into the zeros no paired subtraction is left (128 a thread a tile without),
     values paired along the tokens plus the fold cost fewer instructions and fewer shared-memory
     operations than neither, and so do the products transposed (the claims of docs/results/performance.md,
@@ -382,7 +382,9 @@ def test_the_sass_counts_show_what_the_switches_save(tmp_path):
     import json
     import subprocess
     import sys
+    from pathlib import Path
 
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "triton_sass.py"
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(__import__("kvevict").__file__)),
                                          env.get("PYTHONPATH", "")])
@@ -390,7 +392,7 @@ def test_the_sass_counts_show_what_the_switches_save(tmp_path):
     for name, switches in (("on", '{"trans": false}'), ("off", '{"fold": false, "vpairs": false, "trans": false}'),
                            ("trans", "{}")):  # sm_90's default, transposed
         out = tmp_path / f"{name}.json"
-        done = subprocess.run([sys.executable, "-m", "kvevict.bench.triton_sass", switches, "--out", str(out)],
+        done = subprocess.run([sys.executable, str(script), switches, "--out", str(out)],
                               env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
         got[name] = json.loads(out.read_text())
@@ -435,12 +437,12 @@ def test_the_cache_on_a_gpu_generates_as_the_torch_reference(monkeypatch, kv_bit
 
 
 def test_the_benchmark_configurations_compute_the_same_attention():
-    """kvevict.bench.triton_decode times like with like: each configuration (dense, packed in
+    """benchmarks/triton_decode.py times like with like: each configuration (dense, packed in
     rectangles or in shuffled pages, factored or per channel, out only, transposed, the torch copy) gives the attention
     of the same keys, within bf16's rounding of the exact dequantized values."""
     from types import SimpleNamespace
 
-    from kvevict.bench.triton_decode import TINY, build
+    from benchmarks.triton_decode import TINY, build
 
     args = SimpleNamespace(**TINY, group=32, split=None, page=32, splits=[None], warps=[None], blocks=[None, 16],
                            prefetch=[True], regs=[None], magic=[True, False], fold=[True, False], vpairs=[True],
@@ -455,8 +457,8 @@ def test_the_benchmark_configurations_compute_the_same_attention():
 
 
 def test_the_benchmark_says_what_its_sweeps_may_be(capsys):
-    """kvevict.bench.triton_decode checks its sweep lists before it looks for triton or a GPU."""
-    from kvevict.bench import triton_decode
+    """benchmarks/triton_decode.py checks its sweep lists before it looks for triton or a GPU."""
+    from benchmarks import triton_decode
 
     for argv, says in ((["--pg", "yes"], "--pg takes comma-separated 1 / 0, got 'yes'"),
                        (["--trans", "1,2"], "--trans takes comma-separated 1 / 0, got '2'"),
@@ -464,17 +466,6 @@ def test_the_benchmark_says_what_its_sweeps_may_be(capsys):
         with pytest.raises(SystemExit):
             triton_decode.main(argv)
         assert says in capsys.readouterr().err
-
-
-def test_the_profile_script_says_what_its_arguments_may_be():
-    """kvevict.bench.triton_profile checks its arguments before it looks for a GPU."""
-    from kvevict.bench import triton_profile
-
-    for argv, says in ((["dense"], "factored or registers"), (["factored", "{"], "JSON object of keyword"),
-                       (["factored", "[1]"], "must be a JSON object"),
-                       (["factored", '{"blok": 64}'], "unknown switch(es) blok: the JSON may name split")):
-        with pytest.raises(SystemExit, match=re.escape(says)):
-            triton_profile.main(argv)
 
 
 @pytest.mark.parametrize("dtype, softcap", [(torch.float32, None), (torch.bfloat16, 5.0)])

@@ -246,9 +246,9 @@ def test_admission_counts_a_paged_batch_exactly(kv_bits):
 
 
 def test_the_row_pages_benchmark_lays_rows_out_three_ways():
-    """bench/row_pages.py: per-row pages hold fewer K/V pages than the rectangle and the old width
+    """benchmarks/row_pages.py: per-row pages hold fewer K/V pages than the rectangle and the old width
     buckets, which split rows of 1, 2 and 6 pages into two batches (one forward each)."""
-    from kvevict.bench import row_pages
+    from benchmarks import row_pages
 
     model = _model()
     prompts = [[t % 120 + 1 for t in range(n)] for n in (20, 50, 190)]

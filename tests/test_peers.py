@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from kvevict.bench import llamacpp_peer as lp
-from kvevict.bench import peer_paths, peer_setup
+from benchmarks.cachebench import llamacpp_peer as lp
 from kvevict.cli import main
+from kvevict.peers import environments, locations
 
 
 def _test(kv, depth, threads, tps, samples=None, n_gen=32, n_prompt=0):
@@ -77,7 +77,7 @@ def test_run_peer_records_a_failing_call_and_goes_on():
 
 
 def test_setup_plan_builds_llama_cpp_without_native_or_amx(tmp_path):
-    steps = peer_setup.plan(tmp_path, ["llamacpp"], jobs=3, python="py")
+    steps = environments.plan(tmp_path, ["llamacpp"], jobs=3, python="py")
     download, unpack, configure, build = steps
     assert download.argv[:4] == ["py", "-m", "pip", "download"] and "llama-cpp-python==0.3.36" in download.argv
     assert configure.argv[:3] == ["cmake", "-S", str(tmp_path / "llama.cpp" / "src")]
@@ -87,14 +87,14 @@ def test_setup_plan_builds_llama_cpp_without_native_or_amx(tmp_path):
     assert build.argv[build.argv.index("-j") + 1] == "3"
     assert build.argv[-2:] == ["llama-bench", "llama-batched-bench"]
     assert build.creates == tmp_path / "llama.cpp" / "build" / "bin" / "llama-bench"
-    avx2 = peer_setup.plan(tmp_path, ["llamacpp"], cpu_flags="avx2")[2].argv
+    avx2 = environments.plan(tmp_path, ["llamacpp"], cpu_flags="avx2")[2].argv
     assert "-DGGML_AVX2=ON" in avx2 and "-DGGML_AVX512=ON" not in avx2
     with pytest.raises(ValueError, match="cpu-flags"):
-        peer_setup.plan(tmp_path, ["llamacpp"], cpu_flags="native")
+        environments.plan(tmp_path, ["llamacpp"], cpu_flags="native")
 
 
 def test_setup_plan_venvs(tmp_path):
-    steps = peer_setup.plan(tmp_path, ["kvpress", "vllm"], python="py")
+    steps = environments.plan(tmp_path, ["kvpress", "vllm"], python="py")
     cmds = [s.argv for s in steps if s.argv]
     kvpress_py, vllm_py = str(tmp_path / "kvpress" / "bin" / "python"), str(tmp_path / "vllm" / "bin" / "python")
     assert ["py", "-m", "venv", str(tmp_path / "kvpress")] in cmds
@@ -104,12 +104,12 @@ def test_setup_plan_venvs(tmp_path):
 
 
 def test_setup_skips_what_exists(tmp_path):
-    steps = peer_setup.plan(tmp_path, ["llamacpp"])
+    steps = environments.plan(tmp_path, ["llamacpp"])
     (tmp_path / "llama.cpp" / "sdist").mkdir(parents=True)
-    (tmp_path / "llama.cpp" / "sdist" / peer_setup.SDIST_FILE).write_bytes(b"")
+    (tmp_path / "llama.cpp" / "sdist" / environments.SDIST_FILE).write_bytes(b"")
     (tmp_path / "llama.cpp" / "src").mkdir()
     logged = []
-    assert peer_setup.run_steps(steps, dry_run=True, log=logged.append) == 2  # configure and build remain
+    assert environments.run_steps(steps, dry_run=True, log=logged.append) == 2  # configure and build remain
     assert "already there" in logged[0] and "already there" in logged[1]
     assert not (tmp_path / "llama.cpp" / "build").exists()  # a dry run makes nothing
 
@@ -117,7 +117,7 @@ def test_setup_skips_what_exists(tmp_path):
 @pytest.mark.parametrize("text, want", [(None, ["kvpress", "vllm", "llamacpp"]), ("all", ["kvpress", "vllm", "llamacpp"]),
                                         ("llama.cpp,kvpress", ["kvpress", "llamacpp"])])
 def test_only(text, want):
-    assert peer_setup.parse_only(text) == want
+    assert environments.parse_only(text) == want
 
 
 def test_cli_dry_run_and_bad_arguments(tmp_path, capsys):
@@ -135,24 +135,24 @@ def test_peers_are_found_by_variable_then_root(tmp_path, monkeypatch):
     monkeypatch.delenv("KVEVICT_LLAMA_BENCH", raising=False)
     monkeypatch.setenv("KVEVICT_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("KVEVICT_PEERS", str(tmp_path / "peers"))
-    assert peer_paths.find("llamacpp") is None
+    assert locations.find("llamacpp") is None
     exe = tmp_path / "peers" / "llama.cpp" / "build" / "bin" / "llama-bench"
     exe.parent.mkdir(parents=True)
     exe.write_text("")
-    assert peer_paths.find("llamacpp") == exe
+    assert locations.find("llamacpp") == exe
     monkeypatch.setenv("KVEVICT_LLAMA_BENCH", str(tmp_path / "elsewhere"))
-    assert peer_paths.find("llamacpp") is None  # the variable names a missing file: not skipped over
+    assert locations.find("llamacpp") is None  # the variable names a missing file: not skipped over
     monkeypatch.delenv("KVEVICT_PEERS")
     monkeypatch.delenv("KVEVICT_LLAMA_BENCH")
-    assert peer_paths.find("llamacpp") is None  # default root is under $KVEVICT_CACHE
+    assert locations.find("llamacpp") is None  # default root is under $KVEVICT_CACHE
     with pytest.raises(ValueError, match="unknown peer"):
-        peer_paths.find("ollama")
+        locations.find("ollama")
 
 
 def test_recorded_server_commands_name_no_machine_path(tmp_path, monkeypatch):
     import sys
 
-    from kvevict.bench.serve_load import portable
+    from benchmarks.serve_load import portable
 
     vllm = tmp_path / "peers" / "vllm" / "bin" / "python"
     vllm.parent.mkdir(parents=True)

@@ -1,11 +1,11 @@
-"""The load test's round aggregation (``python -m kvevict.bench.serve_load rounds``): medians over
+"""The load test's round aggregation (``python benchmarks/serve_load.py rounds``): medians over
 runs, and each run's ratios against the same run's full cache and vLLM."""
 
 import json
 
 import pytest
 
-from kvevict.bench.serve_load import main
+from benchmarks.serve_load import main
 
 
 def _run(folder, full, h2o, vllm):
@@ -47,7 +47,7 @@ def test_rounds_without_run_folders_says_what_to_give(tmp_path):
 def test_packed_systems_run_the_h2o_server_with_kv_bits_and_bad_bits_are_refused():
     import argparse
 
-    from kvevict.bench.serve_load import commands
+    from benchmarks.serve_load import commands
 
     args = argparse.Namespace(threads=2, kv_memory=1 << 26, n=8, max_tokens=16, budget=128, kv_bits=[8, 4],
                               mixed=False, vllm_python=None, max_seqs=None)
@@ -61,7 +61,7 @@ def test_packed_systems_run_the_h2o_server_with_kv_bits_and_bad_bits_are_refused
 
 
 def test_gauges_are_read_from_kvevict_and_vllm_metrics_pages():
-    from kvevict.bench.serve_load import gauge_values
+    from benchmarks.serve_load import gauge_values
     from kvevict.serve.metrics import Metrics
 
     m = Metrics()
@@ -81,7 +81,7 @@ def test_gauges_are_read_from_kvevict_and_vllm_metrics_pages():
 def test_the_defaults_system_is_the_server_as_a_user_starts_it():
     import argparse
 
-    from kvevict.bench.serve_load import commands
+    from benchmarks.serve_load import commands
 
     args = argparse.Namespace(threads=2, kv_memory=1 << 31, n=512, hi=40, max_tokens=64, budget=256, kv_bits=[],
                               mixed=False, vllm_python="vllm-python", max_seqs=None)

@@ -1,14 +1,14 @@
 """Issue 12, item 2: endless streams. A tiny model (512 positions) streams 4x its position limit
-through a compact-position cache in flat storage, scored window by window (bench/stream.py)."""
+through a compact-position cache in flat storage, scored window by window (benchmarks/cachebench/stream.py)."""
 
 import math
 
 import pytest
 import torch
 
+from benchmarks.bench import main
+from benchmarks.cachebench.stream import STOCK, StreamSettings, new_stream_cache, run_stream
 from conftest import tiny_model
-from kvevict.bench.stream import STOCK, StreamSettings, new_stream_cache, run_stream
-from kvevict.cli import main
 from kvevict.storage import stat_bytes
 
 
@@ -48,13 +48,13 @@ def test_window_ppl_is_exp_of_the_mean_nll_of_its_tokens():
     (["--stream-tokens", "0"], "stream tokens must be a positive int"),
 ])
 def test_bad_stream_settings_are_one_line(argv, msg, tmp_path, capsys):
-    assert main(["bench", "--stream", "--out", str(tmp_path)] + argv) == 2
+    assert main(["--stream", "--out", str(tmp_path)] + argv) == 2
     assert msg in capsys.readouterr().err
 
 
 def test_bench_out_on_a_file_is_one_line(tmp_path, capsys):
     f = tmp_path / "taken"
     f.write_text("x")
-    assert main(["bench", "--quick", "--out", str(f)]) == 2
+    assert main(["--quick", "--out", str(f)]) == 2
     assert "--out" in capsys.readouterr().err and f.read_text() == "x"
     assert StreamSettings().tokens == 100_000

@@ -10,6 +10,11 @@ import sys
 
 from . import commands
 
+# commands that left the installed CLI -> where they went
+MOVED = {"bench": "the benchmarks live in the kvevict repository, outside the installed package: from a "
+                  "checkout run `python benchmarks/bench.py ARGS` (the arguments `kvevict bench` took; "
+                  "--help lists them)."}
+
 
 def _modules():
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda i: i.name):
@@ -29,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in MOVED:
+        print(f"kvevict {argv[0]}: {MOVED[argv[0]]}", file=sys.stderr)
+        return 2
     wrapped = {m.NAME: m for m in _modules() if getattr(m, "PASSTHROUGH", False)}
     if argv and argv[0] in wrapped:  # a wrapped command line (lm-eval) parses its own arguments
         return wrapped[argv[0]].run_argv(argv[1:]) or 0

@@ -25,21 +25,21 @@ def add_arguments(p):
 
 
 def run(args):
-    from ..bench import peer_paths
-    from ..bench.peer_setup import parse_only, plan, run_steps
+    from ..peers import locations
+    from ..peers.environments import parse_only, plan, run_steps
 
     if args.peers_command == "where":
-        for peer in peer_paths.PEERS:
-            found = peer_paths.find(peer)
-            print(f"{peer:9} {found if found else 'missing: ' + peer_paths.hint(peer)}")
+        for peer in locations.PEERS:
+            found = locations.find(peer)
+            print(f"{peer:9} {found if found else 'missing: ' + locations.hint(peer)}")
         return 0
-    root = Path(args.into).expanduser().resolve() if args.into else peer_paths.peers_root()
+    root = Path(args.into).expanduser().resolve() if args.into else locations.peers_root()
     steps = plan(root, parse_only(args.only), jobs=args.jobs, cpu_flags=args.cpu_flags, python=args.python)
     try:
         run_steps(steps, dry_run=args.dry_run, log=lambda m: print(m, flush=True))
     except RuntimeError as err:
         print(f"kvevict peers: {err}", file=sys.stderr)
         return 1
-    if not args.dry_run and root != peer_paths.peers_root():
-        print(f"done: export {peer_paths.ROOT_ENV}={root} so kvevict finds them")
+    if not args.dry_run and root != locations.peers_root():
+        print(f"done: export {locations.ROOT_ENV}={root} so kvevict finds them")
     return 0

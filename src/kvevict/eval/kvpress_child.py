@@ -1,6 +1,6 @@
 """Greedy answers under a kvpress press, run by the kvpress environment's Python (kvpress pins an
-older transformers), so this file imports nothing from kvevict; it reuses the bench peer's press
-table. Reads one JSON job on stdin:
+older transformers), so this file imports nothing from kvevict; it reads kvevict's press table
+(``kvevict/peers/kvpress_presses.py``) from its folder. Reads one JSON job on stdin:
 
     {"model_dir", "press", "compression_ratio", "threads", "samples": [{"id", "ids", "max_new"}]}
 
@@ -15,8 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from kvpress_peer import PRESSES  # noqa: E402  (the bench peer's name -> class table)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "peers"))
+from kvpress_presses import PRESSES  # noqa: E402  (our name -> kvpress class table)
 
 EXTRA = {"adakv_snapkv": ("AdaKVPress", "sdpa"), "kvzip": ("KVzipPress", "sdpa")}
 

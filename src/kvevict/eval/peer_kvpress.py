@@ -1,7 +1,7 @@
 """``kvevict eval --peer kvpress``: kvpress's presses on the very samples of kvevict's generation
 tasks, at compression_ratio = 1 - budget, written as records of policy ``kvpress-<press>`` in the
 same folder, so the summary pairs them with the full cache and kvevict's policies sample by sample.
-kvpress runs in its own environment (see kvevict.bench.subprocess_jobs), one process per press and
+kvpress runs in its own environment (see kvevict.peers.locations), one process per press and
 budget, the prompts tokenized here with kvevict's tokenizer."""
 
 from __future__ import annotations
@@ -31,14 +31,14 @@ def press_names(requested: str) -> list[str]:
 
 def run_peer(model_name, tokenizer, tasks, presses, budgets, n_samples, out_dir, threads=1, log=None) -> int:
     """Run every missing (task, kvpress press, budget, sample) record; return how many were written."""
-    from ..bench.subprocess_jobs import VENV_COMMAND, kvpress_python
     from ..fetch import cache_dir
     from ..generate import encode_chat
+    from ..peers.locations import find, hint
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    py = kvpress_python()
+    py = find("kvpress")
     if py is None:
-        raise ValueError(f"--peer kvpress needs the kvpress environment: create it with {VENV_COMMAND}")
+        raise ValueError(f"--peer kvpress needs the kvpress environment: create it with {hint('kvpress')}")
     model_dir = cache_dir() / model_name
     if not (model_dir / "config.json").exists():
         raise ValueError(f"--peer kvpress runs on the converted copy of a known model ({model_dir} is missing).")

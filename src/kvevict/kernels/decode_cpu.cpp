@@ -26,8 +26,8 @@ struct Part {  // the keys or the values of one run
   const uint8_t* data;  // codes (uint8) or dense rows
   int64_t s0, s1, s2;   // strides (batch, head, slot) in elements
   const uint8_t* zero; int64_t z0, z1, z2;  // zero bytes z: zero = -z * step / 2^(8 - bits)
-  const uint8_t* step; int64_t t0, t1, t2;  // step bytes (kvevict.store.step_value)
-  // paged (kvevict.pages): the tensors are pools (pages, head, slot in page, ...), s0/z0/t0 the page
+  const uint8_t* step; int64_t t0, t1, t2;  // step bytes (kvevict.storage.codes.step_value)
+  // paged (kvevict.storage.paged): the tensors are pools (pages, head, slot in page, ...), s0/z0/t0 the page
   // strides, and row b's slot i is slot i % page of page tab[b * tb + i / page]; null: not paged
   const int64_t* tab = nullptr; int64_t tb = 0, page = 1, pshift = -1;  // pshift: log2(page), or -1
 };
@@ -41,7 +41,7 @@ inline void locate(const Part& p, int64_t& b, int64_t& i) {
   }
 }
 
-constexpr int32_t STEP_BASE = (127 - 16) << 23;  // kvevict.store.STEP_BIAS
+constexpr int32_t STEP_BASE = (127 - 16) << 23;  // kvevict.storage.codes.STEP_BIAS
 
 // a step byte as the float it stands for: the top 11 bits of a float32 (exponent, 3 mantissa bits)
 inline float step_of(uint8_t u) {
@@ -126,7 +126,7 @@ inline const float* row(const Part& p, int64_t b, int64_t h, int64_t i, int d_rt
     const int ng = d / group;
     constexpr float UNIT = 1.f / (1 << (8 - BITS));  // a zero byte's share of a step
     for (int gi = 0; gi < ng; ++gi) {
-      // code * step + zero in one fma: both terms and the sum are exact in fp32 (kvevict.store.dequantize)
+      // code * step + zero in one fma: both terms and the sum are exact in fp32 (kvevict.storage.codes.dequantize)
       const float ss = step_of(s[gi]), zz = -static_cast<float>(z[gi]) * (ss * UNIT);
       float* x = buf + gi * group;
 #pragma omp simd

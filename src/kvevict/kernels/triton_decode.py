@@ -113,7 +113,7 @@ def plan(q, runs, k_new, v_new, mask, scale, softcap=None, summary=None, *, spli
          factored=True, prefetch=True, lowp=True, magic=True, regs=None, zwords=True, fold=True, vpairs=True,
          pg=True, trans=None):
     """The launches of one decode step's attention, laid out and not made: (out, pg, [``Launch``]),
-    out and pg the buffers they fill (``kvevict.bench.triton_sass`` compiles them for a GPU on any
+    out and pg the buffers they fill (``benchmarks/triton_sass.py`` compiles them for a GPU on any
     machine). q (b, hq, 1, d) unscaled; runs: ``kvevict.kernels.runs.Run`` objects (read by field: bits,
     group, k, v, n); k_new, v_new (b, hkv, 1, d|dv) in q's dtype; mask (b, hkv|1, n_total) bool
     over the stored slots (True = visible) or None; the new key is always visible; ``summary``: a

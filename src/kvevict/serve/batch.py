@@ -29,7 +29,7 @@ class DecodeBatch:
     def prefill(cls, model, prompt: list[int], policy: str, budget_tokens: int | None, recent: int | None,
                 kv_bits: int | None = None, pages=None):
         """One prompt into a fresh cache (a budgeted one stores ``kv_bits`` per channel, in pages of
-        ``pages`` when given: ``kvevict.pages.Pools``); returns (batch of one row, its last logits (1, vocab))."""
+        ``pages`` when given: ``kvevict.storage.Pools``); returns (batch of one row, its last logits (1, vocab))."""
         return cls.prefill_many(model, [prompt], policy, budget_tokens, recent, kv_bits, pages)
 
     @classmethod

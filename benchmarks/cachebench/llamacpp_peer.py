@@ -126,8 +126,8 @@ def _run(argv: list[str], timeout: float) -> str:
 
 def model_gguf(name: str) -> Path | None:
     """The GGUF a known kvevict model ships in (the one it was converted from); None otherwise."""
-    from ..fetch import wheel_members
-    from ..models import KNOWN_MODELS
+    from kvevict.fetch import wheel_members
+    from kvevict.models import KNOWN_MODELS
 
     if name not in KNOWN_MODELS:
         return None

@@ -1,7 +1,7 @@
 """The thread trap, measured: one budgeted decode step with N torch threads, alone and next to busy
 processes (each a pure-Python spin loop holding one core).
 
-    python -m kvevict.bench.threads --threads 1,2 --busy 0,1 --out results/threads
+    python benchmarks/threads.py --threads 1,2 --busy 0,1 --out results/threads
 
 Torch's default is one thread per core. Its threads spin-wait at the end of every parallel region,
 so when a busy neighbour holds a core, each region waits for a descheduled thread (a scheduler time
@@ -12,12 +12,11 @@ timed in the same round; rounds rotate the order.
 from __future__ import annotations
 
 import argparse
-import os
 import json
 import multiprocessing
+import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
@@ -62,8 +61,8 @@ def step_times(model, cache, steps: int) -> list[float]:
 
 def run(model_name: str, thread_counts: list[int], busy_counts: list[int], context: int, steps: int,
         rounds: int, log=print) -> dict:
-    from ..cache import make_cache
-    from ..models import load_model
+    from kvevict.cache import make_cache
+    from kvevict.models import load_model
 
     model, _ = load_model(model_name)
     prompt = torch.randint(10, 1000, (1, context), generator=torch.Generator().manual_seed(0))
@@ -103,7 +102,7 @@ def table(res: dict, command: str) -> str:
 def main(argv=None) -> int:
     import sys
 
-    from ..commands._common import number_list, output_folder
+    from kvevict.commands._common import number_list, output_folder
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
@@ -122,7 +121,7 @@ def main(argv=None) -> int:
         out = output_folder(args.out)
     except ValueError as err:
         p.error(str(err))
-    command = "python -m kvevict.bench.threads " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python benchmarks/threads.py " + " ".join(sys.argv[1:] if argv is None else argv)
     res = run(args.model, threads, busy, args.context, args.steps, args.rounds)
     res["command"] = command
     (out / "threads.json").write_text(json.dumps(res, indent=1))

@@ -1,4 +1,4 @@
-"""Paged storage: what the page size costs and saves (``python -m kvevict.bench.pages``).
+"""Paged storage: what the page size costs and saves (``python benchmarks/page_size.py``).
 
 A tier grows ``kvevict.tier.PAGE`` slots at a time; each growth reallocates the tier (one copy of
 it), so a small page costs copies while decoding and a large one holds up to a page of empty slots
@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from .. import tier
-from ..cache import make_cache
+from kvevict import tier
+from kvevict.cache import make_cache
 
 PREALLOC = 1 << 30  # a page as large as any budget: allocated once, at the budget
 
@@ -62,9 +62,9 @@ def short_chat_bytes(model, tok, page: int, budget: int, new_tokens: int = 16) -
 
 
 def main(argv=None) -> int:
-    from ..models import load_model
+    from kvevict.models import load_model
 
-    p = argparse.ArgumentParser(prog="python -m kvevict.bench.pages", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python benchmarks/page_size.py", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--pages", default="16,32,64,128", help="page sizes to compare with prealloc")
     p.add_argument("--context", type=int, default=1024)

@@ -1,9 +1,9 @@
-"""Fused decode kernels against the torch path (issue 18): one decode step of SmolLM2 over an H2O
+"""Fused decode kernels against the torch path: one decode step of SmolLM2 over an H2O
 cache at ``--context`` x ``--budget`` kept tokens, fp32 vs int8 vs int4 storage, each read by the
 torch path (dequantize a chunk, then multiply) and by a fused kernel (``kvevict.kernels``), plus the
 attention call alone (one layer's ``attend``, the statistics H2O needs included).
 
-    python -m kvevict.bench.fused --context 8192 --budget 0.25 --batch 8 --threads 1 --out results/fused
+    python benchmarks/fused.py --context 8192 --budget 0.25 --batch 8 --threads 1 --out results/fused
 
 Interleaved: every round times every (storage, path) once, the order rotated per round; ratios are
 taken within a round against the first storage (fp32) on the first path (torch), and on the same
@@ -15,18 +15,22 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from .caches import CacheSpec, expand, prefill, use_attention
-from .decode import time_decode
+if __package__ in (None, ""):  # run as a script: the repository root holds the benchmarks package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.cachebench.caches import CacheSpec, expand, prefill, use_attention  # noqa: E402
+from benchmarks.cachebench.decode import time_decode  # noqa: E402
 
 
 def _attention_alone(layer, batch: int, reps: int) -> float:
     """Seconds of one ``attend`` call of one decode query over this layer's storage (median of reps)."""
-    from ..attention import _Segments, attend
+    from kvevict.attention import _Segments, attend
 
     h, dk, dv = layer.dims
     hq = h * 3  # SmolLM2: 9 query heads on 3 KV heads
@@ -60,7 +64,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from .. import load_model
+    from kvevict import load_model
 
     model = load_model(args.model)[0]
     specs = [CacheSpec(s, args.budget) for s in args.storages.split(",")]

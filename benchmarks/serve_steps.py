@@ -1,7 +1,7 @@
 """What bounds serving throughput on a small CPU: the server's own decode step (``DecodeBatch.step``)
 timed at growing batch sizes, full cache against H2O, and one prompt's prefill, on SmolLM2.
 
-    python -m kvevict.bench.serve_steps --threads 2
+    python benchmarks/serve_steps.py --threads 2
 
 Each batch is built prompt by prompt: every prompt prefilled alone, then joined (the decode step
 timed is the server's; the server now prefills prompts that arrive together in one forward). Per
@@ -24,7 +24,7 @@ import torch
 def measure(model, policy, budget, prompt_len, sizes, steps, seed=0):
     """Grow one batch prompt by prompt (each prefilled alone, then joined); time ``steps`` decode
     steps whenever it reaches one of ``sizes``."""
-    from ..serve.batch import DecodeBatch
+    from kvevict.serve.batch import DecodeBatch
 
     g = torch.Generator().manual_seed(seed)
     batch, prefill_s, rows = None, [], []
@@ -62,8 +62,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="runs/serve_steps.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from ..attention import ATTN_NAME, register
-    from ..models import load_model
+    from kvevict.attention import ATTN_NAME, register
+    from kvevict.models import load_model
 
     model, _ = load_model("smollm2-135m")
     register()

@@ -1,5 +1,7 @@
-"""The issue's four targets, each read off one run's results as a ratio against its baseline
-measured in the same run: met, missed, or not measured (with why)."""
+"""The benchmark's targets (decode throughput >= 6x the stock cache's, H2O's bookkeeping <= +10% over
+recency, prefill with H2O scoring <= 2 GB peak RSS and <= 1.2x plain SDPA's time, a decode step <= 1.5x
+its memory-bandwidth floor), each read off one run's results as a ratio against its baseline measured
+in the same run: met, missed, or not measured (with why)."""
 
 from __future__ import annotations
 

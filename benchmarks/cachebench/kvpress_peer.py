@@ -1,10 +1,12 @@
 """The kvpress peer, run by the Python of its own virtual environment (kvpress 0.5.5 pins
-transformers < 5.3, kvevict needs >= 5.24), so this file imports nothing from kvevict.
+transformers < 5.3, kvevict needs >= 5.24), so this file imports nothing from kvevict: the job
+names the press's kvpress class (``kvevict.peers.kvpress_presses``, resolved by the caller).
 
     $KVEVICT_PEERS/kvpress/bin/python kvpress_peer.py '{"model_dir": ..., "press": "snapkv",
-        "compression_ratio": 0.8, "context": 8192, "decode_steps": 16, "threads": 2, "seed": 0}'
+        "press_class": "SnapKVPress", "attn_implementation": "sdpa", "compression_ratio": 0.8,
+        "context": 8192, "decode_steps": 16, "threads": 2, "seed": 0}'
 
-prints one JSON line with the same fields as kvevict.bench.prefill_child: the press compresses the
+prints one JSON line with the same fields as ``prefill_child.py``: the press compresses the
 cache once, at the end of the prefill (kvpress's design); decoding then appends to a DynamicCache.
 compression_ratio = 1 - kept fraction (kvevict budget 0.2 <-> compression_ratio 0.8).
 """
@@ -18,15 +20,6 @@ from child_measure import (  # this script's folder is on sys.path
     rss_bytes,
 )
 
-PRESSES = {  # our name -> (kvpress class name, attention implementation it needs)
-    "snapkv": ("SnapKVPress", "sdpa"),
-    "expected_attention": ("ExpectedAttentionPress", "sdpa"),
-    "knorm": ("KnormPress", "sdpa"),
-    "observed_attention": ("ObservedAttentionPress", "eager"),  # H2O's score: needs the full attention matrix
-    "streaming_llm": ("StreamingLLMPress", "sdpa"),
-    "tova": ("TOVAPress", "sdpa"),
-}
-
 
 def main(job):
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -38,7 +31,7 @@ def main(job):
 
     transformers.utils.logging.disable_progress_bar()
     torch.set_num_threads(job["threads"])
-    cls_name, attn = PRESSES[job["press"]]
+    cls_name, attn = job["press_class"], job["attn_implementation"]
     model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32, attn_implementation=attn).eval()
     rss_loaded = rss_bytes()
     press = getattr(kvpress, cls_name)(compression_ratio=job["compression_ratio"])

@@ -1,6 +1,6 @@
 """Prefill (+ short decode) jobs, each in its own process so its peak RSS is its own: kvevict's
-modes through ``python -m kvevict.bench.prefill_child``, kvpress presses through the kvpress
-virtual environment. Jobs run round-robin over ``repeats`` rounds, like the decode grid."""
+modes through the script ``prefill_child.py``, kvpress presses through ``kvpress_peer.py`` in the
+kvpress virtual environment. Jobs run round-robin over ``repeats`` rounds, like the decode grid."""
 
 from __future__ import annotations
 
@@ -11,17 +11,19 @@ import sys
 import time
 from pathlib import Path
 
+from kvevict.peers.kvpress_presses import PRESSES
+from kvevict.peers.locations import find, hint
+
 from .machine import load_average
-from .peer_paths import find, hint
 from .stats import summary
 
 PEER_SCRIPT = Path(__file__).with_name("kvpress_peer.py")
-VENV_ENV = "KVEVICT_KVPRESS_PYTHON"
+CHILD_SCRIPT = Path(__file__).with_name("prefill_child.py")
 VENV_COMMAND = hint("kvpress")
 
 
 def kvpress_python() -> Path | None:
-    """The kvpress environment's interpreter (see kvevict.bench.peer_paths for where it is looked for)."""
+    """The kvpress environment's interpreter (see kvevict.peers.locations for where it is looked for)."""
     return find("kvpress")
 
 
@@ -33,7 +35,7 @@ def kvevict_jobs(model: str, modes: list[str], policy: str, budget: float, conte
         if mode == "kvevict":
             job.update(policy=policy, budget=budget)
         label = f"kvevict {policy}@{budget:g}" if mode == "kvevict" else f"stock {mode}"
-        jobs.append({"label": label, "argv": [sys.executable, "-m", "kvevict.bench.prefill_child", json.dumps(job)],
+        jobs.append({"label": label, "argv": [sys.executable, str(CHILD_SCRIPT), json.dumps(job)],
                      "job": job})
     return jobs
 
@@ -42,8 +44,10 @@ def kvpress_jobs(python: Path, model_dir: Path, presses: list[str], budget: floa
                  threads: int, seed: int) -> list[dict]:
     jobs = []
     for press in presses:
-        job = {"model_dir": str(model_dir), "press": press, "compression_ratio": round(1.0 - budget, 6),
-               "context": context, "decode_steps": steps, "threads": threads, "seed": seed}
+        cls, attn = PRESSES[press]  # resolved here: the peer's environment cannot import kvevict
+        job = {"model_dir": str(model_dir), "press": press, "press_class": cls, "attn_implementation": attn,
+               "compression_ratio": round(1.0 - budget, 6), "context": context, "decode_steps": steps,
+               "threads": threads, "seed": seed}
         jobs.append({"label": f"kvpress {press}@{budget:g}", "argv": [str(python), str(PEER_SCRIPT), json.dumps(job)],
                      "job": job})
     return jobs

@@ -19,7 +19,7 @@ import torch
 from .caches import STOCK, CacheSpec, expand, use_attention
 from .timers import ExclusiveTimers
 
-# timer label -> category of the breakdown
+# timer label -> category of the breakdown's table
 CATEGORIES = {
     "attention": "attention",
     "cache write": "cache write / growth",
@@ -34,8 +34,8 @@ def instrument(timers: ExclusiveTimers) -> None:
     from transformers import AttentionInterface
     from transformers.cache_utils import DynamicLayer
 
-    from .. import POLICIES, attention, cache, tier
-    from ..policies import Policy
+    from kvevict import POLICIES, attention, cache, tier
+    from kvevict.policies import Policy
 
     mapping = AttentionInterface._global_mapping
     timers.wrap_mapping(mapping, attention.ATTN_NAME, "attention", "attention.kvevict_attention")
@@ -114,7 +114,7 @@ def _owner(ev) -> str:
     node, fallback = ev.cpu_parent, None
     while node is not None:
         name = node.name
-        if "kvevict/" in name and not any(x in name for x in ("/bench/", "/commands/", "cli.py")):
+        if "kvevict/" in name and not any(x in name for x in ("/benchmarks/", "/commands/", "cli.py")):
             return name.split("kvevict/", 1)[1]
         if fallback is None and ".py(" in name and "torch/" not in name:
             fallback = name.rsplit("/", 1)[-1]

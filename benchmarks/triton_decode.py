@@ -1,9 +1,10 @@
 """One decode step's attention on a GPU: the Triton kernel over packed int8 / int4 pages against
 dense bf16 SDPA, Llama-3-8B-shaped (32 query heads, 8 KV heads, head dim 128), 32K context,
-batch 8, random data (speed does not depend on the values). Target (issue 18): int4 <= 0.5x dense.
+batch 8, random data (speed does not depend on the values). Target: int4 <= 0.5x dense (packed
+int4 pages read in at most half the time of the dense bf16 cache they replace).
 
-    python -m kvevict.bench.triton_decode                  # needs a CUDA GPU; exits 0 without one
-    python -m kvevict.bench.triton_decode --tiny           # tiny shapes; on a CPU in triton's interpreter
+    python benchmarks/triton_decode.py                  # needs a CUDA GPU; exits 0 without one
+    python benchmarks/triton_decode.py --tiny           # tiny shapes; on a CPU in triton's interpreter
 
 Times one layer's attention (``--iters`` calls between CUDA events, after a warm-up), in
 ``--rounds`` interleaved rounds (each round visits every configuration, in a rotated order), and
@@ -44,7 +45,7 @@ TINY = dict(context=100, batch=2, heads=4, kv_heads=2, head_dim=64, layers=2, it
 
 
 def make_run(bits, group, k, v, n, table=None, page=0):
-    from ..kernels.runs import Run
+    from kvevict.kernels.runs import Run
 
     return Run(bits, group, k, v, n, table, page)
 
@@ -64,9 +65,9 @@ def paged(parts: tuple, page: int, table: torch.Tensor) -> tuple:
 
 def build(args, device):
     """{name: (fn, kv bytes, reference out or None)}: every configuration's one-layer call."""
-    from ..kernels.reference import decode_attention_reference
-    from ..kernels.triton_decode import decode_attention_triton
-    from ..store import dequantize, quantize
+    from kvevict.kernels.reference import decode_attention_reference
+    from kvevict.kernels.triton_decode import decode_attention_triton
+    from kvevict.storage.codes import dequantize, quantize
 
     b, hq, hkv, d, n = args.batch, args.heads, args.kv_heads, args.head_dim, args.context
     g, scale, dt = hq // hkv, d ** -0.5, torch.bfloat16
@@ -228,12 +229,12 @@ def main(argv=None) -> int:
             print("This benchmark times GPU kernels and there is no CUDA device here; nothing to time "
                   "(--tiny runs tiny shapes in triton's CPU interpreter, to check that it runs).")
             return 0
-        from ..kernels.triton_decode import interpreting
+        from kvevict.kernels.triton_decode import interpreting
 
         if not interpreting():  # the interpreter must be on before triton is first imported: start afresh
             env = dict(os.environ, TRITON_INTERPRET="1")
             argv = sys.argv[1:] if argv is None else list(argv)
-            os.execve(sys.executable, [sys.executable, "-m", "kvevict.bench.triton_decode", *argv], env)
+            os.execve(sys.executable, [sys.executable, str(Path(__file__).resolve()), *argv], env)
     if args.heads % args.kv_heads:
         raise ValueError(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}.")
     device = torch.device("cuda" if cuda else "cpu")
@@ -286,7 +287,7 @@ def main(argv=None) -> int:
                  if cuda else f"{'':>8} {'':>9} {'':>6}")
         print(f"{r['config']:<30} {r['ms_per_layer']:>9.4f} {r['ms_all_layers']:>9.3f} {r['ratio_to_dense']:>6.3g} "
               f"{graph} {r['kv_mib']:>8} {err:>8}")
-    if cuda:  # issue 18's target, like for like (out only, as SDPA computes), and with the policies' pg
+    if cuda:  # the int4 target, like for like (out only, as SDPA computes), and with the policies' pg
         for config, what in (("triton int4 out only", "out only, as SDPA"), ("triton int4", "with pg")):
             row = next(r for r in rows if r["config"] == config)
             for how, key in (("launched one by one", "ratio_to_dense"), ("from a CUDA graph", "graph_ratio_to_dense")):

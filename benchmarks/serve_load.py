@@ -3,10 +3,10 @@ vLLM's CPU build, one after another in one run, each given the same model, the s
 the same decode-heavy workload (many concurrent chats, each a long essay excerpt and a few hundred
 generated tokens, EOS ignored so every system generates the same number of tokens).
 
-    python -m kvevict.bench.serve_load --threads 2
+    python benchmarks/serve_load.py --threads 2
 
 vLLM runs from the environment ``kvevict peers setup --only vllm`` creates (found through
-``$KVEVICT_VLLM_PYTHON`` or ``$KVEVICT_PEERS``, see kvevict.bench.peer_paths; ``--vllm-python``
+``$KVEVICT_VLLM_PYTHON`` or ``$KVEVICT_PEERS``, see kvevict.peers.locations; ``--vllm-python``
 names another); without one, only kvevict's servers run.
 
 Each system runs as its own server process on loopback; the driver sends every request at once
@@ -16,7 +16,7 @@ completion tokens / wall time from the first request to the last answer), time t
 p50/p95, peak RSS, requests completed, the most sequences it decoded at once (its own gauge) and,
 for kvevict, the most K/V bytes held and reserved. Writes results.json and serve_load.png to --out.
 
-    python -m kvevict.bench.serve_load rounds OUT RUN1 RUN2 RUN3
+    python benchmarks/serve_load.py rounds OUT RUN1 RUN2 RUN3
 
 takes the medians of repeated runs (their --out folders) and each run's ratios.
 """
@@ -36,7 +36,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from .peer_paths import find, hint
+from kvevict.peers.locations import find, hint
 
 MODEL_ID = "smollm2-135m"
 QUESTION = "\n\nSummarise the essay above in a few sentences, then list its three main claims."
@@ -44,11 +44,11 @@ QUESTION = "\n\nSummarise the essay above in a few sentences, then list its thre
 
 def model_folder() -> Path:
     """The converted SmolLM2 folder (config, safetensors, tokenizer) kvevict caches; vLLM loads it too."""
-    from ..fetch import cache_dir
+    from kvevict.fetch import cache_dir
 
     folder = cache_dir() / MODEL_ID
     if not (folder / "model.safetensors").is_file():
-        from ..models import load_model
+        from kvevict.models import load_model
 
         load_model(MODEL_ID)  # converts the GGUF once
     return folder
@@ -56,7 +56,7 @@ def model_folder() -> Path:
 
 def workload(tokenizer, n: int, lo: int, hi: int) -> list[list[dict]]:
     """n chats, essay excerpts of lo..hi tokens (spread evenly), each from a different essay."""
-    from ..data.essays import haystack
+    from kvevict.data.essays import haystack
 
     lengths = [lo + (hi - lo) * i // max(1, n - 1) for i in range(n)]
     return [[{"role": "user", "content": haystack(tokenizer, length, start=i) + QUESTION}]
@@ -72,7 +72,9 @@ def mixed_kinds(budget: int) -> list[dict]:
 def commands(args) -> dict[str, tuple[list[str], dict, list | None]]:
     """Each system's server command line (PORT: filled in at start), environment, and the extra
     request fields its requests cycle through (None: the server's defaults)."""
-    src = str(Path(__file__).resolve().parents[2])
+    import kvevict
+
+    src = str(Path(kvevict.__file__).resolve().parents[1])  # the servers run the same kvevict as this
     env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": str(args.threads)}
     # the most sequences each decodes at once: the number of requests, or (max_seqs 0) each server's own default
     seqs = args.n if args.max_seqs is None else args.max_seqs
@@ -236,7 +238,7 @@ def _up(url: str, proc, timeout: float) -> None:
 
 
 def run_system(name, cmd, env, extras, chats, args, log_dir: Path) -> dict:
-    from ..serve.server import free_port
+    from kvevict.serve.server import free_port
 
     port = free_port()
     cmd = [str(port) if c == "PORT" else c for c in cmd]
@@ -359,7 +361,7 @@ def main(argv=None) -> int:
     if argv[:1] == ["rounds"]:  # rounds OUT RUN_DIR...: medians of repeated runs
         missing = [p for p in argv[2:] if not Path(p, "results.json").is_file()]
         if len(argv) < 3 or missing:
-            raise SystemExit("usage: python -m kvevict.bench.serve_load rounds OUT RUN_DIR [RUN_DIR ...]; each RUN_DIR "
+            raise SystemExit("usage: python benchmarks/serve_load.py rounds OUT RUN_DIR [RUN_DIR ...]; each RUN_DIR "
                              "is the --out of one load test and holds its results.json"
                              + (f" (none in: {', '.join(missing)})" if missing else ""))
         rounds(argv[2:], Path(argv[1]))
@@ -390,7 +392,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.n < 1 or args.max_tokens < 1 or not 1 <= args.lo <= args.hi or (args.max_seqs or 0) < 0:
         raise SystemExit("need --n >= 1, --max-tokens >= 1, 1 <= --lo <= --hi and --max-seqs >= 0.")
-    from ..store import BITS
+    from kvevict.storage import BITS
 
     if any(b not in BITS for b in args.kv_bits):
         raise SystemExit(f"--kv-bits takes bits among {', '.join(map(str, BITS))} (e.g. 8,4), got {args.kv_bits}.")

@@ -53,8 +53,8 @@ class StreamSettings:
 
 def stream_ids(tokenizer, tokens: int) -> torch.Tensor:
     """(1, tokens) ids of real text: half Paul Graham's essays, then Jane Austen's novels."""
-    from ..data.austen import austen
-    from ..data.essays import essays
+    from kvevict.data.austen import austen
+    from kvevict.data.essays import essays
 
     half = tokens // 2
     ess = tokenizer("\n\n".join(essays()), add_special_tokens=False)["input_ids"][:half]
@@ -70,7 +70,7 @@ def new_stream_cache(model, name: str, budget: int):
     """The stock DynamicCache (SDPA attention) or ``name``'s EvictingCache with compact positions."""
     from transformers import DynamicCache
 
-    from ..cache import make_cache
+    from kvevict.cache import make_cache
 
     if name == STOCK:
         model.set_attn_implementation("sdpa")
@@ -103,9 +103,8 @@ def run_stream(model, ids: torch.Tensor, cache, block: int, window: int, limit: 
 
 def run_stream_bench(settings: StreamSettings, out: Path, command: str = "", log=print) -> dict:
     """Every cache over the stream; writes stream.json, stream.md and stream.png under ``out``."""
-    from ..models import load_model
-
-    from ..commands._common import default_threads
+    from kvevict.commands._common import default_threads
+    from kvevict.models import load_model
 
     settings.check()
     settings.threads = settings.threads or default_threads()
@@ -124,7 +123,7 @@ def run_stream_bench(settings: StreamSettings, out: Path, command: str = "", log
     res = {"settings": asdict(settings), "command": command, "context_length": context, "runs": runs}
     (out / "stream.json").write_text(json.dumps(res, indent=1))
     (out / "stream.md").write_text(stream_table(res))
-    from ..plotting import available
+    from kvevict.plotting import available
 
     if available():
         stream_plot(res, out / "stream.png")
@@ -151,7 +150,7 @@ def stream_table(res: dict) -> str:
 
 def stream_plot(res: dict, path: Path) -> Path:
     """Perplexity per window (log scale) and resident memory along the stream, one line per cache."""
-    from ..plotting import pyplot
+    from kvevict.plotting import pyplot
 
     plt = pyplot()
     fig, (a, b) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)

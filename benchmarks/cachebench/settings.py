@@ -1,15 +1,17 @@
-"""What one ``kvevict bench`` run measures: the grid, the repeats and the sections, with the
+"""What one ``python benchmarks/bench.py`` run measures: the grid, the repeats and the sections, with the
 ``--quick`` preset (smoke run for CI: checks shape, never speed)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from kvevict.peers.kvpress_presses import PRESSES
+
 from .matrix import CACHES as MATRIX_CACHES
 
 SECTIONS = ("decode", "maxbatch", "breakdown", "prefill", "peer", "matrix", "llamacpp")
 PREFILL_MODES = ("sdpa", "eager", "kvevict")
-PEER_PRESSES = ("snapkv", "expected_attention", "knorm", "observed_attention", "streaming_llm", "tova")
+PEER_PRESSES = tuple(PRESSES)
 
 
 @dataclass
@@ -29,7 +31,7 @@ class Settings:
     prefill_repeats: int = 1
     prefill_decode_steps: int = 16
     peer_presses: list[str] = field(default_factory=lambda: ["snapkv", "expected_attention", "knorm"])
-    # the decode-step matrix (kvevict.bench.matrix) and the llama.cpp peer (kvevict.bench.llamacpp_peer)
+    # the decode-step matrix (matrix.py) and the llama.cpp peer (llamacpp_peer.py)
     matrix_contexts: list[int] = field(default_factory=lambda: [2048, 4096, 8192])
     matrix_batches: list[int] = field(default_factory=lambda: [1, 4, 8])
     matrix_threads: list[int] = field(default_factory=lambda: [1, 2])
@@ -46,7 +48,7 @@ class Settings:
 
     @property
     def target_budget(self) -> float:
-        """The budget the issue's targets are stated at (20%), or the nearest one measured."""
+        """The budget the targets (targets.py) are stated at (20%), or the nearest one measured."""
         return min(self.budgets, key=lambda b: abs(b - 0.2))
 
     @property

@@ -17,7 +17,7 @@ def per_sequence_bytes(bases: BaseCaches, spec: CacheSpec, context: int, decode_
     if spec.kind == STOCK:
         held += decode_tokens * model_kv_bytes_per_token(bases.model.config)
     elif not spec.is_policy:
-        from ..tier import PAGE
+        from kvevict.storage import PAGE
 
         held += (decode_tokens + PAGE) * model_kv_bytes_per_token(bases.model.config)
     return held

@@ -1,11 +1,11 @@
 """The Triton decode kernel's split program compiled for an NVIDIA GPU on any machine, no GPU
 needed (triton's wheel carries ptxas and cuobjdump), and its main loop's SASS counted by
 instruction: how much work one tile of keys costs a thread, where no GPU is lent to time it
-(``kvevict.bench.triton_decode`` times it where one is). The shape is ``triton_profile``'s
+(``benchmarks/triton_decode.py`` times it where one is). The shape is ``triton_decode.py``'s
 (Llama-3-8B-shaped attention, int4 codes, 32 channels per group, a bf16 query)::
 
-    python -m kvevict.bench.triton_sass                          # today's defaults, sm_90
-    python -m kvevict.bench.triton_sass '{"fold": false, "vpairs": false}' --out runs/sass.json
+    python benchmarks/triton_sass.py                          # today's defaults, sm_90
+    python benchmarks/triton_sass.py '{"fold": false, "vpairs": false}' --out runs/sass.json
 
 The JSON object names ``kvevict.kernels.triton_decode.plan``'s switches. The counts depend on the
 installed triton (the kernel's layouts are its choice): the report names its version. It reaches
@@ -29,7 +29,7 @@ import torch
 
 LINE = re.compile(r"^\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+(?:\.[A-Z0-9_]+)*)", re.M)
 BRANCH = re.compile(r"^\s+/\*([0-9a-f]+)\*/[^\n]*?\bBRA\s+(0x[0-9a-f]+)", re.M)
-# what the kernel work is judged by: the instruction classes the notes in docs/performance.md name
+# what the kernel work is judged by: the instruction classes the notes in docs/results/performance.md name
 CLASSES = {"moves": ("IMAD.MOV", "MOV"), "barriers": ("BAR",), "mma": ("HMMA", "HGMMA"),
            "shared memory": ("LDS", "STS", "LDSM", "STSM"), "byte permutes": ("PRMT",),
            "logic": ("LOP3",), "shifts": ("SHF",), "paired half adds": ("HADD2",), "local (spills)": ("LDL", "STL")}
@@ -40,9 +40,9 @@ def split_launch(switches: dict, sm90: bool = True):
     out by ``plan`` on CPU tensors, its interpreter switch off (the GPU's program). Where the
     switches do not name ``trans``, plan's choice on the target: transposed on sm_90 in tiles of 64
     keys or more (``trans_default``; the CPU tensors here would make plan say no)."""
-    from ..kernels.runs import Run
-    from ..kernels.triton_decode import plan
-    from ..store import quantize
+    from kvevict.kernels.runs import Run
+    from kvevict.kernels.triton_decode import plan
+    from kvevict.storage.codes import quantize
 
     b, hq, hkv, d, n = 2, 32, 8, 128, 4096  # batch and length are runtime values: the program is the same
     gen = torch.Generator().manual_seed(0)
@@ -121,7 +121,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"the switches must be a JSON object ({e}).") from None
     if not isinstance(switches, dict):
         raise SystemExit(f"the switches must be a JSON object, got {args.switches!r}.")
-    from ..kernels.triton_decode import unknown_switches
+    from kvevict.kernels.triton_decode import unknown_switches
 
     why = unknown_switches(switches)
     if why:

@@ -1,5 +1,5 @@
 """Where the peers' environments live: one folder per peer under a root of the user's choosing
-(``kvevict peers setup --into DIR`` creates them; see kvevict.bench.peer_setup).
+(``kvevict peers setup --into DIR`` creates them; see kvevict.peers.environments).
 
 Each peer is found, first match wins, at
 
@@ -23,7 +23,7 @@ LAYOUT = {
     "vllm": ("KVEVICT_VLLM_PYTHON", Path("vllm", "bin", "python")),
     "llamacpp": ("KVEVICT_LLAMA_BENCH", Path("llama.cpp", "build", "bin", "llama-bench")),
 }
-SETUP_HINT = "kvevict peers setup --into DIR --only {peer}, then export KVEVICT_PEERS=DIR (see docs/performance.md)"
+SETUP_HINT = "kvevict peers setup --into DIR --only {peer}, then export KVEVICT_PEERS=DIR (see docs/results/performance.md)"
 
 
 def default_root() -> Path:

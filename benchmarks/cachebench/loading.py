@@ -11,7 +11,7 @@ def load_for_bench(name_or_path: str, dtype: str = "float32"):
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from ..models import KNOWN_MODELS, load_model
+    from kvevict.models import KNOWN_MODELS, load_model
 
     if name_or_path in KNOWN_MODELS:
         return load_model(name_or_path, dtype=getattr(torch, dtype))[0]
@@ -25,8 +25,8 @@ def load_for_bench(name_or_path: str, dtype: str = "float32"):
 
 def model_folder(name_or_path: str) -> Path:
     """A folder with config + safetensors for ``name_or_path`` (what the kvpress venv loads)."""
-    from ..fetch import cache_dir
-    from ..models import KNOWN_MODELS, load_model
+    from kvevict.fetch import cache_dir
+    from kvevict.models import KNOWN_MODELS, load_model
 
     if name_or_path not in KNOWN_MODELS:
         return Path(name_or_path)

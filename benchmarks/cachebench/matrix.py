@@ -1,4 +1,4 @@
-"""The decode-step matrix (``kvevict bench --sections matrix``): one decode step at each context x
+"""The decode-step matrix (``python benchmarks/bench.py --sections matrix``): one decode step at each context x
 batch x torch-thread count for the caches a user chooses between, each beside its bandwidth floor,
 and the bytes each holds beside the stock cache's for a short chat and for the long prompts.
 
@@ -6,9 +6,9 @@ A decode step reads every weight once and every byte the cache holds once, so
 
     floor_s = (weight_bytes + batch x read_bytes_per_sequence) / copy_bandwidth(threads)
 
-(H2O, Zhang et al. 2023, sec. 5; ``kvevict.bench.memory_math.floor_seconds``), with the copy
+(H2O, Zhang et al. 2023, sec. 5; ``memory_math.floor_seconds``), with the copy
 bandwidth measured in the same run at the same thread count. Timing is interleaved as in
-``kvevict.bench.decode``: every round visits every point, the caches of a (threads, context, batch)
+``decode.py``: every round visits every point, the caches of a (threads, context, batch)
 group in a rotated order, and ratios are taken within a round. Caches are filled once at batch 1
 per context (``BaseCaches``) and copied to the batch.
 """
@@ -52,8 +52,8 @@ def chat_bytes(model, specs: list[CacheSpec], prompt: int = 50, new: int = 16, s
     built as a user builds it (fractions resolve on the prompt), beside the stock cache's."""
     from transformers import DynamicCache
 
-    from ..cache import make_cache
-    from ..storage import split_spec
+    from kvevict.cache import make_cache
+
     from .caches import MEMORY, NO_EVICTION, use_attention
 
     gen = torch.Generator().manual_seed(seed)
@@ -67,7 +67,7 @@ def chat_bytes(model, specs: list[CacheSpec], prompt: int = 50, new: int = 16, s
         elif spec.kind == MEMORY:
             cache = make_cache(model, memory=spec.budget)
         else:
-            name, st = split_spec(spec.kind)
+            name, st = spec.storage()
             budget = prompt + new if name == NO_EVICTION else spec.budget  # every token, as in the decode fills
             cache = make_cache(model, "h2o" if name == NO_EVICTION else name, budget, kv_bits=st.kv_bits,
                                evicted_bits=st.evicted_bits)

@@ -1,4 +1,4 @@
-"""One ``kvevict bench`` run: every section in one process (prefill jobs in child processes so
+"""One ``python benchmarks/bench.py`` run: every section in one process (prefill jobs in child processes so
 their peak memory is their own), then JSON + markdown + PNG plots in the output folder."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import os
 import time
 from pathlib import Path
 
-from ..commands._common import default_threads
+from kvevict.commands._common import default_threads
+
 from . import report, targets
 from .caches import NO_EVICTION, STOCK, CacheSpec, available_policies, specs_for
 from .machine import load_average, machine_info, measure_copy_bandwidth
@@ -48,7 +49,7 @@ def run_bench(s: Settings, out_dir: Path, command: str = "", log=print) -> dict:
     torch.set_num_threads(threads)
     out_dir.mkdir(parents=True, exist_ok=True)
     res: dict = {"command": command, "settings": s.as_dict(), "machine": machine_info(), "notes": []}
-    log(f"kvevict bench: {threads} torch threads, load average {load_average()}")
+    log(f"bench: {threads} torch threads, load average {load_average()}")
     policies, notes = available_policies(s.policies)
     res["notes"] += notes
     for n in notes:
@@ -71,7 +72,7 @@ def run_bench(s: Settings, out_dir: Path, command: str = "", log=print) -> dict:
         add_ratios(recs)
         add_floors(recs, res["weight_bytes"], res["kv_bytes_per_token"], bw)
         res["decode"] = {"records": recs, "fill_seconds": dict(bases.prefill_seconds),
-                         "method": "caches pre-filled once at batch 1 (see kvevict.bench.caches), copied per run; "
+                         "method": "caches pre-filled once at batch 1 (see cachebench/caches.py), copied per run; "
                                    "one untimed warm-up step, then the timed steps"}
     if "maxbatch" in s.sections:
         log(f"largest batch in {s.kv_memory_gib:g} GiB at context {max(s.contexts)}:")
@@ -136,8 +137,9 @@ def run_matrix_section(model, bases, s: Settings, weight_bytes: int, log) -> dic
 
 def run_llamacpp_section(s: Settings, log) -> dict:
     """llama-bench on the model's own GGUF, when both are there; otherwise a note saying why not."""
+    from kvevict.peers.locations import find, hint
+
     from .llamacpp_peer import model_gguf, run_peer
-    from .peer_paths import find, hint
 
     binary = find("llamacpp")
     if binary is None:
@@ -157,14 +159,15 @@ def run_llamacpp_section(s: Settings, log) -> dict:
 
 
 def write_outputs(res: dict, out_dir: Path) -> None:
-    from ..plotting import available
+    from kvevict.plotting import available
+
     from . import plots
 
     (out_dir / "bench.json").write_text(json.dumps(res, indent=1, default=str))
     (out_dir / "bench.md").write_text(report.render(res))
     if res.get("decode"):
         if not available():
-            print("kvevict bench: plots skipped: matplotlib is missing (pip install 'kvevict[bench]')")
+            print("bench: plots skipped: matplotlib is missing (pip install 'kvevict[bench]')")
             return
         plots.throughput_vs_context(res["decode"]["records"], out_dir / "throughput_vs_context.png")
         plots.memory_vs_context(res["decode"]["records"], out_dir / "memory_vs_context.png")

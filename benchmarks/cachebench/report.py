@@ -100,7 +100,7 @@ def target_lines(targets: list[dict]) -> list[str]:
             return "-"
         return f"{v:+.1%}" if "recency" in t["target"] else f"{v:.2f}"
     rows = [[t["target"], t["goal"], fmt(t), t["status"], t["detail"]] for t in targets]
-    return ["## Targets (issue 5)", ""] + _table(["target", "goal", "reached", "status", "how"], rows)
+    return ["## Targets", ""] + _table(["target", "goal", "reached", "status", "how"], rows)
 
 
 def matrix_lines(mx: dict) -> list[str]:

@@ -18,12 +18,12 @@ def load_average() -> list[float]:
 
 
 def _git_revision() -> str | None:
-    root = Path(__file__).resolve().parents[3]
+    root = Path(__file__).resolve().parents[2]  # the repository: the library and its benchmarks
     try:
         rev = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True, timeout=10, check=False).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "src"], capture_output=True,
-                               text=True, timeout=10, check=False).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "src", "benchmarks"],
+                               capture_output=True, text=True, timeout=10, check=False).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return f"{rev}{'+uncommitted' if dirty else ''}" if rev else None

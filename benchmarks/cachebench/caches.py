@@ -23,6 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kvevict.spec import FULL
+from kvevict.spec import CacheSpec as Spec
+from kvevict.storage import Storage
+
 STOCK = "stock"
 NO_EVICTION = "kvevict-full"
 MEMORY = "memory"
@@ -43,24 +47,28 @@ class CacheSpec:
 
     @classmethod
     def parse(cls, label: str) -> "CacheSpec":
-        """The inverse of ``label``: 'stock', 'kvevict-full/int8', 'h2o/int4@0.2', 'memory=0.1'."""
-        text = label.strip().lower()
-        try:
-            if text.startswith(MEMORY + "="):
-                value = float(text.split("=", 1)[1])
-                if not 0.0 < value <= 1.0:
-                    raise ValueError
-                return cls(MEMORY, value)
-            kind, _, budget = text.partition("@")
-            if not budget:
-                return cls(kind)
-            value = float(budget)
-            if not 0.0 < value <= 1.0:
-                raise ValueError
-            return cls(kind, value)
-        except ValueError:
-            raise ValueError(f"cannot read the cache {label!r}: write stock, kvevict-full[/STORAGE], "
-                             "POLICY[/STORAGE]@FRACTION (h2o/int4@0.2) or memory=FRACTION.") from None
+        """A benchmark's cache from its spec (``kvevict.spec``'s grammar, which reads the benchmark's
+        own names too): 'stock' (= full), 'kvevict-full/int8' (= full/int8), 'h2o/int4@0.2', 'memory=0.1'."""
+        spec = Spec.parse(label)
+        if spec.is_stock:
+            return cls(STOCK)
+        if spec.policy == FULL:
+            bits = "" if spec.storage == Storage() else "/" + spec.storage.label
+            return cls(NO_EVICTION + bits)
+        if spec.memory and spec.policy is None and isinstance(spec.budget, float):
+            return cls(MEMORY, spec.budget)
+        if spec.memory or spec.question or not isinstance(spec.budget, float):
+            raise ValueError(f"cannot benchmark the cache {label!r}: write stock, kvevict-full[/STORAGE], "
+                             "POLICY[/STORAGE]@FRACTION (h2o/int4@0.2) or memory=FRACTION.")
+        kind = spec.policy + ("" if spec.storage is None else "/" + (spec.storage.label or "fp"))
+        return cls(kind, spec.budget)
+
+    def storage(self) -> tuple[str, Storage]:
+        """The policy (or ``kvevict-full``) and the storage this cache names."""
+        spec = Spec.parse(self.kind)
+        if spec.policy == FULL:
+            return NO_EVICTION, spec.storage or Storage()
+        return spec.policy, spec.storage or Storage()
 
     @property
     def is_policy(self) -> bool:
@@ -68,7 +76,7 @@ class CacheSpec:
 
     def kept_tokens(self, context: int) -> int:
         """Tokens held per (sequence, KV head) while decoding at ``context``."""
-        from ..cache import resolve_budget
+        from kvevict.budget import resolve_budget
 
         if self.budget is None or self.kind == MEMORY:  # a memory plan keeps every token or says so itself
             return context
@@ -77,13 +85,10 @@ class CacheSpec:
 
 def available_policies(requested: list[str]) -> tuple[list[str], list[str]]:
     """The requested policies that exist in ``kvevict.POLICIES`` now, and a note per missing one."""
-    from .. import POLICIES
-
-    from ..storage import split_spec
-
+    from kvevict import POLICIES
     have, notes = [], []
     for name in requested:
-        if split_spec(name.lower())[0] in POLICIES:  # a policy, maybe with its storage: h2o/int4
+        if Spec.parse(name).policy in POLICIES:  # a policy, maybe with its storage: h2o/int4
             have.append(name.lower())
         else:
             notes.append(f"policy {name!r} is not in kvevict.POLICIES yet ({', '.join(sorted(POLICIES))}); skipped.")
@@ -96,7 +101,7 @@ def specs_for(policies: list[str], budgets: list[float]) -> list[CacheSpec]:
 
 def use_attention(model, spec: CacheSpec) -> None:
     """Route the model's attention for this cache: SDPA for the stock cache, kvevict otherwise."""
-    from ..attention import ATTN_NAME
+    from kvevict.attention import ATTN_NAME
 
     model.set_attn_implementation("sdpa" if spec.kind == STOCK else ATTN_NAME)  # "kvevict-full/int4" too
 
@@ -106,9 +111,7 @@ def prefill(model, spec: CacheSpec, context: int, decode_tokens: int, seed: int 
     """A batch-1 cache in the state it has when decoding starts at ``context`` (see module doc)."""
     from transformers import DynamicCache
 
-    from ..cache import make_cache
-    from ..storage import split_spec
-
+    from kvevict.cache import make_cache
     gen = torch.Generator().manual_seed(seed)
     cfg = model.config
     if spec.kind == STOCK:
@@ -126,7 +129,7 @@ def prefill(model, spec: CacheSpec, context: int, decode_tokens: int, seed: int 
         ids = torch.randint(0, cfg.vocab_size, (1, context), generator=gen)
         model(ids, cache=cache, use_cache=True, logits_to_keep=1)
         return cache
-    name, storage = split_spec(spec.kind)  # "h2o/int4": the policy over 4-bit storage
+    name, storage = spec.storage()  # "h2o/int4": the policy over 4-bit storage
     kw = {"kv_bits": storage.kv_bits, "evicted_bits": storage.evicted_bits}
     if name == NO_EVICTION:
         cache, n = make_cache(model, "h2o", context + decode_tokens + 1, **kw), context
@@ -172,7 +175,7 @@ def state_bytes(cache) -> int:
         elif isinstance(obj, (list, tuple)):
             for v in obj:
                 visit(v)
-        elif type(obj).__module__ in ("kvevict.tier", "kvevict.store"):  # tiers and their stores
+        elif type(obj).__module__ in ("kvevict.tier", "kvevict.storage.rect", "kvevict.storage.paged"):  # tiers, stores
             visit(list(vars(obj).values()))
 
     for layer in cache.layers:

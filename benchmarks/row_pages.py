@@ -1,6 +1,6 @@
-"""Rows of different lengths decoding together, three ways (``python -m kvevict.bench.row_pages``):
+"""Rows of different lengths decoding together, three ways (``python benchmarks/row_pages.py``):
 
-- ``pages``: one batch, each row its own pages of a shared pool (``kvevict.pages``, the server's
+- ``pages``: one batch, each row its own pages of a shared pool (``kvevict.storage.paged``, the server's
   storage), one forward per step;
 - ``rectangle``: one batch whose storage is as wide as its widest row, one forward per step;
 - ``buckets``: what the server did before per-row pages: one batch per power-of-two range of
@@ -22,16 +22,15 @@ from pathlib import Path
 
 import torch
 
-from ..pages import Pools
-from ..serve.batch import DecodeBatch
-from ..tier import PAGE, pages
+from kvevict.storage import PAGE, Pools, page_slots
+from kvevict.serve.batch import DecodeBatch
 
 SMALL = 4  # the old server's rule: rows of up to this many pages shared one batch
 
 
 def bucket(tokens: int, budget: int) -> int:
     """The power-of-two range of a row's pages (the server's ``width_bucket`` before per-row pages)."""
-    n = max(1, -(-pages(tokens, budget) // PAGE))
+    n = max(1, -(-page_slots(tokens, budget) // PAGE))
     return max(0, (n - 1).bit_length() - SMALL.bit_length() + 1)
 
 
@@ -61,9 +60,9 @@ def steps(batches: list[DecodeBatch], n: int) -> float:
 
 
 def main(argv=None) -> int:
-    from ..models import load_model
+    from kvevict.models import load_model
 
-    p = argparse.ArgumentParser(prog="python -m kvevict.bench.row_pages", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python benchmarks/row_pages.py", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--lo", type=int, default=64, help="shortest row's context, tokens")

@@ -1,21 +1,34 @@
-"""kvevict bench: decode throughput, memory, prefill cost and a step breakdown against the stock
-full cache (and kvpress), interleaved in one process; writes JSON, markdown and PNG plots."""
+"""Decode throughput, memory, prefill cost and a step breakdown of budgeted caches against the stock
+full cache (and kvpress, llama.cpp), interleaved in one process; writes JSON, markdown and PNG plots.
+
+    python benchmarks/bench.py --quick --out results/bench-quick      # smoke run: checks the outputs, not speed
+    python benchmarks/bench.py --sections matrix,llamacpp             # the decode-step matrix and llama.cpp
+    python benchmarks/bench.py --stream --threads 1 --out results/stream   # the endless stream instead
+
+Run from a checkout with kvevict installed (or ``PYTHONPATH=src``); ``--help`` lists every argument.
+The pieces live in ``benchmarks/cachebench``.
+"""
 
 from __future__ import annotations
 
+import argparse
 import sys
+from pathlib import Path
 
-from ._common import number_list, output_folder
+from kvevict.commands._common import number_list, output_folder
 
-NAME = "bench"
-HELP = "measure decode speed, memory and prefill cost of budgeted caches vs the stock full cache"
+if __package__ in (None, ""):  # run as a script: the repository root holds the benchmarks package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PROG = "python benchmarks/bench.py"
 
 
 def _names(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
-def add_arguments(p):
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny smoke run (< 2 min): checks the outputs, not speed")
     p.add_argument("--out", default="results/bench", help="output folder (default results/bench)")
     p.add_argument("--model", default=None,
@@ -39,7 +52,7 @@ def add_arguments(p):
     m.add_argument("--matrix-batches", help="comma list of batch sizes (default 1,4,8)")
     m.add_argument("--matrix-threads", help="comma list of torch thread counts, each timed in turn (default 1,2)")
     m.add_argument("--matrix-caches", help="comma list of caches: stock, POLICY[/STORAGE]@FRACTION, memory=FRACTION, "
-                                           "kvevict-full[/STORAGE] (default: the issue's ten)")
+                                           "kvevict-full[/STORAGE] (default: the ten of cachebench/matrix.py's CACHES)")
     m.add_argument("--chat-tokens", type=int, help="prompt tokens of the short chat whose bytes are compared (default 50)")
     m.add_argument("--llama-contexts", help="comma list of llama-bench depths (default 3072,8192)")
     m.add_argument("--llama-threads", help="comma list of llama-bench thread counts (default 1,2)")
@@ -54,10 +67,11 @@ def add_arguments(p):
     g.add_argument("--stream-block", type=int, help="tokens per forward (default 512)")
     g.add_argument("--stream-window", type=int, help="tokens per perplexity window (default 1024)")
     g.add_argument("--stream-stock-tokens", type=int, help="how far the stock cache goes (default 12288)")
+    return p
 
 
 def settings_from(args):
-    from ..bench.settings import Settings, quick_settings
+    from benchmarks.cachebench.settings import Settings, quick_settings
 
     given = {
         "model": args.model, "dtype": args.dtype, "threads": args.threads, "repeats": args.repeats, "steps": args.steps,
@@ -83,7 +97,7 @@ def settings_from(args):
 
 
 def stream_settings_from(args):
-    from ..bench.stream import StreamSettings
+    from benchmarks.cachebench.stream import StreamSettings
 
     given = {"model": args.model, "threads": args.threads, "tokens": args.stream_tokens,
              "budget": args.stream_budget, "block": args.stream_block, "window": args.stream_window,
@@ -94,18 +108,17 @@ def stream_settings_from(args):
     return settings
 
 
-def run(args):
-    command = "kvevict " + " ".join(sys.argv[1:])
+def run(args, command: str) -> int:
     log = lambda msg: print(msg, flush=True)  # noqa: E731
     if args.stream:
-        from ..bench.stream import run_stream_bench
+        from benchmarks.cachebench.stream import run_stream_bench
 
         settings = stream_settings_from(args)
         out = output_folder(args.out)
         run_stream_bench(settings, out, command=command, log=log)
         print((out / "stream.md").read_text())
         return 0
-    from ..bench.run import run_bench
+    from benchmarks.cachebench.run import run_bench
 
     settings = settings_from(args)
     out = output_folder(args.out)
@@ -113,3 +126,17 @@ def run(args):
     print()
     print((out / "bench.md").read_text().split("## Decode")[0])
     return 0 if res else 1
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args, command=" ".join([PROG, *argv]))
+    except ValueError as err:  # bad input: one clear line, no traceback
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

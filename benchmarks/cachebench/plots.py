@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
-from ..plotting import pyplot
+from kvevict.plotting import pyplot
 
 
 def _series(records, batch, value):
