@@ -1,4 +1,4 @@
-"""Soak benchmark for ``kvevict serve`` (issue 44; not a test): N clients through the real openai
+"""Soak benchmark for ``kvevict serve`` (not a test): N clients through the real openai
 client on loopback for a while, in waves, against a ``kvevict serve`` subprocess.
 
 Each client loops: a short chat or a long prompt (1 in 4), streamed or not (half), and 1 in 8
