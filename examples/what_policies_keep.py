@@ -25,7 +25,7 @@ for name in sys.argv[1].split(",") if len(sys.argv) > 1 else sorted({c.name for 
     cache = kvevict.make_cache(model, pol, budget=budget)
     with torch.no_grad():
         model(ids, cache=cache, logits_to_keep=1)
-    pos = [l.pos[0] for l in cache.layers]  # per layer (3, B_l)
+    pos = [layer.pos[0] for layer in cache.layers]  # per layer (3, B_l)
     first = sum((p < 4).sum(-1).float().mean().item() for p in pos) / len(pos)
     tail = sum((p >= n - n // 10).sum(-1).float().mean().item() for p in pos) / len(pos)
     med = torch.cat([p.flatten() for p in pos]).float().median().item()

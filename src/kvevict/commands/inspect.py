@@ -21,8 +21,6 @@ def add_arguments(p):
 
 
 def run(args):
-    import kvevict
-
     from ..budget import check_budget
     from ..policies import make_policy
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from . import records
 from ..plotting import pyplot
 from .caches import FULL
-from .stats import aggregate, mean_ci
+from .stats import Interval, aggregate, mean_ci
 from .tasks import TASKS
 
 
