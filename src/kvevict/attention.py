@@ -58,9 +58,11 @@ class PaddingInfo:
 
     def real_upto(self, n: int) -> torch.Tensor:
         """The padding mask for positions [0, n); tokens past its end are real."""
-        if self.padding.shape[-1] >= n:
-            return self.padding[:, :n]
-        return torch.nn.functional.pad(self.padding, (0, n - self.padding.shape[-1]), value=True)
+        padding = self.padding
+        assert padding is not None, "real_upto reads a padding mask; None means nothing is padded"
+        if padding.shape[-1] >= n:
+            return padding[:, :n]
+        return torch.nn.functional.pad(padding, (0, n - padding.shape[-1]), value=True)
 
 
 def kvevict_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
@@ -217,7 +219,7 @@ def attend(query, seg: _Segments, scale, window, softcap, wanted=(), observe=0, 
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
         extra = 0 if seg.summary is None else 1
-        if extra:  # n copies of it: + log n after the softcap (-inf where nothing was evicted)
+        if seg.summary is not None:  # n copies of it: + log n after the softcap (-inf where nothing was evicted)
             scores[..., -1:] += seg.summary[2]
         s5 = scores.view(b, hkv, g, c, n_past + e + extra)
         hide_past, hide_new, later = _hidden(seg, s, e, window, idx)
@@ -232,7 +234,7 @@ def attend(query, seg: _Segments, scale, window, softcap, wanted=(), observe=0, 
             probs = torch.where(seg.valid_new[:, None, None, s:e, None], probs, 0.0)
         pc = probs.to(query.dtype).view(b, hkv, g * c, n_past + e + extra)
         o = torch.matmul(pc[..., n_past: n_past + e], seg.v_new[:, :, :e])
-        if extra:
+        if seg.summary is not None:
             o += pc[..., -1:] * seg.summary[1]
             probs = probs[..., :-1]  # the statistics are the kept keys'
         off = 0
@@ -255,6 +257,7 @@ def attend(query, seg: _Segments, scale, window, softcap, wanted=(), observe=0, 
             if e == q:
                 last_row = pg[:, :, -1]
     if "last" in wanted:
+        assert last_row is not None  # the last chunk (e == q) sets it when "last" is wanted
         stats["last"] = torch.nn.functional.pad(last_row, (0, n_all - last_row.shape[-1]))
     if "expected" in stats:
         stats["expected"] += _expected_attention(qs, seg, observe or q)
@@ -265,6 +268,7 @@ def _attend_fused(query, seg: _Segments, scale, window, softcap, wanted, observe
     """``attend`` for one query over the layer's runs read as stored (``kvevict.kernels``): the
     kernel returns the output and pg, each key's probability summed over its KV group, from which
     the same statistics follow as in ``attend``."""
+    assert seg.runs is not None, "the fused path reads the past as runs (attend checks it)"
     b, hq, _, d = query.shape
     hkv = seg.k_new.shape[1]
     n_past = sum(r.n for r in seg.runs)

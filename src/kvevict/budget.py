@@ -44,7 +44,7 @@ def layer_budgets(policy: Policy, budget, num_layers: int, windows: list | None 
     known = getattr(policy, "prompt_tokens", None)  # a policy recorded on the prompt (kvzip)
     if isinstance(budget, float) and known:
         budget = resolve_budget(budget, known)
-    if known and any(w is not None for w in windows or ()):
+    if known and windows and any(w is not None for w in windows):
         return schedule(budget, num_layers, caps=[known if w is None else min(known, w - 1) for w in windows])
     if isinstance(budget, float):
         nominal = 1 << 20

@@ -168,6 +168,7 @@ def generate(model, tokenizer, prompt, policy=None, budget=None, max_new_tokens=
     limit, fed = max_positions(model), ids.shape[-1] + max_new_tokens - 1  # the last token is never fed
     warned = bool(limit and fed > limit and (policy == FULL or not policy_params.get("compact")))
     if warned:  # before a long prefill, not after it
+        assert limit is not None  # warned only with a limit
         warn_past_positions(fed, limit)
     if policy == "oracle":  # Belady needs the future: the full cache's own continuation, recorded
         from .policies.oracle import Oracle

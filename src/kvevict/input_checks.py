@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from types import FrameType
+from typing import cast
 
 _NEW_CACHE = ("To continue the same sequence, pass all of it (the previous ids, e.g. generate's output, then "
               "the new tokens) with a mask as long; for a new prompt make a new cache (make_cache) or call "
@@ -72,8 +74,11 @@ def _user_level() -> int:
     import torch
     import transformers
 
-    inside = tuple(str(Path(m.__file__).parent) + os.sep for m in (sys.modules[__package__], torch, transformers))
-    frame, level = sys._getframe(1), 1  # level 1: the caller of _user_level, i.e. warn's own caller
+    # packages loaded from files (a module's __file__ is None only for namespaces and built-ins)
+    packages = (sys.modules[__package__], torch, transformers)
+    inside = tuple(str(Path(cast(str, m.__file__)).parent) + os.sep for m in packages)
+    frame: FrameType | None = sys._getframe(1)
+    level = 1  # the caller of _user_level, i.e. warn's own caller
     while frame is not None and frame.f_code.co_filename.startswith(inside):
         frame, level = frame.f_back, level + 1
     return level

@@ -65,7 +65,7 @@ class KeySpace:
     """One layer's key basis: the per-row centre c (b, hkv, d), float16, and the rotation H (see the
     module doc)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.center: torch.Tensor | None = None
 
     def enter(self, k: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -83,6 +83,7 @@ class KeySpace:
 
     def leave(self, k: torch.Tensor) -> torch.Tensor:
         """The inverse of ``enter``: stored keys back in the model's basis, k' H + c."""
+        assert self.center is not None, "enter() sets the centre before any key is stored"
         return rotate(k) + self.center.unsqueeze(2).to(k.dtype)
 
     @staticmethod

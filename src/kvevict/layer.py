@@ -57,10 +57,10 @@ class EvictingLayer(CacheLayerMixin):
         self.evicted = 0  # tokens that left the first tier, per (sequence, head)
         self.peak_entries = 0  # most key/value entries held at once (storage + incoming chunk)
         self.returned_keys = None
-        self.prompt_end = None
+        self.prompt_end: torch.Tensor | None = None
         self.summary: Summary | None = None  # the evicted tokens' mean slot (policy.merge)
         self.keyspace: KeySpace | None = None  # keys stored centred and rotated (low-bit storage)
-        self._new = None
+        self._new: tuple[torch.Tensor, torch.Tensor] | None = None  # update()'s keys and values, until absorbed
         self._padded = False  # whether any slot may hold padding (then attention needs the mask)
 
     # -- transformers' layer protocol -------------------------------------------------------
@@ -164,8 +164,8 @@ class EvictingLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         prompt_len = self.prompt_len
-        self.__init__(self.policy, self.budget_spec, self.layer_idx, self.inv_freq, self.storage, self.window,
-                      self.pools)
+        type(self).__init__(self, self.policy, self.budget_spec, self.layer_idx, self.inv_freq, self.storage,
+                            self.window, self.pools)
         self.prompt_len = prompt_len
 
     def _map_batch(self, fn) -> None:
@@ -236,10 +236,15 @@ class EvictingLayer(CacheLayerMixin):
                 if layer.prompt_end is None:
                     layer.prompt_end = torch.zeros(layer.n_real.shape[0], 1, 1, dtype=torch.long, device=self.device)
         self.rows.adopt(other.rows)
-        theirs = []
+        theirs: list[torch.Tensor] = []
+
+        def collect(t):
+            theirs.append(t)
+            return t
+
         for tier in other.tiers:  # every per-row tensor, in _map_batch's order
-            tier.map_batch(lambda t: theirs.append(t) or t)
-        ends = [] if other.prompt_end is None else [other.prompt_end]
+            tier.map_batch(collect)
+        ends: list[torch.Tensor] = [] if other.prompt_end is None else [other.prompt_end]
         mean = [] if other.summary is None else other.summary.tensors()
         basis = [] if other.keyspace is None else other.keyspace.tensors()
         rows = iter([*theirs, other.n_real, *ends, other.rows.kind, *mean, *basis])
@@ -290,6 +295,7 @@ class EvictingLayer(CacheLayerMixin):
         return sum(t.nbytes() for t in self.tiers) + self.n_real.nbytes + extra
 
     def segments(self, value_view, info: PaddingInfo | None, q_len: int) -> _Segments:
+        assert self._new is not None, "update() hands the new keys over before attention reads the segments"
         k_new, v_new = self._new
         valid_new = None
         if info is not None and info.padding is not None:
@@ -330,6 +336,7 @@ class EvictingLayer(CacheLayerMixin):
 
     def absorb(self, stats: dict, valid_new, pos_new) -> None:
         """Store the new tokens, evicting to the budget, after attention has scored everything."""
+        assert self._new is not None and self.budget is not None, "absorb() follows update() and segments()"
         k_new, v_new = self._new
         self._new = None
         b, h, m, _ = k_new.shape
@@ -359,7 +366,7 @@ class EvictingLayer(CacheLayerMixin):
             # unpadded, every demoted entry is a real token: skip the host sync that checks it
             if demoted is not None and (not self._padded or bool((demoted["pos"] >= 0).any())):
                 gone = self.tiers[1].insert(self.rows, demoted, ctx, protected_newcomer=False, want_evicted=merge)
-        if gone is not None and merge:  # what left the last tier leaves the cache: into the summary
+        if gone is not None and self.summary is not None:  # what left the last tier leaves the cache: into the summary
             self.summary.add(gone, self.shared)
         self.seen += m
         for tier in self.tiers:  # paged bookkeeping: no rectangle outlives the step
@@ -402,9 +409,11 @@ def _shifted(pieces: list, delta: torch.Tensor, inv_freq, keyspace: KeySpace | N
             return shift_keys(k, d, inv_freq)
         return keyspace.enter(shift_keys(keyspace.leave(k), d, inv_freq))
 
+    def piece(p: Piece, d: torch.Tensor) -> Piece:  # its own closure over p and d
+        return Piece(p.n, lambda: shift(p.keys(), d), p.values)
+
     out, o = [], 0
     for p in pieces:
-        d = delta[..., o: o + p.n]
-        out.append(Piece(p.n, lambda p=p, d=d: shift(p.keys(), d), p.values))
+        out.append(piece(p, delta[..., o: o + p.n]))
         o += p.n
     return out

@@ -123,10 +123,10 @@ TOKEN_POLICY = "h2o"  # a token budget's default (no memory budget): the library
 # itself: 1.3x the full cache's time to answer the demo, kvzip-pool's reconstruction 2.6x. At 10%
 # it lost half the multi-key needles kvzip-pool kept, so kvzip-pool there; SmolLM2: SnapKV lost
 # essay needles kvzip-pool keeps at 20%, so kvzip-pool everywhere else (docs/results/families.md).
-ONE_SHOT_OF = {("qwen2", 28, 12, 2, 1536, 151936): ("ada-snapkv", 0.2)}
+ONE_SHOT_OF: dict[tuple, tuple[str, float]] = {("qwen2", 28, 12, 2, 1536, 151936): ("ada-snapkv", 0.2)}
 
 
-def model_key(model) -> tuple | None:
+def model_key(model) -> tuple:
     """What ``ONE_SHOT_OF`` knows a model by: its architecture and shapes (not its path or dtype)."""
     config = text_config(model)
     return tuple(getattr(config, k, None) for k in ("model_type", "num_hidden_layers", "num_attention_heads",
@@ -157,6 +157,16 @@ class PromptShare(float):
     tokens is kept whole at 16 bits (``short_bits``: the model's dtype when it is 16-bit, else
     float16), where 4-bit codes changed SmolLM2's greedy answers to 10 of 13 short chats (fp32)."""
 
+    # set in __new__ (a float's value is fixed there)
+    memory: float
+    ratio: float
+    windows: tuple[int | None, ...]
+    floor: int
+    short_bits: int | None
+    pair: tuple[float, float] | None
+    part: int
+    coarse: PromptShare | None
+
     def __new__(cls, value: float, memory: float = 0.0, ratio: float = 1.0, windows: tuple = (), floor: int = 1,
                 short_bits: int | None = 16, pair: tuple | None = None, part: int = 0,
                 coarse: "PromptShare | None" = None):
@@ -183,6 +193,7 @@ class PromptShare(float):
 
     def partner(self) -> "PromptShare":
         """A two-tier plan's other share (the int4 tier's for the int8 tier's, and back)."""
+        assert self.pair is not None, "partner() is a two-tier plan's (pair set)"
         return PromptShare(self.pair[1 - self.part], self.memory, self.ratio, self.windows, self.floor,
                            self.short_bits, self.pair, 1 - self.part)
 
@@ -191,7 +202,9 @@ class PromptShare(float):
         more, so the floor's tokens are kept at the first tier's bits alone (int8). Copying a
         passage of 122-204 tokens, three tiers split over the floor's 128 tokens lost 15 BLEU points
         against int8 alone (docs/results/quality-per-byte.md)."""
-        return bool(self.pair) and sum(self.pair) * n <= self.floor
+        if not self.pair:
+            return False
+        return sum(self.pair) * n <= self.floor
 
     def storage_for(self, n: int, planned: Storage) -> Storage:
         """The storage for an n-token prompt: ``planned``, 16 bits for a short prompt, the first
@@ -204,7 +217,8 @@ class PromptShare(float):
         return Storage(kv_bits=planned.kv_bits, group=planned.group) if self.floored(n) else planned
 
     def tokens(self, n: int) -> int:
-        return self.coarse.tokens(n) if self.coarser(n) else self._tokens(n)
+        coarse = self.coarse  # coarser(n) is False without one
+        return coarse.tokens(n) if coarse is not None and self.coarser(n) else self._tokens(n)
 
     def _tokens(self, n: int) -> int:
         if n <= self.floor or self.floored(n):  # kept whole, room for the answer up to the floor; or
@@ -266,7 +280,7 @@ def plan(memory, head_dim_k: int, head_dim_v: int, dtype_bytes: int, stats_bytes
         if kind == "int8+int4":
             raise ValueError("two tiers are planned for a fractional memory budget (0.2, '20%'); with bytes per "
                              "sequence give one kv_bits.")
-        bits = {"fp16": 16, "int8": 8}.get(kind, 4)
+        bits: int | None = {"fp16": 16, "int8": 8}.get(kind or "", 4)
         if sliding:  # a sliding layer never holds more than its window: the rest goes to the others
             tokens = _fill(memory / (layers_heads // len(windows) * slot(bits)), windows)
         else:

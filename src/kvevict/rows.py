@@ -87,7 +87,9 @@ class Rows:
         return stat_names(self.policies)
 
     def attention_params(self) -> dict:
-        return merged_params(self.policies)
+        params = merged_params(self.policies)
+        assert params is not None, "rows share a cache only when their policies can share a forward (shareable)"
+        return params
 
     def decay(self) -> float:
         return next((p.decay() for p in self.policies if "hits_ema" in p.stats), 1.0)
@@ -104,12 +106,13 @@ class Rows:
         rows ``c`` holds, in order (None: every row)."""
         groups = self._groups
         if rows is not None:
-            groups = self._sub_groups.get(tuple(rows))
-            if groups is None:  # built once per batch change and row subset, not per step
+            sub = self._sub_groups.get(tuple(rows))
+            if sub is None:  # built once per batch change and row subset, not per step
                 kinds = [self._kinds_of[r] for r in rows]
-                groups = self._sub_groups[tuple(rows)] = [
+                sub = self._sub_groups[tuple(rows)] = [
                     (p, b, torch.tensor([j for j, k in enumerate(kinds) if k == i], device=c.pos.device))
                     for i, (p, b) in enumerate(self.kinds) if i in kinds]
+            groups = sub
         if len(groups) == 1:
             policy, budget, _ = groups[0]
             return policy.priority(replace(c, budget=budget))
@@ -159,7 +162,7 @@ def _same(a: tuple, b: tuple) -> bool:
 
 
 def _unique(items) -> list:
-    out = []
+    out: list = []
     for x in items:
         if not any(x is y or x == y for y in out):
             out.append(x)

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import torch
 
-from .policies import Candidates, Policy
-from .rows import rows_of
+from .policies import Candidates
+from .rows import Rows, rows_of
 from .stats import FP16_MAX, STATS, stat_dtype
 from .storage.paged import PagedField, PagedStore, page_slots
 from .storage.rect import RectField, expand_index, make_store, trailing
@@ -173,7 +173,7 @@ class Tier:
                           newest=newest, budget=budget, layer_idx=layer_idx, head=cat.get("head"),
                           heads=self.heads, prompt_len=prompt_len)
 
-    def insert(self, policy: Policy, new: dict, ctx: dict, protected_newcomer: bool, want_evicted: bool):
+    def insert(self, policy: Rows, new: dict, ctx: dict, protected_newcomer: bool, want_evicted: bool):
         """Store ``new`` entries (keys "k", "v" and the metadata, each (b, h, m, ...); "pos" -1 for
         padding); return the entries that left (evicted candidates, valid first) when
         ``want_evicted``, else None."""

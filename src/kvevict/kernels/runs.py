@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 PACKED_BITS = (8, 4, 2)
 DENSE_BITS = (16, 32)
@@ -28,17 +32,18 @@ class Run:
     k: tuple
     v: tuple
     n: int
-    table: object = None  # (b, ceil(n / page)) int64 page ids, or None
+    table: torch.Tensor | None = None  # (b, ceil(n / page)) int64 page ids, or None
     page: int = 0
 
     def rect(self) -> "Run":
         """The same slots as (b, h, n, width) rectangles (a copy of what is stored, still packed)."""
-        if self.table is None:
+        table = self.table
+        if table is None:
             return self
-        b, cols = self.table.shape
+        b, cols = table.shape
 
         def lay(t):
-            return t[self.table].permute(0, 2, 1, 3, 4).reshape(b, t.shape[1], cols * self.page, t.shape[-1])[:, :, :self.n]
+            return t[table].permute(0, 2, 1, 3, 4).reshape(b, t.shape[1], cols * self.page, t.shape[-1])[:, :, :self.n]
 
         return Run(self.bits, self.group, tuple(map(lay, self.k)), tuple(map(lay, self.v)), self.n)
 

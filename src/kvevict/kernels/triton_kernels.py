@@ -127,7 +127,8 @@ def _dequant(raw, z, s, cols, BITS: tl.constexpr, GROUP: tl.constexpr, D: tl.con
             x = _rnd(units.to(tl.float32) * (_step(s) / U)[:, :, None], CDT, EMU)
         return tl.reshape(x, (BLOCK_N, D))
     else:
-        U: tl.constexpr = 1 << (8 - BITS)
+        # one constexpr per branch: hoisted above the BITS >= 16 branch it would shift by a negative count
+        U: tl.constexpr = 1 << (8 - BITS)  # type: ignore[no-redef]
         W: tl.constexpr = D * BITS // 8
         code = (raw.to(tl.int32) >> ((cols // W) * BITS)[None, :]) & ((1 << BITS) - 1)
         # (U code - zero) * (step / U) is exact in fp32; rounded to CDT once, where torch rounds

@@ -132,6 +132,7 @@ class KVzip(Policy):
         return cls(scores=scores, **params)
 
     def score(self, c: Candidates):
+        assert self.ranked is not None  # __post_init__ sets it
         s = self.ranked[c.layer_idx].to(c.pos.device)
         if c.pos.shape[0] != s.shape[0]:
             raise ValueError(f"kvzip was recorded for batch size {s.shape[0]}, the cache runs {c.pos.shape[0]}.")
@@ -146,6 +147,7 @@ class KVzip(Policy):
     @property
     def prompt_tokens(self) -> int:
         """The recorded prompt's length: fractional budgets resolve against it for ``layer_budgets``."""
+        assert self.scores is not None  # __post_init__ refuses a kvzip without them
         return self.scores[0].shape[-1]
 
     def layer_budgets(self, budget: int, num_layers: int, caps: list[int] | None = None) -> list[int]:
@@ -156,6 +158,7 @@ class KVzip(Policy):
         (a sliding model's global layers would otherwise win tokens its capped layers drop)."""
         if not self.layers or num_layers == 1:
             return [budget] * num_layers
+        assert self.scores is not None and self.ranked is not None  # __post_init__ checks and pools them
         if len(self.scores) != num_layers:
             raise ValueError(f"kvzip was recorded on {len(self.scores)} layers, the cache has {num_layers}.")
         b, h, n = self.scores[0].shape

@@ -50,6 +50,7 @@ class Oracle(Policy):
         return cls(future=future, block=block, **params)
 
     def score(self, c: Candidates):
+        assert self.future is not None  # __post_init__ refuses an oracle without one
         fut = self.future[c.layer_idx].to(c.pos.device)
         b, h, nb, n = fut.shape
         if c.pos.shape[0] != b:

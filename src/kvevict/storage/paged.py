@@ -54,7 +54,8 @@ class PagePool:
         self.page, self.room, self.empty = page or PAGE, room, empty
         self.tensors = [torch.full((1, h, self.page, w), empty, dtype=dt, device=device) for h, w, dt in parts]
         self.free: list[int] = []
-        self.holders = weakref.WeakSet()  # the stores and fields whose tables name its pages
+        # the stores and fields whose tables name its pages
+        self.holders: weakref.WeakSet[_PageRows] = weakref.WeakSet()
 
     @property
     def pages(self) -> int:
@@ -129,6 +130,7 @@ class Pools:
         self.pools: dict = {}
 
     def _room(self) -> int:
+        assert self.limit is not None  # a pool is given this room only under a limit (``get``)
         used = self.nbytes() if self.reserved is None else self.reserved + self.idle_bytes()
         return max(0, self.limit - used)
 
@@ -177,7 +179,7 @@ class _PageRows:
         self.pool, self.page = pool, pool.page
         self.table = torch.zeros(b, 0, dtype=torch.long, device=device)
         self.own = [0] * b  # pages each row holds (on the host)
-        self._held = [self.table]
+        self._held: list[torch.Tensor | None] = [self.table]  # None once disowned
         weakref.finalize(self, _release, self.pool, self._held)
         pool.holders.add(self)
 
@@ -195,7 +197,8 @@ class _PageRows:
         """Give each row the pages its first ``fills[r]`` slots need (called before they are written);
         whether any row took one."""
         need = [-(-f // self.page) for f in fills]
-        rows, cols = [], []
+        rows: list[int] = []
+        cols: list[int] = []
         for r, (n, o) in enumerate(zip(need, self.own)):
             if n > o:
                 rows += [r] * (n - o)
@@ -270,7 +273,9 @@ class PagedField(_PageRows):
     (b, h, n) rectangle the policy ranks, built once until the next change and not kept past it."""
 
     def __init__(self, pools: Pools, b, h, dtype, empty, device):
-        self.empty, self.h, self._rect, self._full = empty, h, None, None
+        self.empty, self.h = empty, h
+        self._rect: torch.Tensor | None = None
+        self._full: torch.Tensor | None = None  # the whole pages rect() laid out, _rect its first n slots
         self._take_pool(pools.get([(h, 1, dtype)], device, empty), b, device)
 
     @property
@@ -327,7 +332,7 @@ class PagedField(_PageRows):
         """The rectangle ``rect`` gave was changed in place (a statistic accumulated): its pages
         take it back, whole pages at once; it stays current. Page 0 (the slots past a row's own
         pages) is written too and then emptied again: what was written there belongs to no token."""
-        if self._rect is None:
+        if self._rect is None or self._full is None:  # set and cleared together
             raise RuntimeError("sync writes back the rectangle rect() laid out; none is laid out.")
         b, h, w = self._full.shape
         cols = w // self.page
@@ -400,8 +405,11 @@ class PagedStore(_PageRows):
 
         whole = not self.packed and self.pool.tensors[0].dtype == self.compute_dtype  # DenseStore: one piece
         spans = [(0, n)] if whole else _spans(n)
-        return [Piece(e - s, lambda i=i: view()[i].keys(), lambda i=i: view()[i].values())
-                for i, (s, e) in enumerate(spans)]
+
+        def piece(i: int, s: int, e: int) -> Piece:  # its own closures over i
+            return Piece(e - s, lambda: view()[i].keys(), lambda: view()[i].values())
+
+        return [piece(i, s, e) for i, (s, e) in enumerate(spans)]
 
     def run(self, n: int) -> Run:
         """Slots [0, n) as stored, in pages: the pool's tensors and each row's table."""

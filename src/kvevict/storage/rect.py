@@ -40,7 +40,7 @@ def scatter(store: torch.Tensor, idx: torch.Tensor, src: torch.Tensor, take=None
 
 
 class DenseStore:
-    bits = None
+    bits: int | None = None  # 16 for float16 storage, None for the model's dtype
 
     def __init__(self, b, h, n, dk, dv, dtype, compute_dtype, device):
         self.compute_dtype = compute_dtype
@@ -79,8 +79,12 @@ class DenseStore:
         k, v = self.keys[:, :, :n], self.values[:, :, :n]
         if k.dtype == self.compute_dtype:  # views: no copy at all
             return [Piece(n, lambda: k, lambda: v)]
-        return [Piece(e - s, lambda s=s, e=e: k[:, :, s:e].to(self.compute_dtype),
-                      lambda s=s, e=e: v[:, :, s:e].to(self.compute_dtype)) for s, e in _spans(n)]
+
+        def piece(s, e):
+            return Piece(e - s, lambda: k[:, :, s:e].to(self.compute_dtype),
+                         lambda: v[:, :, s:e].to(self.compute_dtype))
+
+        return [piece(s, e) for s, e in _spans(n)]
 
     def run(self, n: int):
         """Slots [0, n) as stored, for a fused decode kernel (views, no copy)."""
