@@ -90,7 +90,7 @@ def hand_off(layer) -> None:
     _handoff.layer = layer
 
 
-def _take_handoff(key: torch.Tensor):
+def take_handoff(key: torch.Tensor):
     layer = getattr(_handoff, "layer", None)
     _handoff.layer = None
     if layer is not None and layer.returned_keys is not key:
@@ -147,7 +147,7 @@ def _generic_segments(key, value, q_len, info: PaddingInfo | None) -> _Segments:
 def kvevict_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                       sliding_window=None, softcap=None, **kwargs):
     """SDPA-equivalent attention over (past slots + new tokens), collecting per-key statistics."""
-    layer = _take_handoff(key)  # first, so that a rejected call leaves no stale hand-off behind
+    layer = take_handoff(key)  # first, so that a rejected call leaves no stale hand-off behind
     if dropout and module.training:
         raise ValueError("kvevict attention is for inference; call model.eval() (dropout must be off).")
     if kwargs.get("s_aux") is not None:

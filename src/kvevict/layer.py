@@ -22,9 +22,9 @@ from .keyspace import KeySpace
 from .merge import Summary
 from .policies import Policy
 from .policies.window import Windowed, window_recency
-from .rope import compact_positions, shift_keys
+from .rope import CompactPositions
 from .rows import Rows, shareable
-from .storage import Piece, Storage, check_group
+from .storage import Storage, check_group
 from .storage.rect import DenseStore
 from .tier import POS16_MAX, Tier
 
@@ -43,7 +43,8 @@ class EvictingLayer(CacheLayerMixin):
         self.pools = pools  # a kvevict.storage.Pools: each row its own pages of a shared pool (None: rectangles)
         self.policy = policy
         self.window = window  # a sliding-window layer's ``sliding_window`` (None: global attention)
-        self.inv_freq = inv_freq  # set: compact positions (keys re-rotated to their rank each step)
+        # compact positions (keys re-rotated to their rank each step), or None
+        self.compact = None if inv_freq is None else CompactPositions(inv_freq)
         self.budget_spec = budget
         self.layer_idx = layer_idx
         self.storage = storage or Storage()
@@ -108,7 +109,7 @@ class EvictingLayer(CacheLayerMixin):
         positions re-rotate keys each step, which a sum of rotated keys cannot follow."""
         if not getattr(self.policy, "merge", False):
             return None
-        if self.inv_freq is not None:
+        if self.compact is not None:
             raise ValueError("merge keeps evicted keys rotated at their own positions; it does not work with "
                              "compact positions: drop compact=True or merge.")
         return None if self.window is not None else Summary(b, h, dk, dv, self.device)
@@ -164,7 +165,8 @@ class EvictingLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         prompt_len = self.prompt_len
-        type(self).__init__(self, self.policy, self.budget_spec, self.layer_idx, self.inv_freq, self.storage,
+        type(self).__init__(self, self.policy, self.budget_spec, self.layer_idx,
+                           None if self.compact is None else self.compact.inv_freq, self.storage,
                             self.window, self.pools)
         self.prompt_len = prompt_len
 
@@ -206,7 +208,7 @@ class EvictingLayer(CacheLayerMixin):
     def can_append(self, other: "EvictingLayer") -> bool:
         return (self.is_initialized and other.is_initialized and self.storage == other.storage
                 and self.dims == other.dims and self.dtype == other.dtype and len(self.tiers) == len(other.tiers)
-                and self.shared == other.shared and self.inv_freq is None and other.inv_freq is None
+                and self.shared == other.shared and self.compact is None and other.compact is None
                 and self.pools is other.pools and (self.summary is None) == (other.summary is None)
                 and shareable(self.rows.policies + other.rows.policies))
 
@@ -318,16 +320,9 @@ class EvictingLayer(CacheLayerMixin):
             heads = torch.arange(self.shared, device=self.device).view(1, -1, 1)
             mine = _cat([t.head[:, :, : t.filled] for t in self.tiers]) == heads
             valid_past = mine & valid_past if self._padded else mine
-        f = pos_past.shape[-1]
-        if self.inv_freq is not None and f:
-            # compact: kept keys move to their rank, new tokens follow at f, f + 1, ...; the shift
-            # d = (first new position) - f maps compact positions onto the queries' own rotation
-            shift = (self.n_real - f).view(-1, 1, 1)
-            compact = compact_positions(pos_past, valid_past) + shift
-            pieces = _shifted(pieces, compact - pos_past, self.inv_freq, self.keyspace)
-            pos_past = compact
-        # decoding reads the tiers as stored (fused kernels); re-rotated keys exist only as pieces
-        runs = [t.store.run(t.filled) for t in self.tiers] if q_len == 1 and self.inv_freq is None else None
+        if self.compact is not None:
+            pieces, pos_past = self.compact.apply(pieces, pos_past, valid_past, self.n_real, self.keyspace)
+        runs = [t.store.run(t.filled) for t in self.tiers] if q_len == 1 and self.compact is None else None
         return _Segments(
             pieces=pieces, pos_past=pos_past, valid_past=valid_past if self._padded or self.shared > 1 else None,
             k_new=k_new, v_new=v_new, pos_new=pos_new, valid_new=valid_new, runs=runs,
@@ -399,21 +394,3 @@ class EvictingLayer(CacheLayerMixin):
 
 def _cat(parts: list) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-
-
-def _shifted(pieces: list, delta: torch.Tensor, inv_freq, keyspace: KeySpace | None = None) -> list:
-    """The pieces' keys re-rotated by ``delta`` (b, h, n_past), one piece at a time (stored in a
-    rotated basis: taken back to the model's, re-rotated by RoPE, and stored again)."""
-    def shift(k, d):
-        if keyspace is None:
-            return shift_keys(k, d, inv_freq)
-        return keyspace.enter(shift_keys(keyspace.leave(k), d, inv_freq))
-
-    def piece(p: Piece, d: torch.Tensor) -> Piece:  # its own closure over p and d
-        return Piece(p.n, lambda: shift(p.keys(), d), p.values)
-
-    out, o = [], 0
-    for p in pieces:
-        out.append(piece(p, delta[..., o: o + p.n]))
-        o += p.n
-    return out

@@ -64,7 +64,7 @@ def fill_from(cache, context) -> None:
     the prompt runs through the model once. Only for a policy that reads no attention statistic (its
     scores were recorded), on a model without sliding layers (their DynamicCache keeps the window
     only); then ``model.generate(ids, cache=cache)`` goes on from the tokens given."""
-    from .attention import _take_handoff
+    from .attention import take_handoff
 
     for i, src in enumerate(context.layers):
         layer = cache.layers[i]
@@ -73,7 +73,7 @@ def fill_from(cache, context) -> None:
                              "run the prompt through the model instead (prefill / generate).")
         k, v = src.keys, src.values
         cache.update(k, v, i)
-        layer = _take_handoff(layer.returned_keys)
+        layer = take_handoff(layer.returned_keys)
         wanted, _ = layer.attention_request()
         if wanted:
             raise ValueError(f"{layer.policy.name} collects {', '.join(wanted)} from the prompt's attention; "

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from .storage.interface import Piece
+
 
 def rope_inv_freq(model) -> torch.Tensor:
     """The model's RoPE frequencies theta (head_dim / 2,), or a clear error if it has none."""
@@ -52,3 +54,37 @@ def compact_positions(pos: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     ranks = torch.empty_like(order)
     ranks.scatter_(-1, order, torch.arange(pos.shape[-1], device=pos.device).expand_as(order).contiguous())
     return ranks
+
+
+class CompactPositions:
+    """A layer's compact positions: each step the kept keys move to their rank r among the kept
+    tokens and the new tokens follow at f, f + 1, ... (f kept); the shift d = (first new position)
+    - f maps ranks onto the queries' own rotation, so each kept key is re-rotated by
+    delta = r + d - p (``shift_keys``), piece by piece as attention reads it."""
+
+    def __init__(self, inv_freq: torch.Tensor):
+        self.inv_freq = inv_freq
+
+    def apply(self, pieces: list, pos_past: torch.Tensor, valid_past, n_real: torch.Tensor, keyspace=None):
+        """(pieces re-rotated, their compact positions); ``keyspace``: keys stored in a rotated basis
+        are taken back to the model's, re-rotated by RoPE, and stored again."""
+        f = pos_past.shape[-1]
+        if not f:
+            return pieces, pos_past
+        valid = valid_past if valid_past is not None else torch.ones_like(pos_past, dtype=torch.bool)
+        compact = compact_positions(pos_past, valid) + (n_real - f).view(-1, 1, 1)
+        delta, inv_freq = compact - pos_past, self.inv_freq
+
+        def shift(k, d):
+            if keyspace is None:
+                return shift_keys(k, d, inv_freq)
+            return keyspace.enter(shift_keys(keyspace.leave(k), d, inv_freq))
+
+        def piece(p: Piece, d: torch.Tensor) -> Piece:  # its own closure over p and d
+            return Piece(p.n, lambda: shift(p.keys(), d), p.values)
+
+        out, o = [], 0
+        for p in pieces:
+            out.append(piece(p, delta[..., o: o + p.n]))
+            o += p.n
+        return out, compact

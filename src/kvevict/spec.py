@@ -152,7 +152,7 @@ def _parse(raw: str) -> CacheSpec:
 
 def _check_policy(name: str) -> None:
     if policy_class(name) is None:
-        raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}, each also as ada-NAME "
+        raise ValueError(f"unknown policy {name!r}; known policies: {', '.join(sorted(POLICIES))}, each also as ada-NAME "
                          "(head-adaptive budgets) and merge-NAME (evicted tokens merged)")
 
 
