@@ -18,10 +18,11 @@ from .attention import ATTN_NAME, register
 from .budget import check_budget, layer_budgets, resolve_budget
 from .input_checks import max_positions, no_new_tokens, positions_after
 from .layer import EvictingLayer
+from .memory import pick_policy, plan_for_model, storage_kind
 from .policies import Policy, make_policy
 from .rope import rope_inv_freq
-from .spec import FULL, CacheSpec
 from .shape import check_hookable, head_dim_of, layer_windows
+from .spec import FULL, CacheSpec
 from .stock import STOCK_BYTES
 from .storage import DEFAULT_GROUP, Pools, Storage, check_group
 
@@ -170,8 +171,6 @@ def make_cache(model, policy=None, budget=None, recent=None, compact=False, kv_b
             raise ValueError(f"recent must be an int number of tokens, got {recent!r}.")
         policy_params["recent"] = recent
     if policy is None:
-        from .memory import pick_policy
-
         policy = pick_policy(prompt_known=False, memory=memory is not None)
     pol = make_policy(policy, **policy_params)
     if question is not None:
@@ -185,8 +184,6 @@ def make_cache(model, policy=None, budget=None, recent=None, compact=False, kv_b
     if group is None:  # 32 channels per zero/step, or what divides a smaller head
         group = math.gcd(DEFAULT_GROUP, head_dim) if head_dim else DEFAULT_GROUP
     if memory is not None:
-        from .memory import plan_for_model, storage_kind
-
         kind = storage_kind(kv_bits, evicted_bits, evicted_budget)
         p = plan_for_model(model, memory, pol, group, plan_file=plan, kind=kind)
         storage, known = p.storage, getattr(pol, "prompt_tokens", None)

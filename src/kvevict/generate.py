@@ -10,13 +10,14 @@ import torch
 from transformers import DynamicCache
 
 from .cache import make_cache
-from .shape import layer_windows
 from .input_checks import max_positions, no_new_tokens, warn_past_positions
 from .memory import PROMPT_POLICY, parse_memory, pick_policy
 from .policies import policy_class
+from .policies.oracle import Oracle
 from .prefill import check_mode, fill_from, prefill
-from .stock import STOCK_BYTES
+from .shape import layer_windows
 from .spec import FULL, CacheSpec
+from .stock import STOCK_BYTES
 
 DEFAULT_BUDGET = 0.2  # a token budget not given: a fifth of the prompt
 # make_cache parameters that describe the cache, not the policy
@@ -171,8 +172,6 @@ def generate(model, tokenizer, prompt, policy=None, budget=None, max_new_tokens=
         assert limit is not None  # warned only with a limit
         warn_past_positions(fed, limit)
     if policy == "oracle":  # Belady needs the future: the full cache's own continuation, recorded
-        from .policies.oracle import Oracle
-
         model.set_attn_implementation("sdpa")
         full_seq = _greedy(model, tokenizer, ids, DynamicCache(config=model.config), max_new_tokens)
         compact = policy_params.pop("compact", False)

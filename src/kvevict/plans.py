@@ -9,6 +9,7 @@ import json
 import math
 from pathlib import Path
 
+from .fetch import cache_dir
 from .shape import text_config
 
 FORMAT = "kvevict-plan/1"
@@ -38,8 +39,6 @@ def default_path(model) -> Path:
     """Where ``kvevict calibrate`` writes a model's plan and ``memory=`` looks for it:
     ``$KVEVICT_PLANS`` or ``~/.cache/kvevict/plans``, one file per model signature."""
     import os
-
-    from .fetch import cache_dir
 
     folder = Path(os.environ[PLANS_ENV]) if os.environ.get(PLANS_ENV) else cache_dir("plans")
     return folder / f"{signature_id(signature(model))}.json"

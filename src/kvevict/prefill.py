@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from .attention import take_handoff
+
 MODES = ("full", "token", "block")
 
 
@@ -64,8 +66,6 @@ def fill_from(cache, context) -> None:
     the prompt runs through the model once. Only for a policy that reads no attention statistic (its
     scores were recorded), on a model without sliding layers (their DynamicCache keeps the window
     only); then ``model.generate(ids, cache=cache)`` goes on from the tokens given."""
-    from .attention import take_handoff
-
     for i, src in enumerate(context.layers):
         layer = cache.layers[i]
         if getattr(src, "is_sliding", False) or getattr(layer, "window", None) is not None:

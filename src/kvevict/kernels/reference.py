@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import torch
 
+from ..storage.codes import dequantize
+
 CHUNK = 2048  # slots dequantized at once, as kvevict.storage.rect reads a packed store
 
 
 def _chunks(run, part: tuple, dtype):
     """(start, end, keys-or-values of slots [start, end) in ``dtype``) over the run."""
-    from ..storage.codes import dequantize  # the store's own layout
-
     for s in range(0, run.n, CHUNK):
         e = min(run.n, s + CHUNK)
         if run.packed:

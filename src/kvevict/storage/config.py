@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..budget import check_budget
 from .codes import check_bits, slot_bytes
 
 # per-token groups of 32 channels: measured against 16 and 64 on SmolLM2 (docs/results/quality-per-byte.md)
@@ -41,8 +42,6 @@ class Storage:
         if self.evicted_budget is not None:
             if self.evicted_bits is None:
                 raise ValueError("evicted_budget sizes the low-bit tier of evicted tokens: give evicted_bits too.")
-            from ..budget import check_budget
-
             check_budget(self.evicted_budget)
         if self.keys not in KEY_BASES:
             raise ValueError(f"keys must be one of {', '.join(map(repr, KEY_BASES))}, got {self.keys!r}.")
