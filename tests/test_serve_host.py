@@ -207,6 +207,30 @@ def test_drain_refuses_new_requests_503_finishes_those_in_flight_then_stops(fold
     assert not thread.is_alive() and not engine.alive
 
 
+def test_drain_waits_for_the_last_request_while_it_prefills(folder):
+    """Admitted and still prefilling, a request neither waits nor runs: the drain must not take the
+    engine for idle then and stop it under that request (it ended with 503 "shutting down")."""
+    from kvevict.serve.drain import DrainingServer
+
+    app, engine = build(folder, {**DEFAULTS, "max_batch": 1, "policy": "full"})
+    _slow(engine, 0.2)  # each prefill outlasts several of the drain's looks at the engine
+    server = DrainingServer(uvicorn.Config(app, host="127.0.0.1", port=_port(), log_level="warning"), engine, 30)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    assert _wait(lambda: server.started)
+    url = f"http://127.0.0.1:{server.config.port}"
+    client = _client(type("S", (), {"url": url}))
+    kw = dict(model=MODEL, messages=chat("finish me"), max_tokens=6, extra_body={"ignore_eos": True})
+    flights = [_in_background(client.chat.completions.create, **kw) for _ in range(3)]  # one runs, two wait
+    assert _wait(lambda: metric(url, "kvevict_queued_requests") == 2)
+    server.handle_exit(signal.SIGTERM, None)
+    for t, box in flights:
+        t.join(60)
+        assert box["r"].usage.completion_tokens == 6, box
+    thread.join(30)
+    assert not thread.is_alive() and not engine.alive
+
+
 def test_drain_deadline_ends_what_is_still_running(folder):
     from kvevict.serve.drain import DrainingServer
 

@@ -59,6 +59,7 @@ class Engine:
         self.decoder = Decoder(model, tokenizer, settings, self.budgeter, self.pages, self.metrics, self.log,
                                self._running, freed=self._freed, loops=lambda: self.loops)
         self._pending = self.admission.pending
+        self._starting = 0  # admitted requests still prefilling: neither waiting nor running, not idle
         if settings.budget is None:
             settings.budget = self.default_budget()
         self.metrics.set("kvevict_kv_memory_bytes", settings.kv_memory)
@@ -109,7 +110,7 @@ class Engine:
     def idle(self) -> bool:
         """Nothing waits and nothing runs (a drain is over)."""
         with self._cond:
-            return not self._pending and not self._running
+            return not self._pending and not self._running and not self._starting
 
     def drain(self) -> None:
         """Refuse new requests from now on (503); those already here go on (``idle`` says when done)."""
@@ -146,6 +147,8 @@ class Engine:
                     break
                 for group in self.admission.groups(admitted):
                     self.decoder.start(group)
+                with self._cond:  # each one runs now, or has ended
+                    self._starting = 0
                 self.decoder.step_all()
                 self._gauges()
         for run in self._running:
@@ -168,7 +171,9 @@ class Engine:
                 if self._running or self._pending:
                     break
                 self._cond.wait(0.5)
-            return self.admission.take()
+            taken = self.admission.take()
+            self._starting = len(taken)
+            return taken
 
     def _freed(self) -> None:
         with self._cond:  # memory was freed: the next admission sees it
