@@ -223,6 +223,58 @@ def test_the_chosen_path_is_logged_once(monkeypatch, caplog):
     assert lines == ["kvevict decode attention: cpu fused kernel"]
 
 
+def test_each_environment_builds_into_its_own_folder():
+    """Two environments on one machine never share a build folder (each switch rebuilt the other's)."""
+    base = dict(isa="avx512", flags=["-O3"], source="// kernel", torch_version="2.13.0+cpu",
+                torch_path="/env/a/lib/python3.11/site-packages/torch", prefix="/env/a", python="3.11.7 (main)")
+    name = cpu_kernel.build_name(**base)
+    assert name.startswith("kvevict_decode_avx512_") and name.isidentifier()  # it names the module too
+    assert cpu_kernel.build_name(**base) == name  # the same environment finds its build again
+    for key, other in [("torch_version", "2.12.0+cpu"), ("torch_path", "/env/b/torch"), ("prefix", "/env/b"),
+                       ("python", "3.12.1 (main)"), ("isa", "avx2"), ("flags", ["-O2"]), ("source", "// kernel 2")]:
+        assert cpu_kernel.build_name(**{**base, key: other}) != name, key
+
+
+def test_a_failed_build_is_not_tried_again_at_every_step(monkeypatch):
+    calls = []
+
+    def no_compiler():
+        calls.append(1)
+        raise RuntimeError("Error building extension: gcc: command not found")
+
+    monkeypatch.setattr(cpu_kernel, "_compile", no_compiler)
+    monkeypatch.setattr(cpu_kernel, "_failure", [])
+    cpu_kernel.load.cache_clear()
+    try:
+        assert [cpu_kernel.available()[0] for _ in range(3)] == [False] * 3
+        assert "gcc: command not found" in cpu_kernel.available()[1] and len(calls) == 1
+    finally:
+        cpu_kernel.load.cache_clear()
+
+
+def test_the_demo_builds_the_kernel_before_its_timed_runs_or_says_why_not(monkeypatch, capsys):
+    from kvevict.commands.demo import build_kernel
+
+    class Model:
+        device = torch.device("cpu")
+
+    monkeypatch.delenv("KVEVICT_KERNEL", raising=False)
+    monkeypatch.setattr(kernels, "_logged", set())
+    monkeypatch.setattr(cpu_kernel, "built", lambda: False)
+    monkeypatch.setattr(cpu_kernel, "available", lambda: (False, "RuntimeError: gcc: command not found"))
+    monkeypatch.setitem(BACKENDS, "cpu", kernels.Backend(BACKENDS["cpu"].fn, cpu_kernel.available, "cpu"))
+    build_kernel(Model())  # no compiler: the demo goes on with the torch reference
+    out = capsys.readouterr().out
+    assert out.startswith("building the CPU decode kernel (once per environment)...")
+    assert "gcc: command not found" in out and "torch reference" in out
+    monkeypatch.setattr(cpu_kernel, "available", lambda: (True, ""))
+    build_kernel(Model())
+    assert capsys.readouterr().out.rstrip().endswith(" s")  # "... done in N s"
+    monkeypatch.setattr(cpu_kernel, "built", lambda: True)
+    build_kernel(Model())
+    assert capsys.readouterr().out == ""  # built before: nothing to say
+
+
 # -- end to end: a tiny random Llama decoding through kvevict caches ------------------------------
 
 def _llama_64():

@@ -179,22 +179,30 @@ def test_a_client_that_goes_away_frees_its_row_and_pages_within_one_decode_step(
         assert engine.pages.pages_in_use() == 0
 
 
-def test_drain_refuses_new_requests_503_finishes_those_in_flight_then_stops(folder):
-    """In a thread (the signal itself is tested through the CLI in test_serve_cli.py): the drain is
-    what SIGTERM starts."""
+def _three_in_flight(folder, seconds, max_tokens):
+    """A draining server with one batch slot, each model call at least ``seconds`` long, and three
+    requests of ``max_tokens`` in flight (one runs, two wait): (server, its thread, url, engine,
+    the requests' (thread, box))."""
     from kvevict.serve.drain import DrainingServer
 
     app, engine = build(folder, {**DEFAULTS, "max_batch": 1, "policy": "full"})
-    _slow(engine)
+    _slow(engine, seconds)
     server = DrainingServer(uvicorn.Config(app, host="127.0.0.1", port=_port(), log_level="warning"), engine, 30)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     assert _wait(lambda: server.started)
     url = f"http://127.0.0.1:{server.config.port}"
     client = _client(type("S", (), {"url": url}))
-    kw = dict(model=MODEL, messages=chat("finish me"), max_tokens=40, extra_body={"ignore_eos": True})
-    flights = [_in_background(client.chat.completions.create, **kw) for _ in range(3)]  # one runs, two wait
+    kw = dict(model=MODEL, messages=chat("finish me"), max_tokens=max_tokens, extra_body={"ignore_eos": True})
+    flights = [_in_background(client.chat.completions.create, **kw) for _ in range(3)]
     assert _wait(lambda: metric(url, "kvevict_queued_requests") == 2)
+    return server, thread, url, engine, flights
+
+
+def test_drain_refuses_new_requests_503_finishes_those_in_flight_then_stops(folder):
+    """In a thread (the signal itself is tested through the CLI in test_serve_cli.py): the drain is
+    what SIGTERM starts."""
+    server, thread, url, engine, flights = _three_in_flight(folder, 0.01, 40)
     server.handle_exit(signal.SIGTERM, None)
     assert _wait(lambda: engine.draining)
     status, headers, text = _request(url, "POST", "/v1/chat/completions", {**LONG, "max_tokens": 3})
@@ -203,6 +211,19 @@ def test_drain_refuses_new_requests_503_finishes_those_in_flight_then_stops(fold
     for t, box in flights:
         t.join(60)
         assert box["r"].usage.completion_tokens == 40  # running and queued alike finished
+    thread.join(30)
+    assert not thread.is_alive() and not engine.alive
+
+
+def test_drain_waits_for_the_last_request_while_it_prefills(folder):
+    """Admitted and still prefilling, a request neither waits nor runs: the drain must not take the
+    engine for idle then and stop it under that request (it ended with 503 "shutting down")."""
+    # each prefill outlasts several of the drain's looks at the engine
+    server, thread, _, engine, flights = _three_in_flight(folder, 0.2, 6)
+    server.handle_exit(signal.SIGTERM, None)
+    for t, box in flights:
+        t.join(60)
+        assert box["r"].usage.completion_tokens == 6, box
     thread.join(30)
     assert not thread.is_alive() and not engine.alive
 

@@ -1,14 +1,20 @@
 """The compiled CPU backend: ``decode_cpu.cpp`` built at first use with torch's
 ``cpp_extension.load_inline`` (-O3, the widest vector ISA the running CPU has, threads from torch's
 own pool over (sequence, KV head)). Installing kvevict never needs a compiler: when the build
-fails, or there is no compiler, ``load`` raises and the dispatcher falls back to the torch
-reference (saying so once)."""
+fails, or there is no compiler, ``load`` raises (the same error on every later call, with no new
+try) and the dispatcher falls back to the torch reference (saying so once).
+
+Each build has its own folder, named for what the module depends on (``build_name``): torch's
+version and location, the Python environment and interpreter, the ISA, the flags and the source.
+Two environments on one machine then never rebuild each other's module."""
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -23,7 +29,7 @@ _REASSOCIATE = ["-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 _NO_MASK = torch.empty(0, 0, 0, dtype=torch.bool)
 _NO_TABLE = torch.empty(0, 0, dtype=torch.long)
 _NO_BIAS = torch.empty(0, dtype=torch.float32)
-_VERSION = 4  # bump when the build flags change (the source is hashed by load_inline)
+_LDFLAGS = ["-fopenmp"]
 
 
 def _isa_flags() -> tuple[str, list[str]]:
@@ -39,7 +45,7 @@ def _isa_flags() -> tuple[str, list[str]]:
 
 
 def build_dir() -> str:
-    """Where the extension is built: $TORCH_EXTENSIONS_DIR, else the kvevict cache folder."""
+    """Where the builds' folders are: $TORCH_EXTENSIONS_DIR, else the kvevict cache folder."""
     if os.environ.get("TORCH_EXTENSIONS_DIR"):
         return os.environ["TORCH_EXTENSIONS_DIR"]
     from ..fetch import cache_dir
@@ -47,23 +53,63 @@ def build_dir() -> str:
     return str(cache_dir("torch_extensions"))
 
 
+def build_name(isa: str, flags: list[str], source: str, torch_version: str, torch_path: str, prefix: str,
+               python: str) -> str:
+    """The module's name and its build folder's: ``kvevict_decode_<isa>_<key>``, the key a short
+    hash of everything the build depends on, so a module is only ever loaded where it was built."""
+    depends = "\0".join([torch_version, torch_path, prefix, python, isa, " ".join(flags), source])
+    return f"kvevict_decode_{isa}_{hashlib.sha256(depends.encode()).hexdigest()[:12]}"
+
+
+def _build() -> tuple[str, str, list[str], str]:
+    """(this environment's build name, its folder, the compiler flags, the source)."""
+    isa, isa_flags = _isa_flags()
+    flags = ["-O3", "-fopenmp", *_REASSOCIATE, *isa_flags]
+    source = Path(__file__).with_name("decode_cpu.cpp").read_text()
+    name = build_name(isa, [*flags, *_LDFLAGS], source, torch.__version__, os.path.dirname(torch.__file__),
+                      sys.prefix, sys.version)
+    return name, os.path.join(build_dir(), name), flags, source
+
+
+def built() -> bool:
+    """Whether this environment's module is already built (``load`` then only loads it)."""
+    return _holds_module(_build()[1])
+
+
+def _holds_module(folder: str) -> bool:
+    return os.path.isdir(folder) and any(f.endswith((".so", ".pyd")) for f in os.listdir(folder))
+
+
+_failure: list[Exception] = []  # the build's error: without a compiler every decode step would try again
+
+
 @functools.lru_cache(maxsize=1)
 def load():
-    """The compiled module (built once per machine ISA, then loaded from the build folder).
-    Raises whatever the build raised when it cannot be built."""
+    """The compiled module (built once per environment, then loaded from its build folder).
+    Raises whatever the build raised when it cannot be built, at once on later calls."""
+    if _failure:
+        raise _failure[0]
+    try:
+        return _compile()
+    except Exception as err:
+        _failure.append(err)
+        raise
+
+
+def _compile():
     from torch.utils import cpp_extension
 
-    isa, flags = _isa_flags()
-    src = Path(__file__).with_name("decode_cpu.cpp").read_text()
-    folder = os.path.join(build_dir(), f"kvevict_decode_{isa}_v{_VERSION}")
+    name, folder, flags, source = _build()
     os.makedirs(folder, exist_ok=True)
-    if not any(f.endswith(".so") or f.endswith(".pyd") for f in os.listdir(folder)):
+    if not _holds_module(folder):
         logging.getLogger("kvevict.kernels").info(
             "kvevict: building the fused CPU decode kernel once into %s (about a minute)", folder)
+        # the folder's name is a hash: this says which environment it is for
+        Path(folder, "built_for.txt").write_text(f"torch {torch.__version__} ({os.path.dirname(torch.__file__)})\n"
+                                                 f"python {sys.version.split()[0]} ({sys.prefix})\n{flags}\n")
     return cpp_extension.load_inline(
-        name=f"kvevict_decode_{isa}_v{_VERSION}", cpp_sources=[src], functions=["decode"],
-        extra_cflags=["-O3", "-fopenmp", *_REASSOCIATE, *flags], extra_ldflags=["-fopenmp"], build_directory=folder,
-        verbose=False)
+        name=name, cpp_sources=[source], functions=["decode"], extra_cflags=flags, extra_ldflags=_LDFLAGS,
+        build_directory=folder, verbose=False)
 
 
 def available() -> tuple[bool, str]:

@@ -2,7 +2,10 @@
 
     app.py        routes: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics
     protocol.py   request validation (kv_policy, kv_budget, ...) -> GenRequest, or HTTP 400
-    engine.py     queue + scheduler + the worker thread that makes every model call
+    engine.py     the request queue and the worker thread that makes every model call
+    admission.py  which waiting requests start now (K/V memory, batch slots) and which prefill together
+    decode.py     prefill, one decode step of every running batch, streaming, rows that end
+    handle.py     a request's handle (events, cancel, deadline), its row, the batch it may join
     batch.py      one left-padded decode batch sharing one cache
     detokenize.py token ids -> streamed text deltas, stop strings
     sampling.py   greedy / temperature / top-p

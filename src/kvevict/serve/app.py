@@ -15,8 +15,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from . import responses
 from .auth import KeyGuard
-from .engine import Engine, Handle
+from .engine import Engine
 from .errors import ENDED_TYPES, BadRequest, error_body
+from .handle import Handle
 from .logprobs import Layout
 from .protocol import parse_chat, parse_completion
 

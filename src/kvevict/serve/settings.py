@@ -34,7 +34,7 @@ class Settings:
     # int8: at the same K/V memory it served about twice H2O fp32's tokens/s, at the same quality
     # (int8 at the same tokens costs +0.0002 nats per token; docs/results/serving.md, "Packed storage")
     kv_bits: int | None = 8
-    # -- hosting (issue 44) --
+    # -- hosting: API keys, a bounded queue, request timeouts --
     # every /v1 route asks for "Authorization: Bearer <api_key>" (None: open); repr=False keeps it
     # out of logs and tracebacks that print the settings
     api_key: str | None = field(default=None, repr=False)
