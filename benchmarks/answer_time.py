@@ -66,17 +66,30 @@ def main(argv=None):
         r = runs[c][-1]
         secs = [x.seconds for x in runs[c]]
         ratio = statistics.median(x.seconds / f.seconds for x, f in zip(runs[c], full)) if full else None
-        rows.append({"cache": c, "policy": r.policy, "storage": r.storage, "found": task.answer in r.text,
-                     "answer": r.text, "kv_share": r.kv_bytes / r.full_kv_bytes, "seconds": secs,
-                     "ratio_to_full": ratio})
-    print(f"pass key {task.answer} at {args.depth:.0%} of a {runs[caches[0]][0].prompt_tokens}-token prompt; "
-          f"{args.model} {args.dtype}, {args.threads} threads, {args.rounds} rounds\n")
+        rows.append(
+            {
+                "cache": c,
+                "policy": r.policy,
+                "storage": r.storage,
+                "found": task.answer in r.text,
+                "answer": r.text,
+                "kv_share": r.kv_bytes / r.full_kv_bytes,
+                "seconds": secs,
+                "ratio_to_full": ratio,
+            }
+        )
+    print(
+        f"pass key {task.answer} at {args.depth:.0%} of a {runs[caches[0]][0].prompt_tokens}-token prompt; "
+        f"{args.model} {args.dtype}, {args.threads} threads, {args.rounds} rounds\n"
+    )
     print("| cache | policy, storage | found | KV held (of 16-bit stock) | seconds (median) | x full |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         ratio = "" if r["ratio_to_full"] is None else f"{r['ratio_to_full']:.2f}x"
-        print(f"| {r['cache']} | {r['policy']}, {r['storage'] or 'model dtype'} | {'yes' if r['found'] else 'no'} | "
-              f"{r['kv_share']:.1%} | {statistics.median(r['seconds']):.1f} | {ratio} |")
+        print(
+            f"| {r['cache']} | {r['policy']}, {r['storage'] or 'model dtype'} | {'yes' if r['found'] else 'no'} | "
+            f"{r['kv_share']:.1%} | {statistics.median(r['seconds']):.1f} | {ratio} |"
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
 

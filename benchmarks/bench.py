@@ -31,8 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny smoke run (< 2 min): checks the outputs, not speed")
     p.add_argument("--out", default="results/bench", help="output folder (default results/bench)")
-    p.add_argument("--model", default=None,
-                   help="known name (smollm2-135m, gemma3-270m, qwen2.5-coder-1.5b) or local HF folder")
+    p.add_argument(
+        "--model", default=None, help="known name (smollm2-135m, gemma3-270m, qwen2.5-coder-1.5b) or local HF folder"
+    )
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="the model's dtype (default float32)")
     p.add_argument("--contexts", help="comma list of contexts (default 1024,2048,4096,8192)")
     p.add_argument("--batches", help="comma list of batch sizes (default 1,8,16)")
@@ -46,22 +47,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-modes", help="comma list of sdpa,eager,kvevict (default all three)")
     p.add_argument("--prefill-repeats", type=int, help="rounds of the prefill jobs (default 1)")
     p.add_argument("--peer-presses", help="kvpress presses (default snapkv,expected_attention,knorm)")
-    p.add_argument("--sections", help="comma list of decode,maxbatch,breakdown,prefill,peer,matrix,llamacpp (default all)")
+    p.add_argument(
+        "--sections", help="comma list of decode,maxbatch,breakdown,prefill,peer,matrix,llamacpp (default all)"
+    )
     m = p.add_argument_group("decode-step matrix (section matrix) and the llama.cpp peer (section llamacpp)")
     m.add_argument("--matrix-contexts", help="comma list of contexts (default 2048,4096,8192)")
     m.add_argument("--matrix-batches", help="comma list of batch sizes (default 1,4,8)")
     m.add_argument("--matrix-threads", help="comma list of torch thread counts, each timed in turn (default 1,2)")
-    m.add_argument("--matrix-caches", help="comma list of caches: stock, POLICY[/STORAGE]@FRACTION, memory=FRACTION, "
-                                           "kvevict-full[/STORAGE] (default: the ten of cachebench/matrix.py's CACHES)")
-    m.add_argument("--chat-tokens", type=int, help="prompt tokens of the short chat whose bytes are compared (default 50)")
+    m.add_argument(
+        "--matrix-caches",
+        help="comma list of caches: stock, POLICY[/STORAGE]@FRACTION, memory=FRACTION, "
+        "kvevict-full[/STORAGE] (default: the ten of cachebench/matrix.py's CACHES)",
+    )
+    m.add_argument(
+        "--chat-tokens", type=int, help="prompt tokens of the short chat whose bytes are compared (default 50)"
+    )
     m.add_argument("--llama-contexts", help="comma list of llama-bench depths (default 3072,8192)")
     m.add_argument("--llama-threads", help="comma list of llama-bench thread counts (default 1,2)")
     m.add_argument("--llama-repeats", type=int, help="interleaved rounds of llama-bench calls (default 2)")
     m.add_argument("--llama-gen", type=int, help="tokens llama-bench generates per timed run (default 32)")
     m.add_argument("--llama-reps", type=int, help="llama-bench -r: timed runs per call (default 3)")
     g = p.add_argument_group("endless stream (--stream: this benchmark instead of the sections above)")
-    g.add_argument("--stream", action="store_true",
-                   help="stream a long real text: perplexity per window and memory, vs the stock cache")
+    g.add_argument(
+        "--stream",
+        action="store_true",
+        help="stream a long real text: perplexity per window and memory, vs the stock cache",
+    )
     g.add_argument("--stream-tokens", type=int, help="tokens to stream (default 100000)")
     g.add_argument("--stream-budget", type=int, help="tokens kept per layer and KV head (default 1024)")
     g.add_argument("--stream-block", type=int, help="tokens per forward (default 512)")
@@ -74,8 +85,13 @@ def settings_from(args):
     from benchmarks.cachebench.settings import Settings, quick_settings
 
     given = {
-        "model": args.model, "dtype": args.dtype, "threads": args.threads, "repeats": args.repeats, "steps": args.steps,
-        "kv_memory_gib": args.kv_memory_gib, "prefill_context": args.prefill_context,
+        "model": args.model,
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "steps": args.steps,
+        "kv_memory_gib": args.kv_memory_gib,
+        "prefill_context": args.prefill_context,
         "prefill_repeats": args.prefill_repeats,
         "contexts": number_list(args.contexts, "--contexts", int) if args.contexts else None,
         "batches": number_list(args.batches, "--batches", int) if args.batches else None,
@@ -84,7 +100,9 @@ def settings_from(args):
         "prefill_modes": _names(args.prefill_modes) if args.prefill_modes else None,
         "peer_presses": _names(args.peer_presses) if args.peer_presses else None,
         "sections": _names(args.sections) if args.sections else None,
-        "chat_tokens": args.chat_tokens, "llama_repeats": args.llama_repeats, "llama_gen": args.llama_gen,
+        "chat_tokens": args.chat_tokens,
+        "llama_repeats": args.llama_repeats,
+        "llama_gen": args.llama_gen,
         "llama_reps": args.llama_reps,
         "matrix_caches": _names(args.matrix_caches) if args.matrix_caches else None,
     }
@@ -99,10 +117,16 @@ def settings_from(args):
 def stream_settings_from(args):
     from benchmarks.cachebench.stream import StreamSettings
 
-    given = {"model": args.model, "threads": args.threads, "tokens": args.stream_tokens,
-             "budget": args.stream_budget, "block": args.stream_block, "window": args.stream_window,
-             "stock_tokens": args.stream_stock_tokens,
-             "policies": _names(args.policies) if args.policies else None}
+    given = {
+        "model": args.model,
+        "threads": args.threads,
+        "tokens": args.stream_tokens,
+        "budget": args.stream_budget,
+        "block": args.stream_block,
+        "window": args.stream_window,
+        "stock_tokens": args.stream_stock_tokens,
+        "policies": _names(args.policies) if args.policies else None,
+    }
     settings = StreamSettings(**{k: v for k, v in given.items() if v is not None})
     settings.check()
     return settings

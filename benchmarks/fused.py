@@ -38,14 +38,21 @@ def _attention_alone(layer, batch: int, reps: int) -> float:
     q = torch.randn(batch, hq, 1, dk, generator=gen)
     k_new, v_new = torch.randn(batch, h, 1, dk, generator=gen), torch.randn(batch, h, 1, dv, generator=gen)
     tiers = layer.tiers
-    seg = _Segments(pieces=[p for t in tiers for p in t.store.pieces(t.filled)], pos_past=None, valid_past=None,
-                    k_new=k_new, v_new=v_new, pos_new=torch.zeros(1, 1, dtype=torch.long), valid_new=None,
-                    runs=[t.store.run(t.filled) for t in tiers])
-    attend(q, seg, dk ** -0.5, None, None, ("sum",))  # warm-up
+    seg = _Segments(
+        pieces=[p for t in tiers for p in t.store.pieces(t.filled)],
+        pos_past=None,
+        valid_past=None,
+        k_new=k_new,
+        v_new=v_new,
+        pos_new=torch.zeros(1, 1, dtype=torch.long),
+        valid_new=None,
+        runs=[t.store.run(t.filled) for t in tiers],
+    )
+    attend(q, seg, dk**-0.5, None, None, ("sum",))  # warm-up
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        attend(q, seg, dk ** -0.5, None, None, ("sum",))
+        attend(q, seg, dk**-0.5, None, None, ("sum",))
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -94,9 +101,11 @@ def main(argv=None) -> None:
             for ref, label in ((base, "first"), ((specs[0], p), "first_same_path")):
                 row[f"{name}_vs_{label}"] = round(statistics.median(a / b for a, b in zip(d[(s, p)], d[ref])), 3)
         rows.append(row)
-        print(f"{s.kind:>10} {p:>6}  step {row['step_ms']:9.2f} ms ({row['step_vs_first']:.2f}x,"
-              f" {row['step_vs_first_same_path']:.2f}x same path)   attention/layer {row['attention_ms']:8.3f} ms"
-              f" ({row['attention_vs_first']:.2f}x, {row['attention_vs_first_same_path']:.2f}x same path)")
+        print(
+            f"{s.kind:>10} {p:>6}  step {row['step_ms']:9.2f} ms ({row['step_vs_first']:.2f}x,"
+            f" {row['step_vs_first_same_path']:.2f}x same path)   attention/layer {row['attention_ms']:8.3f} ms"
+            f" ({row['attention_vs_first']:.2f}x, {row['attention_vs_first_same_path']:.2f}x same path)"
+        )
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         meta = {k: v for k, v in vars(args).items() if k != "out"}

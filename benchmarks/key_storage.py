@@ -35,17 +35,18 @@ FIB = [{"role": "user", "content": "Write a Python function that returns the n-t
 
 @torch.no_grad()
 def nll(model, ids, kw, prefix=512, chunk=64) -> float:
-    import kvevict
     from transformers import DynamicCache
+
+    import kvevict
 
     model.set_attn_implementation("sdpa")
     cache = DynamicCache() if kw["policy"] == "full" else kvevict.make_cache(model, **kw)
     out = model(ids[:, :prefix], cache=cache)
     last, total = out.logits[:, -1:], 0.0
     for s in range(prefix, ids.shape[1], chunk):
-        out = model(ids[:, s:s + chunk], cache=cache)
+        out = model(ids[:, s : s + chunk], cache=cache)
         logits = torch.cat([last, out.logits[:, :-1]], 1).float()[0]
-        total += torch.nn.functional.cross_entropy(logits, ids[0, s:s + chunk], reduction="sum").item()
+        total += torch.nn.functional.cross_entropy(logits, ids[0, s : s + chunk], reduction="sum").item()
         last = out.logits[:, -1:]
     return total / (ids.shape[1] - prefix)
 
@@ -75,17 +76,28 @@ def main(argv=None):
         key = generate(model, tok, prompt, max_new_tokens=12, **kw).text
         fib = generate(model, tok, FIB, max_new_tokens=40, **kw).text
         ref = fib if name == "full" else ref
-        row = {"config": name, "passkey": task.answer in key, "answer": key, "fib": fib,
-               "fib_as_full": None if ref is None else fib == ref, "nll": nll(model, text, kw),
-               "seconds": time.perf_counter() - t0}
+        row = {
+            "config": name,
+            "passkey": task.answer in key,
+            "answer": key,
+            "fib": fib,
+            "fib_as_full": None if ref is None else fib == ref,
+            "nll": nll(model, text, kw),
+            "seconds": time.perf_counter() - t0,
+        }
         rows.append(row)
-        print(f"{name:14s} passkey {'yes' if row['passkey'] else 'no ':3s} fib=full {str(row['fib_as_full']):5s} "
-              f"nll {row['nll']:.4f}  {fib[:40]!r}", flush=True)
+        print(
+            f"{name:14s} passkey {'yes' if row['passkey'] else 'no ':3s} fib=full {str(row['fib_as_full']):5s} "
+            f"nll {row['nll']:.4f}  {fib[:40]!r}",
+            flush=True,
+        )
     base = next((r["nll"] for r in rows if r["config"] == "full"), None)
     print("\n| storage (every token kept) | pass key | chat as full | NLL | vs full |\n|---|---|---|---|---|")
     for r in rows:
         rel = "" if base is None else f"{r['nll'] / base - 1:+.2%}"
-        print(f"| {r['config']} | {'found' if r['passkey'] else 'missed'} | {r['fib_as_full']} | {r['nll']:.4f} | {rel} |")
+        print(
+            f"| {r['config']} | {'found' if r['passkey'] else 'missed'} | {r['fib_as_full']} | {r['nll']:.4f} | {rel} |"
+        )
     from pathlib import Path
 
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

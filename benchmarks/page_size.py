@@ -55,8 +55,7 @@ def short_chat_bytes(model, tok, page: int, budget: int, new_tokens: int = 16) -
     ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     held = []
     for cache in (make_cache(model, "h2o", budget), DynamicCache(config=model.config)):
-        model.generate(**ids, cache=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                       do_sample=False)
+        model.generate(**ids, cache=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
         held.append(cache.kv_bytes() if hasattr(cache, "kv_bytes") else _stock_bytes(cache))
     return held[0], held[1]
 
@@ -83,21 +82,32 @@ def main(argv=None) -> int:
     times: dict[int, list[float]] = {s: [] for s in sizes}
     try:
         for r in range(a.rounds):  # rotated order: a noisy minute hits every page size alike
-            for s in sizes[r % len(sizes):] + sizes[: r % len(sizes)]:
+            for s in sizes[r % len(sizes) :] + sizes[: r % len(sizes)]:
                 times[s].append(decode_steps(model, s, a.context, a.batch, a.steps, a.budget))
         chat = {s: short_chat_bytes(model, tok, s, 1024) for s in sizes}
     finally:
         tier.PAGE = keep
     base = statistics.median(times[PREALLOC])
     rows = []
-    print(f"decode from {a.context} tokens, batch {a.batch}, {a.steps} steps, budget {a.budget}, "
-          f"{a.threads} thread(s), {a.rounds} rounds; short chat: h2o budget 1024, 16 new tokens")
+    print(
+        f"decode from {a.context} tokens, batch {a.batch}, {a.steps} steps, budget {a.budget}, "
+        f"{a.threads} thread(s), {a.rounds} rounds; short chat: h2o budget 1024, 16 new tokens"
+    )
     print(f"{'page':>9} | {'step ms':>8} | {'vs prealloc':>11} | {'chat bytes':>11} | {'vs stock':>8}")
     for s in sizes:
         med = statistics.median(times[s])
         held, stock = chat[s]
-        rows.append({"page": name[s], "step_s": times[s], "median_s": med, "vs_prealloc": med / base,
-                     "chat_bytes": held, "stock_bytes": stock, "chat_vs_stock": held / stock})
+        rows.append(
+            {
+                "page": name[s],
+                "step_s": times[s],
+                "median_s": med,
+                "vs_prealloc": med / base,
+                "chat_bytes": held,
+                "stock_bytes": stock,
+                "chat_vs_stock": held / stock,
+            }
+        )
         print(f"{name[s]:>9} | {med * 1e3:8.1f} | {med / base:10.3f}x | {held:11,d} | {held / stock:7.2f}x")
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

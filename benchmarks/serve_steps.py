@@ -45,9 +45,16 @@ def measure(model, policy, budget, prompt_len, sizes, steps, seed=0):
             batch.step([1] * size)
             times.append(time.perf_counter() - t0)
         ms = statistics.median(times[1:]) * 1000
-        rows.append({"cache": policy if budget is None else f"{policy} {budget}", "batch": size,
-                     "ms_per_step": round(ms, 1), "tokens_per_s": round(size / ms * 1000, 2),
-                     "prefill_s": round(statistics.median(prefill_s), 2), "kv_mib": round(batch.kv_bytes() / 2**20, 1)})
+        rows.append(
+            {
+                "cache": policy if budget is None else f"{policy} {budget}",
+                "batch": size,
+                "ms_per_step": round(ms, 1),
+                "tokens_per_s": round(size / ms * 1000, 2),
+                "prefill_s": round(statistics.median(prefill_s), 2),
+                "kv_mib": round(batch.kv_bytes() / 2**20, 1),
+            }
+        )
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
 
@@ -70,15 +77,18 @@ def main(argv=None) -> int:
     model.set_attn_implementation(ATTN_NAME)
     sizes = [int(s) for s in args.sizes.split(",")]
     with torch.inference_mode():
-        rows = (measure(model, "full", None, args.prompt, sizes, args.steps)
-                + measure(model, "h2o", args.budget, args.prompt, sizes, args.steps))
+        rows = measure(model, "full", None, args.prompt, sizes, args.steps) + measure(
+            model, "h2o", args.budget, args.prompt, sizes, args.steps
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"config": vars(args), "rows": rows}, indent=1))
     print(f"prompt {args.prompt} tokens, {args.threads} threads; decode step of the server's DecodeBatch")
     print(f"{'cache':<10} {'batch':>5} {'ms/step':>8} {'tok/s':>7} {'prefill s':>9} {'KV MiB':>7}")
     for r in rows:
-        print(f"{r['cache']:<10} {r['batch']:>5} {r['ms_per_step']:>8} {r['tokens_per_s']:>7} "
-              f"{r['prefill_s']:>9} {r['kv_mib']:>7}")
+        print(
+            f"{r['cache']:<10} {r['batch']:>5} {r['ms_per_step']:>8} {r['tokens_per_s']:>7} "
+            f"{r['prefill_s']:>9} {r['kv_mib']:>7}"
+        )
     return 0
 
 

@@ -59,8 +59,9 @@ def step_times(model, cache, steps: int) -> list[float]:
     return out
 
 
-def run(model_name: str, thread_counts: list[int], busy_counts: list[int], context: int, steps: int,
-        rounds: int, log=print) -> dict:
+def run(
+    model_name: str, thread_counts: list[int], busy_counts: list[int], context: int, steps: int, rounds: int, log=print
+) -> dict:
     from kvevict.cache import make_cache
     from kvevict.models import load_model
 
@@ -71,7 +72,7 @@ def run(model_name: str, thread_counts: list[int], busy_counts: list[int], conte
         with BusyNeighbours(busy):
             times = {t: [] for t in thread_counts}
             for r in range(rounds):
-                order = thread_counts[r % len(thread_counts):] + thread_counts[:r % len(thread_counts)]
+                order = thread_counts[r % len(thread_counts) :] + thread_counts[: r % len(thread_counts)]
                 for t in order:
                     torch.set_num_threads(t)
                     cache = make_cache(model, "h2o", 0.2)
@@ -81,19 +82,40 @@ def run(model_name: str, thread_counts: list[int], busy_counts: list[int], conte
             base = times[thread_counts[0]]
             for t in thread_counts:
                 ratios = [x / b for x, b in zip(times[t], base)]
-                rows.append({"busy": busy, "threads": t, "round_median_step_s": times[t],
-                             "step_s": statistics.median(times[t]), "vs_first": statistics.median(ratios)})
-                log(f"busy {busy}, threads {t}: step {rows[-1]['step_s'] * 1e3:8.1f} ms "
-                    f"(x{rows[-1]['vs_first']:.2f} of {thread_counts[0]} thread(s))")
-    return {"model": model_name, "context": context, "steps": steps, "rounds": rounds, "rows": rows,
-            "cores": os.cpu_count()}
+                rows.append(
+                    {
+                        "busy": busy,
+                        "threads": t,
+                        "round_median_step_s": times[t],
+                        "step_s": statistics.median(times[t]),
+                        "vs_first": statistics.median(ratios),
+                    }
+                )
+                log(
+                    f"busy {busy}, threads {t}: step {rows[-1]['step_s'] * 1e3:8.1f} ms "
+                    f"(x{rows[-1]['vs_first']:.2f} of {thread_counts[0]} thread(s))"
+                )
+    return {
+        "model": model_name,
+        "context": context,
+        "steps": steps,
+        "rounds": rounds,
+        "rows": rows,
+        "cores": os.cpu_count(),
+    }
 
 
 def table(res: dict, command: str) -> str:
     first = res["rows"][0]["threads"]
-    lines = [f"`{command}`", "", f"{res['cores']} cores; h2o@0.2 decode step after a {res['context']}-token "
-             f"prompt, batch 1; median over {res['rounds']} rounds of each round's median of {res['steps']} steps.",
-             "", f"| busy neighbours | threads | step ms | vs {first} thread(s), same round |", "|---|---|---|---|"]
+    lines = [
+        f"`{command}`",
+        "",
+        f"{res['cores']} cores; h2o@0.2 decode step after a {res['context']}-token "
+        f"prompt, batch 1; median over {res['rounds']} rounds of each round's median of {res['steps']} steps.",
+        "",
+        f"| busy neighbours | threads | step ms | vs {first} thread(s), same round |",
+        "|---|---|---|---|",
+    ]
     for r in res["rows"]:
         lines.append(f"| {r['busy']} | {r['threads']} | {r['step_s'] * 1e3:.1f} | {r['vs_first']:.2f}x |")
     return "\n".join(lines) + "\n"

@@ -70,7 +70,7 @@ def build(args, device):
     from kvevict.storage.codes import dequantize, quantize
 
     b, hq, hkv, d, n = args.batch, args.heads, args.kv_heads, args.head_dim, args.context
-    g, scale, dt = hq // hkv, d ** -0.5, torch.bfloat16
+    g, scale, dt = hq // hkv, d**-0.5, torch.bfloat16
     gen = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(b, hq, 1, d, generator=gen, device=device, dtype=dt)
     k_new, v_new = (torch.randn(b, hkv, 1, d, generator=gen, device=device, dtype=dt) for _ in range(2))
@@ -85,16 +85,33 @@ def build(args, device):
     configs = {"dense bf16 SDPA": (dense, k_all.nbytes + v_all.nbytes, None)}
 
     def triton_call(runs, split=args.split, warps=None, block=None, factored=True, prefetch=True, **tune):
-        return lambda: decode_attention_triton(q, runs, k_new, v_new, None, scale, split=split, warps=warps,
-                                               block=block, factored=factored, prefetch=prefetch, **tune)
+        return lambda: decode_attention_triton(
+            q,
+            runs,
+            k_new,
+            v_new,
+            None,
+            scale,
+            split=split,
+            warps=warps,
+            block=block,
+            factored=factored,
+            prefetch=prefetch,
+            **tune,
+        )
 
-    configs["triton bf16"] = (triton_call([make_run(32, 1, (keys,), (values,), n)]),
-                              keys.nbytes + values.nbytes, dense().view(b, hq, 1, d))
+    configs["triton bf16"] = (
+        triton_call([make_run(32, 1, (keys,), (values,), n)]),
+        keys.nbytes + values.nbytes,
+        dense().view(b, hq, 1, d),
+    )
     for bits in (8, 4):
         kq, vq = quantize(keys, bits, args.group), quantize(values, bits, args.group)
         # the exact dequantized values, in fp32: every path's error against them
-        kd, vd = (torch.cat([dequantize(*x, bits, args.group, torch.float32), y.float()], 2)
-                  for x, y in ((kq, k_new), (vq, v_new)))
+        kd, vd = (
+            torch.cat([dequantize(*x, bits, args.group, torch.float32), y.float()], 2)
+            for x, y in ((kq, k_new), (vq, v_new))
+        )
         ref = sdpa(qg.float(), kd, vd, scale=scale).reshape(b, hq, 1, d)
         del kd, vd
         nbytes = sum(t.nbytes for t in kq + vq)
@@ -111,22 +128,63 @@ def build(args, device):
         table = torch.randperm(b * cols, generator=gen, device=device).view(b, cols)
         pk, pv = paged(kq, args.page, table), paged(vq, args.page, table)
         configs[f"triton int4 paged {args.page}"] = (
-            triton_call([make_run(4, args.group, pk, pv, n, table, args.page)]), nbytes, ref)
+            triton_call([make_run(4, args.group, pk, pv, n, table, args.page)]),
+            nbytes,
+            ref,
+        )
         # no fused kernel: dequantize into a float copy, then attend (the torch reference)
         configs["torch int4 (copy)"] = (
-            lambda run=run: decode_attention_reference(q, [run], k_new, v_new, None, scale), nbytes, ref)
+            lambda run=run: decode_attention_reference(q, [run], k_new, v_new, None, scale),
+            nbytes,
+            ref,
+        )
         for split, warps, block, prefetch, regs, magic, fold, vpairs, trans, pg in itertools.product(
-                args.splits, args.warps, args.blocks, args.prefetch, args.regs, args.magic, args.fold, args.vpairs,
-                args.trans, args.pg):
+            args.splits,
+            args.warps,
+            args.blocks,
+            args.prefetch,
+            args.regs,
+            args.magic,
+            args.fold,
+            args.vpairs,
+            args.trans,
+            args.pg,
+        ):
             if (split, warps, block, prefetch, regs, magic, fold, vpairs, trans) == (
-                    args.split, None, None, True, None, True, True, True, None):
+                args.split,
+                None,
+                None,
+                True,
+                None,
+                True,
+                True,
+                True,
+                None,
+            ):
                 continue  # "triton int4" and "triton int4 out only"
-            name = (f"int4 s{split or '-'} w{warps or '-'} b{block or '-'}{'' if prefetch else ' no-pf'}"
-                    f"{f' r{regs}' if regs else ''}{'' if magic else ' no-magic'}{'' if fold else ' no-fold'}"
-                    f"{'' if vpairs else ' no-vpairs'}{' trans' if trans else ' no-trans' if trans is False else ''}"
-                    f"{'' if pg else ' out-only'}")
-            configs[name] = (triton_call([run], split, warps, block, prefetch=prefetch, regs=regs, magic=magic,
-                                         fold=fold, vpairs=vpairs, trans=trans, pg=pg), nbytes, ref)
+            name = (
+                f"int4 s{split or '-'} w{warps or '-'} b{block or '-'}{'' if prefetch else ' no-pf'}"
+                f"{f' r{regs}' if regs else ''}{'' if magic else ' no-magic'}{'' if fold else ' no-fold'}"
+                f"{'' if vpairs else ' no-vpairs'}{' trans' if trans else ' no-trans' if trans is False else ''}"
+                f"{'' if pg else ' out-only'}"
+            )
+            configs[name] = (
+                triton_call(
+                    [run],
+                    split,
+                    warps,
+                    block,
+                    prefetch=prefetch,
+                    regs=regs,
+                    magic=magic,
+                    fold=fold,
+                    vpairs=vpairs,
+                    trans=trans,
+                    pg=pg,
+                ),
+                nbytes,
+                ref,
+            )
     return configs
 
 
@@ -190,17 +248,26 @@ def main(argv=None) -> int:
     p.add_argument("--blocks", default="", help="comma-separated keys per tile to sweep for int4 (0 = default)")
     p.add_argument("--prefetch", default="1", help="comma-separated 1 / 0: sweep int4 with and without prefetch")
     p.add_argument("--regs", default="", help="comma-separated registers per thread to sweep for int4 (0 = compiler's)")
-    p.add_argument("--magic", default="1",
-                   help="comma-separated 1 / 0: sweep int4 with codes made from their bits or converted")
-    p.add_argument("--fold", default="1",
-                   help="comma-separated 1 / 0: sweep int4 with the codes' bias taken off with the zeros or per code")
-    p.add_argument("--vpairs", default="1",
-                   help="comma-separated 1 / 0: sweep int4 with values paired along the tokens or the channels")
-    p.add_argument("--trans", default="",
-                   help="comma-separated 1 / 0: sweep int4 with the products transposed (the codes the first operand) "
-                        "or not (default: plan's choice for the GPU)")
-    p.add_argument("--pg", default="1",
-                   help="comma-separated 1 / 0: sweep int4 with the statistics (pg) or out only")
+    p.add_argument(
+        "--magic", default="1", help="comma-separated 1 / 0: sweep int4 with codes made from their bits or converted"
+    )
+    p.add_argument(
+        "--fold",
+        default="1",
+        help="comma-separated 1 / 0: sweep int4 with the codes' bias taken off with the zeros or per code",
+    )
+    p.add_argument(
+        "--vpairs",
+        default="1",
+        help="comma-separated 1 / 0: sweep int4 with values paired along the tokens or the channels",
+    )
+    p.add_argument(
+        "--trans",
+        default="",
+        help="comma-separated 1 / 0: sweep int4 with the products transposed (the codes the first operand) "
+        "or not (default: plan's choice for the GPU)",
+    )
+    p.add_argument("--pg", default="1", help="comma-separated 1 / 0: sweep int4 with the statistics (pg) or out only")
     p.add_argument("--iters", type=int, default=20, help="calls per timing")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (runs on a CPU in triton's interpreter)")
@@ -226,8 +293,10 @@ def main(argv=None) -> int:
             setattr(args, name, value)
     if not cuda:
         if not args.tiny:
-            print("This benchmark times GPU kernels and there is no CUDA device here; nothing to time "
-                  "(--tiny runs tiny shapes in triton's CPU interpreter, to check that it runs).")
+            print(
+                "This benchmark times GPU kernels and there is no CUDA device here; nothing to time "
+                "(--tiny runs tiny shapes in triton's CPU interpreter, to check that it runs)."
+            )
             return 0
         from kvevict.kernels.triton_decode import interpreting
 
@@ -251,7 +320,7 @@ def main(argv=None) -> int:
         gms = {name: [] for name in names}
         host = {name: [] for name in names}
         for r in range(args.rounds):
-            for name in names[r % len(names):] + names[: r % len(names)]:
+            for name in names[r % len(names) :] + names[: r % len(names)]:
                 ms[name].append(time_call(configs[name][0], args.iters, cuda, host=host[name]))
                 if cuda:
                     gms[name].append(time_call(configs[name][0], args.iters, cuda, graphs[name]))
@@ -260,39 +329,56 @@ def main(argv=None) -> int:
     for name in names:
         ratios = [a / b for a, b in zip(ms[name], ms[dense])]
         med = statistics.median(ms[name])
-        row = {"config": name, "ms_per_layer": round(med, 4), "ms_all_layers": round(med * args.layers, 3),
-               "ratio_to_dense": round(statistics.median(ratios), 3),
-               "kv_mib": round(configs[name][1] / 2**20, 1),
-               "max_abs_err": errors.get(name), "ms_per_layer_rounds": [round(x, 4) for x in ms[name]]}
+        row = {
+            "config": name,
+            "ms_per_layer": round(med, 4),
+            "ms_all_layers": round(med * args.layers, 3),
+            "ratio_to_dense": round(statistics.median(ratios), 3),
+            "kv_mib": round(configs[name][1] / 2**20, 1),
+            "max_abs_err": errors.get(name),
+            "ms_per_layer_rounds": [round(x, 4) for x in ms[name]],
+        }
         if cuda:  # the same calls replayed from a CUDA graph: the GPU's time alone
-            row.update(host_ms_per_call=round(statistics.median(host[name]), 4),
-                       graph_ms_per_layer=round(statistics.median(gms[name]), 4),
-                       graph_ratio_to_dense=round(statistics.median(a / b for a, b in zip(gms[name], gms[dense])), 3),
-                       graph_ms_per_layer_rounds=[round(x, 4) for x in gms[name]])
+            row.update(
+                host_ms_per_call=round(statistics.median(host[name]), 4),
+                graph_ms_per_layer=round(statistics.median(gms[name]), 4),
+                graph_ratio_to_dense=round(statistics.median(a / b for a, b in zip(gms[name], gms[dense])), 3),
+                graph_ms_per_layer_rounds=[round(x, 4) for x in gms[name]],
+            )
         rows.append(row)
     where = torch.cuda.get_device_name() if cuda else "CPU, triton interpreter (timings mean nothing)"
     config = {k: v for k, v in vars(args).items() if k != "out"}  # what was measured, not where it went
-    result = {"device": where, "torch": torch.__version__, "triton": triton.__version__,
-              "config": config, "rows": rows}
+    result = {"device": where, "torch": torch.__version__, "triton": triton.__version__, "config": config, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"{where}; torch {torch.__version__}, triton {triton.__version__}")
-    print(f"batch {args.batch}, context {args.context}, {args.heads} query / {args.kv_heads} KV heads, head dim "
-          f"{args.head_dim}; one layer timed x {args.layers}; median of {args.rounds} rounds of {args.iters} calls")
-    print(f"{'config':<30} {'ms/layer':>9} {'ms x' + str(args.layers):>9} {'ratio':>6} {'host ms':>8} {'graph ms':>9} "
-          f"{'ratio':>6} {'KV MiB':>8} {'max err':>8}")
+    print(
+        f"batch {args.batch}, context {args.context}, {args.heads} query / {args.kv_heads} KV heads, head dim "
+        f"{args.head_dim}; one layer timed x {args.layers}; median of {args.rounds} rounds of {args.iters} calls"
+    )
+    print(
+        f"{'config':<30} {'ms/layer':>9} {'ms x' + str(args.layers):>9} {'ratio':>6} {'host ms':>8} {'graph ms':>9} "
+        f"{'ratio':>6} {'KV MiB':>8} {'max err':>8}"
+    )
     for r in rows:
         err = "" if r["max_abs_err"] is None else f"{r['max_abs_err']:.1e}"
-        graph = (f"{r['host_ms_per_call']:>8.4f} {r['graph_ms_per_layer']:>9.4f} {r['graph_ratio_to_dense']:>6.3g}"
-                 if cuda else f"{'':>8} {'':>9} {'':>6}")
-        print(f"{r['config']:<30} {r['ms_per_layer']:>9.4f} {r['ms_all_layers']:>9.3f} {r['ratio_to_dense']:>6.3g} "
-              f"{graph} {r['kv_mib']:>8} {err:>8}")
+        graph = (
+            f"{r['host_ms_per_call']:>8.4f} {r['graph_ms_per_layer']:>9.4f} {r['graph_ratio_to_dense']:>6.3g}"
+            if cuda
+            else f"{'':>8} {'':>9} {'':>6}"
+        )
+        print(
+            f"{r['config']:<30} {r['ms_per_layer']:>9.4f} {r['ms_all_layers']:>9.3f} {r['ratio_to_dense']:>6.3g} "
+            f"{graph} {r['kv_mib']:>8} {err:>8}"
+        )
     if cuda:  # the int4 target, like for like (out only, as SDPA computes), and with the policies' pg
         for config, what in (("triton int4 out only", "out only, as SDPA"), ("triton int4", "with pg")):
             row = next(r for r in rows if r["config"] == config)
             for how, key in (("launched one by one", "ratio_to_dense"), ("from a CUDA graph", "graph_ratio_to_dense")):
-                print(f"target int4 ({what}) <= 0.5x dense, {how}: {'met' if row[key] <= 0.5 else 'NOT met'} "
-                      f"({row[key]:.3f}x)")
+                print(
+                    f"target int4 ({what}) <= 0.5x dense, {how}: {'met' if row[key] <= 0.5 else 'NOT met'} "
+                    f"({row[key]:.3f}x)"
+                )
     print(f"written to {args.out}")
     return 0
 

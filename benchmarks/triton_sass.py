@@ -30,9 +30,17 @@ import torch
 LINE = re.compile(r"^\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+(?:\.[A-Z0-9_]+)*)", re.M)
 BRANCH = re.compile(r"^\s+/\*([0-9a-f]+)\*/[^\n]*?\bBRA\s+(0x[0-9a-f]+)", re.M)
 # what the kernel work is judged by: the instruction classes the notes in docs/results/performance.md name
-CLASSES = {"moves": ("IMAD.MOV", "MOV"), "barriers": ("BAR",), "mma": ("HMMA", "HGMMA"),
-           "shared memory": ("LDS", "STS", "LDSM", "STSM"), "byte permutes": ("PRMT",),
-           "logic": ("LOP3",), "shifts": ("SHF",), "paired half adds": ("HADD2",), "local (spills)": ("LDL", "STL")}
+CLASSES = {
+    "moves": ("IMAD.MOV", "MOV"),
+    "barriers": ("BAR",),
+    "mma": ("HMMA", "HGMMA"),
+    "shared memory": ("LDS", "STS", "LDSM", "STSM"),
+    "byte permutes": ("PRMT",),
+    "logic": ("LOP3",),
+    "shifts": ("SHF",),
+    "paired half adds": ("HADD2",),
+    "local (spills)": ("LDL", "STL"),
+}
 
 
 def split_launch(switches: dict, sm90: bool = True):
@@ -50,8 +58,9 @@ def split_launch(switches: dict, sm90: bool = True):
     k_new, v_new = (torch.randn(b, hkv, 1, d, generator=gen).bfloat16() for _ in range(2))
     kq, vq = (quantize(torch.randn(b, hkv, n, d, generator=gen).bfloat16(), 4, 32) for _ in range(2))
     trans = sm90 and (switches.get("block") or 128) >= 64
-    _, _, launches = plan(q, [Run(4, 32, kq, vq, n)], k_new, v_new, None, d ** -0.5,
-                          **{"split": 2048, "trans": trans, **switches})
+    _, _, launches = plan(
+        q, [Run(4, 32, kq, vq, n)], k_new, v_new, None, d**-0.5, **{"split": 2048, "trans": trans, **switches}
+    )
     la = launches[0]
     kwargs = {**la.kwargs, "EMU": False}
     if switches.get("regs"):  # plan leaves the register cap out on a CPU (the interpreter has none)
@@ -75,8 +84,10 @@ def compile_for(kernel, args, kwargs, arch: int):
         bound, spec, opts = binder(*args, **kwargs)
         options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, spec, opts)
     except (AttributeError, TypeError, ValueError) as e:
-        raise SystemExit(f"triton {triton.__version__}'s launcher internals are not the ones this tool knows "
-                         f"(tested: triton 3.6, 3.9): {e}") from None
+        raise SystemExit(
+            f"triton {triton.__version__}'s launcher internals are not the ones this tool knows "
+            f"(tested: triton 3.6, 3.9): {e}"
+        ) from None
     return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 
@@ -90,8 +101,10 @@ def sass_of(compiled) -> tuple[str, dict]:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.cubin")
         Path(path).write_bytes(compiled.asm["cubin"])
-        sass, res = (subprocess.run([str(tool), flag, path], capture_output=True, text=True, check=True).stdout
-                     for flag in ("-sass", "-res-usage"))
+        sass, res = (
+            subprocess.run([str(tool), flag, path], capture_output=True, text=True, check=True).stdout
+            for flag in ("-sass", "-res-usage")
+        )
     use = re.search(r"REG:(\d+) STACK:(\d+)", res)
     return sass, {"registers": int(use.group(1)), "stack": int(use.group(2))} if use else {}
 
@@ -134,16 +147,27 @@ def main(argv=None) -> int:
     sass, usage = sass_of(compiled)
     total, ops = loop_counts(sass)
     # an opcode is in a class by its first word (LDS.128: LDS) or its first two (IMAD.MOV.U32: IMAD.MOV)
-    classes = {name: sum(n for op, n in ops.items() if op.split(".")[0] in prefixes
-                         or ".".join(op.split(".")[:2]) in prefixes)
-               for name, prefixes in CLASSES.items()}
+    classes = {
+        name: sum(n for op, n in ops.items() if op.split(".")[0] in prefixes or ".".join(op.split(".")[:2]) in prefixes)
+        for name, prefixes in CLASSES.items()
+    }
     meta = compiled.metadata
-    result = {"triton": triton.__version__, "arch": args.arch, "switches": switches, "kernel": meta.name,
-              **usage, "shared_bytes": meta.shared,
-              "loop_instructions": total, "classes": classes, "opcodes": dict(ops.most_common())}
+    result = {
+        "triton": triton.__version__,
+        "arch": args.arch,
+        "switches": switches,
+        "kernel": meta.name,
+        **usage,
+        "shared_bytes": meta.shared,
+        "loop_instructions": total,
+        "classes": classes,
+        "opcodes": dict(ops.most_common()),
+    }
     print(f"{meta.name} for sm_{args.arch}, triton {triton.__version__}, switches {switches or 'defaults'}")
-    print(f"{usage.get('registers')} registers, {usage.get('stack')} bytes of stack a thread; {meta.shared} bytes "
-          "of shared memory a program")
+    print(
+        f"{usage.get('registers')} registers, {usage.get('stack')} bytes of stack a thread; {meta.shared} bytes "
+        "of shared memory a program"
+    )
     print(f"one tile of keys (the main loop), per thread: {total} instructions")
     for name, n in classes.items():
         print(f"  {name:<18} {n:>5}")

@@ -22,7 +22,7 @@ def digit_positions(tok, ids, answer):
     want = tok(answer, add_special_tokens=False)["input_ids"]
     seq = ids[0].tolist()
     for i in range(len(seq) - len(want) + 1):
-        if seq[i: i + len(want)] == want:
+        if seq[i : i + len(want)] == want:
             return list(range(i, i + len(want)))
     return []
 
@@ -30,8 +30,10 @@ def digit_positions(tok, ids, answer):
 def main(n):
     torch.set_num_threads(1)
     model, tok = load_model("smollm2-135m")
-    tasks = [NeedleOnceTask(lengths=(1024,), haystacks=("essays", "wikipedia")),
-             RetrievalTask(lengths=(1024,), kinds=("single",))]
+    tasks = [
+        NeedleOnceTask(lengths=(1024,), haystacks=("essays", "wikipedia")),
+        RetrievalTask(lengths=(1024,), kinds=("single",)),
+    ]
     for task in tasks:
         rows = []
         for s in task.samples(tok, n):
@@ -46,18 +48,22 @@ def main(n):
             share = []
             for b in blocks:
                 a = b[0, :, :, :n_prompt]
-                for obs in (a[:, n_prompt - 64: n_prompt], a[:, :n_prompt], a[:, n_prompt:]):
+                for obs in (a[:, n_prompt - 64 : n_prompt], a[:, :n_prompt], a[:, n_prompt:]):
                     top = obs.sum(1).topk(half, dim=-1).indices  # (hkv, half)
-                    share.append(torch.isin(torch.tensor(pos), top).float().mean(0).item()
-                                 if top.shape[0] == 1 else
-                                 sum(torch.isin(torch.tensor(pos), t).float().mean().item() for t in top) / len(top))
+                    share.append(
+                        torch.isin(torch.tensor(pos), top).float().mean(0).item()
+                        if top.shape[0] == 1
+                        else sum(torch.isin(torch.tensor(pos), t).float().mean().item() for t in top) / len(top)
+                    )
             rows.append(torch.tensor(share).view(len(blocks), 3))
         t = torch.stack(rows)  # (samples, layers, 3)
         m = t.mean(0)
-        print(f"{task.name} (n = {t.shape[0]}): share of needle digits in the top budget/2, mean over layers "
-              f"and heads: question window {m[:, 0].mean():.3f}, all prompt queries {m[:, 1].mean():.3f}, "
-              f"answer queries {m[:, 2].mean():.3f}; best layer: {m[:, 0].max():.2f} / {m[:, 1].max():.2f} / "
-              f"{m[:, 2].max():.2f}")
+        print(
+            f"{task.name} (n = {t.shape[0]}): share of needle digits in the top budget/2, mean over layers "
+            f"and heads: question window {m[:, 0].mean():.3f}, all prompt queries {m[:, 1].mean():.3f}, "
+            f"answer queries {m[:, 2].mean():.3f}; best layer: {m[:, 0].max():.2f} / {m[:, 1].max():.2f} / "
+            f"{m[:, 2].max():.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -31,9 +31,13 @@ def main(argv=None) -> int:
         messages.append({"role": "user", "content": turn})
         print(f"\nuser: {turn}\nassistant: ", end="", flush=True)
         stream = client.chat.completions.create(
-            model=model, messages=messages, max_tokens=args.max_tokens, stream=True,
+            model=model,
+            messages=messages,
+            max_tokens=args.max_tokens,
+            stream=True,
             stream_options={"include_usage": True},
-            extra_body={"kv_policy": args.policy, "kv_budget": args.budget})
+            extra_body={"kv_policy": args.policy, "kv_budget": args.budget},
+        )
         parts, usage = [], None
         for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
@@ -42,10 +46,12 @@ def main(argv=None) -> int:
             usage = chunk.usage or usage
         messages.append({"role": "assistant", "content": "".join(parts)})
         u = usage.model_dump()
-        print(f"\n  [{u['kv_policy']} kv_budget={u['kv_budget']} -> {u['kv_budget_tokens']} tokens per layer & head; "
-              f"prompt {u['prompt_tokens']} + {u['completion_tokens']} new tokens; KV held {u['kv_bytes'] / 2**20:.2f} MiB "
-              f"vs full cache {u['kv_bytes_full'] / 2**20:.2f} MiB ({u['kv_bytes'] / u['kv_bytes_full']:.0%})]",
-              flush=True)
+        print(
+            f"\n  [{u['kv_policy']} kv_budget={u['kv_budget']} -> {u['kv_budget_tokens']} tokens per layer & head; "
+            f"prompt {u['prompt_tokens']} + {u['completion_tokens']} new tokens; KV held {u['kv_bytes'] / 2**20:.2f} MiB "
+            f"vs full cache {u['kv_bytes_full'] / 2**20:.2f} MiB ({u['kv_bytes'] / u['kv_bytes_full']:.0%})]",
+            flush=True,
+        )
     return 0
 
 

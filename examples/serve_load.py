@@ -21,13 +21,28 @@ from pathlib import Path
 
 import openai
 
-TOPICS = ["the sea", "a mountain", "an old library", "a night train", "a small garden", "the desert",
-          "a busy market", "a winter forest", "a lighthouse", "a river town", "a space station", "a bakery"]
+TOPICS = [
+    "the sea",
+    "a mountain",
+    "an old library",
+    "a night train",
+    "a small garden",
+    "the desert",
+    "a busy market",
+    "a winter forest",
+    "a lighthouse",
+    "a river town",
+    "a space station",
+    "a bakery",
+]
 
 
 def prompts(n: int) -> list[str]:
-    return [f"Write a short paragraph describing {TOPICS[i % len(TOPICS)]} at dawn, in the style of a travel "
-            f"guide. Mention three details a visitor would notice first. (request {i})" for i in range(n)]
+    return [
+        f"Write a short paragraph describing {TOPICS[i % len(TOPICS)]} at dawn, in the style of a travel "
+        f"guide. Mention three details a visitor would notice first. (request {i})"
+        for i in range(n)
+    ]
 
 
 async def run(url, n, max_tokens, policy, budget):
@@ -64,19 +79,37 @@ def main(argv=None) -> int:
     held = sum(r.usage.kv_bytes for r in conc)
     full = sum(r.usage.kv_bytes_full for r in conc)
     rows = [("one at a time", t_seq, tokens / t_seq), (f"{a.n} at once", t_conc, tokens / t_conc)]
-    print(f"{a.n} requests x {a.max_tokens} tokens, kv_policy={a.policy} kv_budget={a.budget}, "
-          f"load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"{a.n} requests x {a.max_tokens} tokens, kv_policy={a.policy} kv_budget={a.budget}, "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
     print(f"{'mode':<15} {'wall s':>8} {'tokens/s':>9}")
     for name, t, tps in rows:
         print(f"{name:<15} {t:>8.1f} {tps:>9.1f}")
-    print(f"batching gain: {t_seq / t_conc:.2f}x; identical answers: {same}/{a.n}; "
-          f"KV held per request {held / a.n / 2**20:.2f} MiB vs full {full / a.n / 2**20:.2f} MiB")
+    print(
+        f"batching gain: {t_seq / t_conc:.2f}x; identical answers: {same}/{a.n}; "
+        f"KV held per request {held / a.n / 2**20:.2f} MiB vs full {full / a.n / 2**20:.2f} MiB"
+    )
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"n": a.n, "max_tokens": a.max_tokens, "policy": a.policy, "budget": a.budget,
-                               "seconds_sequential": t_seq, "seconds_concurrent": t_conc, "tokens": tokens,
-                               "identical": same, "kv_bytes": held, "kv_bytes_full": full,
-                               "loadavg": os.getloadavg()[0]}, indent=1))
+    out.write_text(
+        json.dumps(
+            {
+                "n": a.n,
+                "max_tokens": a.max_tokens,
+                "policy": a.policy,
+                "budget": a.budget,
+                "seconds_sequential": t_seq,
+                "seconds_concurrent": t_conc,
+                "tokens": tokens,
+                "identical": same,
+                "kv_bytes": held,
+                "kv_bytes_full": full,
+                "loadavg": os.getloadavg()[0],
+            },
+            indent=1,
+        )
+    )
     return 0 if same == a.n else 1
 
 

@@ -4,6 +4,7 @@ the last 10%, and the median kept position, averaged over layers and KV heads.
     python examples/what_policies_keep.py            # every registered policy
     python examples/what_policies_keep.py h2o,roco   # some
 """
+
 import sys
 
 import torch
@@ -12,13 +13,14 @@ import kvevict
 from kvevict.data.essays import haystack
 from kvevict.generate import encode_chat
 from kvevict.policies.oracle import Oracle
+
 torch.set_num_threads(2)
 model, tok = kvevict.load_model("smollm2-135m")
 text = haystack(tok, 2000)
 ids = encode_chat(tok, [{"role": "user", "content": text + "\n\nSummarise the text above."}])
 n = ids.shape[1]
 budget = 0.2
-print(f"prompt {n} tokens, budget {budget} -> {round(n*budget)} per layer & KV head; 30 layers x 3 KV heads")
+print(f"prompt {n} tokens, budget {budget} -> {round(n * budget)} per layer & KV head; 30 layers x 3 KV heads")
 print(f"{'policy':14s} {'first 4 kept':>12s} {'last 10% kept':>14s} {'median pos kept':>16s}")
 for name in sys.argv[1].split(",") if len(sys.argv) > 1 else sorted({c.name for c in kvevict.POLICIES.values()}):
     pol = Oracle.record(model, ids) if name == "oracle" else name

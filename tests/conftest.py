@@ -10,13 +10,11 @@ os.environ["KVEVICT_PLANS"] = tempfile.mkdtemp(prefix="kvevict-plans-")
 
 import pytest
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM)
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-            max_position_embeddings=512)
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3, max_position_embeddings=512)
 
 
 def tiny_model(arch="llama-gqa", seed=0):
@@ -29,8 +27,9 @@ def tiny_model(arch="llama-gqa", seed=0):
     elif arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**TINY, num_attention_heads=4, num_key_value_heads=2))
     elif arch == "mistral":
-        model = MistralForCausalLM(MistralConfig(**TINY, num_attention_heads=4, num_key_value_heads=1,
-                                                 sliding_window=None))
+        model = MistralForCausalLM(
+            MistralConfig(**TINY, num_attention_heads=4, num_key_value_heads=1, sliding_window=None)
+        )
     else:
         raise KeyError(arch)
     return model.eval()

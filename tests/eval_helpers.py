@@ -17,8 +17,10 @@ The village fair opened on Saturday with a parade of tractors. The council voted
 0123456789 abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ .,:;!?'"()-
 """
 
-CHAT = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
-        "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+CHAT = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+)
 
 
 def tiny_tokenizer(vocab_size: int = 128):
@@ -28,11 +30,16 @@ def tiny_tokenizer(vocab_size: int = 128):
     tk = Tokenizer(models.BPE(unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Metaspace()
     tk.decoder = decoders.Metaspace()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
-                                  initial_alphabet=list(set(CORPUS.replace("\n", ""))), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+        initial_alphabet=list(set(CORPUS.replace("\n", ""))),
+        show_progress=False,
+    )
     tk.train_from_iterator([CORPUS] * 4, trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                  pad_token="<pad>")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
     tok.chat_template = CHAT
     tok.padding_side = "left"
     return tok
@@ -40,7 +47,7 @@ def tiny_tokenizer(vocab_size: int = 128):
 
 def essay_like(tokenizer, n_tokens: int, start: int = 0) -> str:
     """A haystack for tests: repeated fixture sentences, about ``n_tokens`` tokens."""
-    base = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
+    base = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
     text = base * (1 + n_tokens // 8)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"][:n_tokens]
     cut = tokenizer.decode(ids)

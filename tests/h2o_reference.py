@@ -37,7 +37,7 @@ class H2OReference:
                         head = h * g + gi
                         s = (query[bi, head, qi] @ key[bi, h, visible].T) * scaling
                         p = torch.softmax(s.double(), -1)
-                        out[bi, qi, head] = (p.float() @ value[bi, h, visible])
+                        out[bi, qi, head] = p.float() @ value[bi, h, visible]
                         for j, pj in zip(visible, p.tolist()):
                             st["score"][j] = st["score"].get(j, 0.0) + pj
                 # after the layer's attention: add the new tokens, then evict down to the budget

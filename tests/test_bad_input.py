@@ -6,20 +6,28 @@ import warnings
 
 import pytest
 import torch
-from conftest import TINY, tiny_model
-from tiny_chat_model import char_tokenizer
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import kvevict
+from conftest import TINY, tiny_model
 from kvevict.generate import generate
+from tiny_chat_model import char_tokenizer
 
 
 def _greedy(model, ids, cache, n=4, mask=None):
-    return model.generate(ids, attention_mask=torch.ones_like(ids) if mask is None else mask, cache=cache,
-                          do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
+    return model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids) if mask is None else mask,
+        cache=cache,
+        do_sample=False,
+        max_new_tokens=n,
+        min_new_tokens=n,
+        pad_token_id=0,
+    )
 
 
 # (1) an empty prompt ------------------------------------------------------------------------------
+
 
 def test_empty_prompt_is_a_value_error_from_kvevict_generate():
     model, tok = tiny_model(), char_tokenizer()
@@ -40,6 +48,7 @@ def test_empty_prompt_is_a_value_error_from_model_generate_and_forward():
 
 
 # (2) a used cache given a new prompt --------------------------------------------------------------
+
 
 @pytest.mark.parametrize("padded", [False, True])  # generate drops an all-ones mask: positions tell, or the mask
 @pytest.mark.parametrize("new_tokens", [3, 10, 12])  # generate feeds 7 tokens of the new prompt, 1, or nothing
@@ -94,10 +103,10 @@ def test_a_mask_that_does_not_cover_the_cache_is_a_value_error():
 
 # (3) past the model's positions -------------------------------------------------------------------
 
+
 def _short_context_model(n_positions=32):
     torch.manual_seed(0)
-    cfg = LlamaConfig(**{**TINY, "max_position_embeddings": n_positions}, num_attention_heads=4,
-                      num_key_value_heads=2)
+    cfg = LlamaConfig(**{**TINY, "max_position_embeddings": n_positions}, num_attention_heads=4, num_key_value_heads=2)
     return LlamaForCausalLM(cfg).eval()
 
 

@@ -7,8 +7,6 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_model
-
 from benchmarks.bench import main
 from benchmarks.cachebench import memory_math as mm
 from benchmarks.cachebench import targets, timers
@@ -21,6 +19,8 @@ from benchmarks.cachebench.caches import (
     state_bytes,
 )
 from benchmarks.cachebench.stats import summary
+
+from conftest import tiny_model
 
 GiB = 2**30
 
@@ -83,8 +83,12 @@ def test_peer_comparison_pairs_kvevict_and_llamacpp_ratios():
     def rec(cache, steps):
         return {"threads": 2, "context": 3072, "batch": 1, "cache": cache, "round_median_step_s": steps}
 
-    recs = [rec("stock", [0.10, 0.10]), rec("kvevict-full/fp16", [0.05, 0.06]), rec("kvevict-full/int8", [0.05, 0.066]),
-            rec("kvevict-full/int4", [0.08, 0.09])]
+    recs = [
+        rec("stock", [0.10, 0.10]),
+        rec("kvevict-full/fp16", [0.05, 0.06]),
+        rec("kvevict-full/int8", [0.05, 0.066]),
+        rec("kvevict-full/int4", [0.08, 0.09]),
+    ]
     add_step_ratios(recs)
     assert recs[1]["step_vs_stock"]["median"] == pytest.approx(0.55)
     llama = {"ratios": [{"context": 3072, "threads": 2, "kv_type": "q4_0", "step_ratio_vs_f16": {"median": 1.63}}]}
@@ -152,8 +156,16 @@ def test_exclusive_timers_subtract_nested_calls(monkeypatch):
 
 
 def _record(cache, step, batch=8, context=8192, budget=None, kept=8192, floor=None):
-    return {"context": context, "batch": batch, "cache": cache, "kept_tokens": kept, "budget": budget,
-            "step_s": {"median": step}, "round_median_step_s": [step, step], "floor_s": floor}
+    return {
+        "context": context,
+        "batch": batch,
+        "cache": cache,
+        "kept_tokens": kept,
+        "budget": budget,
+        "step_s": {"median": step},
+        "round_median_step_s": [step, step],
+        "floor_s": floor,
+    }
 
 
 def test_target_verdicts_from_ratios():
@@ -161,10 +173,20 @@ def test_target_verdicts_from_ratios():
 
     recs = [_record("stock", 1.2), _record("h2o@0.2", 0.15, floor=0.12), _record("recency@0.2", 0.14)]
     add_ratios(recs)
-    res = {"decode": {"records": recs}, "prefill": {"records": [
-        {"label": "stock sdpa", "prefill_s": {"median": 30.0}, "peak_rss_bytes": {"median": 1.5e9}},
-        {"label": "kvevict h2o@0.2", "prefill_s": {"median": 39.0}, "peak_rss_bytes": {"median": 1.8e9},
-         "job": {"context": 8192}}]}}
+    res = {
+        "decode": {"records": recs},
+        "prefill": {
+            "records": [
+                {"label": "stock sdpa", "prefill_s": {"median": 30.0}, "peak_rss_bytes": {"median": 1.5e9}},
+                {
+                    "label": "kvevict h2o@0.2",
+                    "prefill_s": {"median": 39.0},
+                    "peak_rss_bytes": {"median": 1.8e9},
+                    "job": {"context": 8192},
+                },
+            ]
+        },
+    }
     got = {t["target"]: t for t in targets.evaluate(res, "h2o", 0.2, 8192, 8)}
     speed = got["decode throughput vs stock full cache"]
     assert speed["value"] == pytest.approx(8.0) and speed["status"] == "met"
@@ -212,8 +234,9 @@ def tiny_dir(tmp_path_factory):
 def test_quick_run_writes_json_markdown_plots(tiny_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("KVEVICT_KVPRESS_PYTHON", str(tmp_path / "no-venv" / "python"))
     out = tmp_path / "out"
-    rc = main(["--quick", "--model", str(tiny_dir), "--out", str(out), "--threads", "1",
-               "--policies", "h2o,no-such-policy"])
+    rc = main(
+        ["--quick", "--model", str(tiny_dir), "--out", str(out), "--threads", "1", "--policies", "h2o,no-such-policy"]
+    )
     assert rc == 0
     res = json.loads((out / "bench.json").read_text())
     assert {"machine", "bandwidth", "decode", "maxbatch", "breakdown", "prefill", "targets"} <= set(res)
@@ -228,8 +251,14 @@ def test_quick_run_writes_json_markdown_plots(tiny_dir, tmp_path, monkeypatch, c
     mb = {r["cache"]: r for r in res["maxbatch"]["records"]}
     assert mb["h2o@0.25"]["batch"] >= mb["stock"]["batch"]  # a quarter of the tokens: more sequences fit
     assert {w["cache"] for w in res["breakdown"]["wall"]} == {"stock", "kvevict-full", "h2o@0.25"}
-    core = {"attention.kvevict_attention", "attention.attend", "cache.EvictingLayer.update", "cache.EvictingLayer.absorb",
-            "tier.Tier._replace_one", "policies.Policy.priority"}
+    core = {
+        "attention.kvevict_attention",
+        "attention.attend",
+        "cache.EvictingLayer.update",
+        "cache.EvictingLayer.absorb",
+        "tier.Tier._replace_one",
+        "policies.Policy.priority",
+    }
     for w in res["breakdown"]["wall"]:  # the timed code paths still exist under these names
         assert core <= set(w["wrapped"]), core - set(w["wrapped"])
     pre = {p["label"]: p for p in res["prefill"]["records"]}
@@ -239,19 +268,37 @@ def test_quick_run_writes_json_markdown_plots(tiny_dir, tmp_path, monkeypatch, c
     assert len(res["targets"]) == 5
     mx = res["matrix"]
     labels = {r["cache"] for r in mx["records"]}
-    assert labels == {"stock", "h2o@0.2", "h2o/fp16@0.2", "h2o/int8@0.2", "h2o/int4@0.2", "memory=0.2", "memory=0.1",
-                      "kvevict-full/fp16", "kvevict-full/int8", "kvevict-full/int4"}
-    assert {(r["threads"], r["context"], r["batch"]) for r in mx["records"]} == {(1, c, b) for c in (64, 128) for b in (1, 2)}
+    assert labels == {
+        "stock",
+        "h2o@0.2",
+        "h2o/fp16@0.2",
+        "h2o/int8@0.2",
+        "h2o/int4@0.2",
+        "memory=0.2",
+        "memory=0.1",
+        "kvevict-full/fp16",
+        "kvevict-full/int8",
+        "kvevict-full/int4",
+    }
+    assert {(r["threads"], r["context"], r["batch"]) for r in mx["records"]} == {
+        (1, c, b) for c in (64, 128) for b in (1, 2)
+    }
     bw = mx["bandwidth"]["1"]["best"]
     by = {(r["cache"], r["context"], r["batch"]): r for r in mx["records"]}
     for r in mx["records"]:
         assert r["step_s"]["n"] == 2 * 2 and r["floor_s"] == pytest.approx((res["weight_bytes"] + r["read_bytes"]) / bw)
         assert r["x_floor"] == pytest.approx(r["step_s"]["median"] / r["floor_s"])
-        assert r["read_bytes"] == r["batch"] * by[(r["cache"], r["context"], 1)]["read_bytes"]  # batch copies of one row
+        assert (
+            r["read_bytes"] == r["batch"] * by[(r["cache"], r["context"], 1)]["read_bytes"]
+        )  # batch copies of one row
     # the stock cache reads every token in fp32: 128 tokens x 3 layers x 2 KV heads x (8 + 8) dims x 4 B, per sequence
     assert by[("stock", 128, 1)]["read_bytes"] == 128 * 3 * 2 * 16 * 4
-    assert by[("kvevict-full/int4", 128, 1)]["read_bytes"] < by[("kvevict-full/int8", 128, 1)]["read_bytes"] \
-        < by[("kvevict-full/fp16", 128, 1)]["read_bytes"] < by[("stock", 128, 1)]["read_bytes"]
+    assert (
+        by[("kvevict-full/int4", 128, 1)]["read_bytes"]
+        < by[("kvevict-full/int8", 128, 1)]["read_bytes"]
+        < by[("kvevict-full/fp16", 128, 1)]["read_bytes"]
+        < by[("stock", 128, 1)]["read_bytes"]
+    )
     assert by[("stock", 64, 2)]["step_vs_stock"]["median"] == 1.0
     assert mx["kernel"].startswith("default") or mx["kernel"] in ("torch", "cpu", "auto")
     chat = {r["cache"]: r for r in mx["bytes_held"]["chat"]}
@@ -262,19 +309,33 @@ def test_quick_run_writes_json_markdown_plots(tiny_dir, tmp_path, monkeypatch, c
     assert pairs == {(c, p) for c in (64, 128) for p in ("int8/fp16", "int4/fp16")}
     assert "note" in res["llamacpp"]  # no GGUF for a local folder (and maybe no llama-bench): skipped, said why
     md = (out / "bench.md").read_text()
-    for heading in ("## Targets", "## Decode", "## Largest batch", "## One decode step", "## Prefill",
-                    "## Decode-step matrix", "## llama.cpp peer"):
+    for heading in (
+        "## Targets",
+        "## Decode",
+        "## Largest batch",
+        "## One decode step",
+        "## Prefill",
+        "## Decode-step matrix",
+        "## llama.cpp peer",
+    ):
         assert heading in md
     assert (out / "throughput_vs_context.png").stat().st_size > 1000
     assert (out / "memory_vs_context.png").stat().st_size > 1000
     assert (out / "matrix_steps.png").stat().st_size > 1000
 
 
-@pytest.mark.parametrize("argv, msg", [(["--budgets", "2"], "budgets"), (["--sections", "decode,nope"], "section"),
-                                       (["--contexts", "a,b"], "integers"), (["--matrix-threads", "0"], "matrix-threads"),
-                                       (["--matrix-caches", "h2o@2"], "cannot read the cache"),
-                                       (["--matrix-caches", "h2o@0.2"], "include stock"),
-                                       (["--llama-contexts", "x"], "llama-contexts")])
+@pytest.mark.parametrize(
+    "argv, msg",
+    [
+        (["--budgets", "2"], "budgets"),
+        (["--sections", "decode,nope"], "section"),
+        (["--contexts", "a,b"], "integers"),
+        (["--matrix-threads", "0"], "matrix-threads"),
+        (["--matrix-caches", "h2o@2"], "cannot read the cache"),
+        (["--matrix-caches", "h2o@0.2"], "include stock"),
+        (["--llama-contexts", "x"], "llama-contexts"),
+    ],
+)
 def test_bad_arguments_are_one_clear_line(argv, msg, tmp_path, capsys):
     assert main(["--quick", "--out", str(tmp_path)] + argv) == 2
     err = capsys.readouterr().err
@@ -316,7 +377,13 @@ def test_the_script_runs_from_anywhere_with_kvevict_importable(tmp_path):
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench.py"
     env = dict(os.environ, PYTHONPATH=str(Path(kvevict.__file__).resolve().parents[1]))
-    done = subprocess.run([sys.executable, str(script), "--stream", "--stream-tokens", "0", "--out", str(tmp_path)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(script), "--stream", "--stream-tokens", "0", "--out", str(tmp_path)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.strip() == ("python benchmarks/bench.py: error: stream tokens must be a positive int, got 0.")

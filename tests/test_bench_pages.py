@@ -1,9 +1,9 @@
 """The page-size benchmark runs end to end on a tiny model and restores the page size."""
 
 import torch
-from conftest import tiny_model
-
 from benchmarks import page_size
+
+from conftest import tiny_model
 from kvevict import tier
 
 

@@ -74,6 +74,7 @@ def test_rows_join_with_packed_and_two_tier_storage(storage):
 
 # -- per-row policies and budgets in one cache ---------------------------------------------------
 
+
 def _start(model, prompt, policy, budget, **kw):
     """A batch of one row, prefilled alone in its own cache, and its last logits."""
     import kvevict
@@ -110,8 +111,14 @@ def test_rows_with_budgets_4_and_8_in_one_cache_keep_their_own_newest_4_and_8():
         assert layer.tiers[0].caps.tolist() == [4, 8]
 
 
-MIXED = [("h2o", 8, {}), ("tova", 12, {}), ("recency", 4, {"recent": 1, "sinks": 1}), ("h2o", 16, {"recent": 3}),
-         ("roco", 10, {}), ("snapkv", 10, {"window": 4, "recent": 2})]
+MIXED = [
+    ("h2o", 8, {}),
+    ("tova", 12, {}),
+    ("recency", 4, {"recent": 1, "sinks": 1}),
+    ("h2o", 16, {"recent": 3}),
+    ("roco", 10, {}),
+    ("snapkv", 10, {"window": 4, "recent": 2}),
+]
 
 
 @pytest.mark.parametrize("storage", [{}, {"kv_bits": 8, "group": 8}, {"evicted_bits": 4, "group": 8}])

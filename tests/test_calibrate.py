@@ -3,12 +3,12 @@
 import json
 
 import pytest
-from conftest import tiny_model
-from eval_helpers import tiny_tokenizer
 
 import kvevict
-from kvevict.eval.calibrate import calibrate, candidates, default_path, load, save, signature
+from conftest import tiny_model
+from eval_helpers import tiny_tokenizer
 from kvevict.cli import main
+from kvevict.eval.calibrate import calibrate, candidates, default_path, load, save, signature
 from kvevict.memory import head_from, plan
 
 
@@ -52,8 +52,10 @@ def test_memory_uses_a_plan_file_and_its_kind_of_storage(calibrated, tmp_path):
     rule = kvevict.make_cache(model, "mas", memory=0.45, plan=False)
     assert (rule.storage.kv_bits, rule.storage.evicted_bits) != (16, None)
     # the plan is for mas (the default, what memory= picks for streamed text): another policy keeps the rule
-    assert kvevict.make_cache(model, "tova", memory=0.45, plan=path).storage == \
-        kvevict.make_cache(model, "tova", memory=0.45, plan=False).storage
+    assert (
+        kvevict.make_cache(model, "tova", memory=0.45, plan=path).storage
+        == kvevict.make_cache(model, "tova", memory=0.45, plan=False).storage
+    )
 
 
 def test_the_model_s_own_plan_is_found_in_the_cache(calibrated, tmp_path, monkeypatch):

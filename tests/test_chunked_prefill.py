@@ -18,8 +18,16 @@ def _kept(cache):
 
 
 def _generate(model, ids, cache, **kw):
-    return model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=6,
-                          min_new_tokens=6, do_sample=False, pad_token_id=0, **kw)
+    return model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        cache=cache,
+        max_new_tokens=6,
+        min_new_tokens=6,
+        do_sample=False,
+        pad_token_id=0,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("policy", ["h2o", "tova", "roco"])

@@ -36,9 +36,8 @@ def test_compact_mode_without_eviction_is_exact():
     ref_cache = DynamicCache(config=model.config)
     cache = kvevict.make_cache(model, "h2o", budget=32, compact=True)
     with torch.no_grad():
-        for part in [ids] + [steps[:, i:i + 1] for i in range(3)]:
-            assert (model(part, cache=ref_cache).logits
-                    - model(part, cache=cache).logits).abs().max() < 1e-4
+        for part in [ids] + [steps[:, i : i + 1] for i in range(3)]:
+            assert (model(part, cache=ref_cache).logits - model(part, cache=cache).logits).abs().max() < 1e-4
 
 
 def test_compact_mode_keeps_distances_within_the_cache_far_past_the_context():
@@ -64,8 +63,15 @@ def _one_layer_model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -81,11 +87,11 @@ def test_compact_stream_far_past_the_context_equals_the_kept_tokens_at_positions
     plain = kvevict.make_cache(model, "recency", budget=budget, sinks=sinks)
     with torch.no_grad():
         for s in range(0, 1499, 50):
-            model(ids[:, s:min(1499, s + 50)], cache=cache)
-            model(ids[:, s:min(1499, s + 50)], cache=plain)
+            model(ids[:, s : min(1499, s + 50)], cache=cache)
+            model(ids[:, s : min(1499, s + 50)], cache=plain)
         got = model(ids[:, 1499:], cache=cache).logits[0, -1]
         far = model(ids[:, 1499:], cache=plain).logits[0, -1]
-        kept = torch.cat([ids[:, :sinks], ids[:, 1499 - (budget - sinks):]], 1)  # sinks + the newest
+        kept = torch.cat([ids[:, :sinks], ids[:, 1499 - (budget - sinks) :]], 1)  # sinks + the newest
         model.set_attn_implementation("sdpa")
         want = model(kept, cache=DynamicCache(config=model.config)).logits[0, -1]
     assert (got - want).abs().max() < 1e-4

@@ -21,10 +21,10 @@ def test_budget_covering_everything_equals_dynamic_cache(arch):
     prompt, steps = torch.randint(0, 128, (2, 24)), torch.randint(0, 128, (2, 6))
     ref_cache, cache = DynamicCache(config=model.config), None
     ref = [_logits(model, prompt, ref_cache)]
-    ref += [_logits(model, steps[:, i:i + 1], ref_cache) for i in range(steps.shape[1])]
+    ref += [_logits(model, steps[:, i : i + 1], ref_cache) for i in range(steps.shape[1])]
     cache = kvevict.make_cache(model, "h2o", budget=30)
     got = [_logits(model, prompt, cache)]
-    got += [_logits(model, steps[:, i:i + 1], cache) for i in range(steps.shape[1])]
+    got += [_logits(model, steps[:, i : i + 1], cache) for i in range(steps.shape[1])]
     for r, g in zip(ref, got):
         assert (r - g).abs().max().item() < 1e-4
 
@@ -36,17 +36,25 @@ def test_real_eviction_matches_masked_eager_reference(arch):
     torch.manual_seed(2)
     prompt = torch.randint(0, 128, (2, 20))
     cache = kvevict.make_cache(model, "h2o", budget=budget, recent=recent)
-    got = model.generate(prompt, attention_mask=torch.ones_like(prompt), cache=cache,
-                         max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    got = model.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        cache=cache,
+        max_new_tokens=new,
+        min_new_tokens=new,
+        do_sample=False,
+    )
     ref = H2OReference(budget, recent)
     model.set_attn_implementation(ref.NAME)
-    want = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new,
-                          min_new_tokens=new, do_sample=False)
+    want = model.generate(
+        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, min_new_tokens=new, do_sample=False
+    )
     assert torch.equal(got, want)
     # and eviction really changed the answer vs the full cache, else the test proves nothing
     model.set_attn_implementation("sdpa")
-    full = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new,
-                          min_new_tokens=new, do_sample=False)
+    full = model.generate(
+        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, min_new_tokens=new, do_sample=False
+    )
     assert not torch.equal(full, want)
 
 
@@ -93,14 +101,18 @@ def test_left_padded_batch_equals_each_prompt_alone(budget):
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = p
-        mask[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = p
+        mask[i, width - len(p) :] = 1
     gen = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
     batched = model.generate(ids, attention_mask=mask, cache=kvevict.make_cache(model, "h2o", budget=budget), **gen)
     for i, p in enumerate(prompts):
-        alone = model.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                               cache=kvevict.make_cache(model, "h2o", budget=budget), **gen)
-        assert torch.equal(batched[i, width:], alone[0, len(p):]), f"sequence {i}"
+        alone = model.generate(
+            p[None],
+            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            cache=kvevict.make_cache(model, "h2o", budget=budget),
+            **gen,
+        )
+        assert torch.equal(batched[i, width:], alone[0, len(p) :]), f"sequence {i}"
 
 
 def test_padding_is_never_kept_over_a_real_token():
@@ -125,16 +137,19 @@ def test_h2o_keeps_recent_window_and_heavy_hitters_after_prefill():
             assert {46, 47, 48, 49} <= kept and len(kept) == 10
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(budget=0), "positive"),
-    (dict(budget=-3), "positive"),
-    (dict(budget=1.5), "(0, 1]"),
-    (dict(budget=0.0), "(0, 1]"),
-    (dict(budget="20%"), "budget must be"),
-    (dict(budget=8, recent=8), "recent=8 must be smaller"),
-    (dict(budget=8, recent=20), "recent=20 must be smaller"),
-    (dict(budget=8, policy="h20"), "unknown policy 'h20'; known policies:"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(budget=0), "positive"),
+        (dict(budget=-3), "positive"),
+        (dict(budget=1.5), "(0, 1]"),
+        (dict(budget=0.0), "(0, 1]"),
+        (dict(budget="20%"), "budget must be"),
+        (dict(budget=8, recent=8), "recent=8 must be smaller"),
+        (dict(budget=8, recent=20), "recent=20 must be smaller"),
+        (dict(budget=8, policy="h20"), "unknown policy 'h20'; known policies:"),
+    ],
+)
 def test_bad_input_is_a_clear_value_error(kwargs, message):
     model = tiny_model("llama-gqa")
     with pytest.raises(ValueError) as err:

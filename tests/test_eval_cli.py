@@ -8,20 +8,23 @@ from kvevict.cli import main
 from kvevict.eval.caches import policy_names
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["eval", "--policies", "h2o,nope"], ["unknown policy 'nope'", "known policies:", "h2o"]),
-    (["eval", "--tasks", "ppl,bogus"], ["unknown task 'bogus'", "known tasks:", "passkey", "xsum"]),
-    (["eval", "--budgets", "1.5"], ["(0, 1]"]),
-    (["eval", "--budgets", "abc"], ["budget must be"]),
-    (["eval", "--samples", "0"], ["--samples"]),
-    (["eval", "--depths", "0.5,2"], ["--depths"]),
-    (["eval", "--lengths", "1k"], ["--lengths"]),
-    (["eval", "--lengths", ","], ["--lengths", "at least 128"]),
-    (["eval", "--lengths", "1024,20"], ["--lengths", "at least 128"]),
-    (["eval", "--depths", ""], ["--depths"]),
-    (["inspect", "--text", "/nonexistent/file.txt"], ["does not exist"]),
-    (["inspect", "--text", __file__, "--policy", "nope"], ["unknown policy 'nope'", "known policies:"]),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["eval", "--policies", "h2o,nope"], ["unknown policy 'nope'", "known policies:", "h2o"]),
+        (["eval", "--tasks", "ppl,bogus"], ["unknown task 'bogus'", "known tasks:", "passkey", "xsum"]),
+        (["eval", "--budgets", "1.5"], ["(0, 1]"]),
+        (["eval", "--budgets", "abc"], ["budget must be"]),
+        (["eval", "--samples", "0"], ["--samples"]),
+        (["eval", "--depths", "0.5,2"], ["--depths"]),
+        (["eval", "--lengths", "1k"], ["--lengths"]),
+        (["eval", "--lengths", ","], ["--lengths", "at least 128"]),
+        (["eval", "--lengths", "1024,20"], ["--lengths", "at least 128"]),
+        (["eval", "--depths", ""], ["--depths"]),
+        (["inspect", "--text", "/nonexistent/file.txt"], ["does not exist"]),
+        (["inspect", "--text", __file__, "--policy", "nope"], ["unknown policy 'nope'", "known policies:"]),
+    ],
+)
 def test_bad_input_is_one_clear_line(argv, words, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
@@ -42,6 +45,7 @@ def test_policy_names_all_takes_every_registered_policy_once():
 
 def test_summary_only_reads_existing_records(tmp_path, capsys):
     import json
+
     rec = {"model": "m", "task": "passkey", "policy": "full", "budget": None, "sample": "s1", "scores": {"em": 1.0}}
     (tmp_path / "records.jsonl").write_text(json.dumps(rec) + "\n")
     assert main(["eval", "--model", "m", "--summary-only", "--out", str(tmp_path)]) == 0

@@ -7,12 +7,30 @@ from kvevict.eval.records import load
 
 
 def test_paired_difference_uses_only_shared_samples(tmp_path, capsys):
-    rows = [("h2o", "s1", 0.90), ("h2o", "s2", 0.80), ("h2o", "s3", 0.70),
-            ("roco", "s1", 0.95), ("roco", "s2", 0.83), ("roco", "s4", 0.10), ("full", "s1", 1.0)]
+    rows = [
+        ("h2o", "s1", 0.90),
+        ("h2o", "s2", 0.80),
+        ("h2o", "s3", 0.70),
+        ("roco", "s1", 0.95),
+        ("roco", "s2", 0.83),
+        ("roco", "s4", 0.10),
+        ("full", "s1", 1.0),
+    ]
     with open(tmp_path / "records.jsonl", "w") as f:
         for pol, sample, top1 in rows:
-            f.write(json.dumps({"model": "m", "task": "ppl", "policy": pol, "budget": None if pol == "full" else 0.2,
-                                "sample": sample, "scores": {"top1": top1}}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "model": "m",
+                        "task": "ppl",
+                        "policy": pol,
+                        "budget": None if pol == "full" else 0.2,
+                        "sample": sample,
+                        "scores": {"top1": top1},
+                    }
+                )
+                + "\n"
+            )
     ci = paired(load(tmp_path), "ppl", "roco", "h2o", 0.2, "top1")
     assert ci.n == 2 and abs(ci.mean - 0.04) < 1e-9  # (0.05 + 0.03) / 2; s3 and s4 are unpaired
     main([str(tmp_path), "--task", "ppl", "--budget", "0.2", "--metric", "top1", "roco:h2o"])
@@ -25,8 +43,19 @@ def test_paired_difference_uses_only_shared_samples(tmp_path, capsys):
     # a policy at its own budget: two cells at different budgets pair by sample
     with open(tmp_path / "records.jsonl", "a") as f:
         for sample, top1 in (("s1", 0.5), ("s2", 0.6)):
-            f.write(json.dumps({"model": "m", "task": "ppl", "policy": "h2o/int8", "budget": 0.33,
-                                "sample": sample, "scores": {"top1": top1}}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "model": "m",
+                        "task": "ppl",
+                        "policy": "h2o/int8",
+                        "budget": 0.33,
+                        "sample": sample,
+                        "scores": {"top1": top1},
+                    }
+                )
+                + "\n"
+            )
     ci = paired(load(tmp_path), "ppl", "h2o/int8@0.33", "h2o", 0.2, "top1")
     assert ci.n == 2 and ci.mean == pytest.approx(-0.3)  # (0.5 - 0.9 + 0.6 - 0.8) / 2
     main([str(tmp_path), "--task", "ppl", "--budget", "0.2", "--metric", "top1", "h2o/int8@0.33:h2o"])
@@ -46,8 +75,19 @@ def test_paired_keeps_two_models_apart(tmp_path, capsys):
         for model, h2o, roco in (("m1", 0.5, 0.6), ("m2", 0.9, 0.7)):
             for pol, v in (("h2o", h2o), ("roco", roco)):
                 for sample, shift in (("s1", 0.0), ("s2", 0.1)):
-                    f.write(json.dumps({"model": model, "task": "ppl", "policy": pol, "budget": 0.2,
-                                        "sample": sample, "scores": {"top1": v + shift}}) + "\n")
+                    f.write(
+                        json.dumps(
+                            {
+                                "model": model,
+                                "task": "ppl",
+                                "policy": pol,
+                                "budget": 0.2,
+                                "sample": sample,
+                                "scores": {"top1": v + shift},
+                            }
+                        )
+                        + "\n"
+                    )
     recs = load(tmp_path)
     assert paired(recs, "ppl", "roco", "h2o", 0.2, "top1", model="m1").mean == pytest.approx(0.1)
     assert paired(recs, "ppl", "roco", "h2o", 0.2, "top1", model="m2").mean == pytest.approx(-0.2)
@@ -66,13 +106,44 @@ def test_a_baseline_run_pairs_with_this_one_sample_by_sample(tmp_path, capsys):
         (tmp_path / run).mkdir()
         with open(tmp_path / run / "records.jsonl", "w") as f:
             for sample, nll in (("s1", 3.0), ("s2", 2.0), ("s3", 4.0)):
-                f.write(json.dumps({"model": "m", "task": "ppl", "policy": "full", "budget": None,
-                                    "sample": sample, "scores": {"nll": nll}}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "model": "m",
+                            "task": "ppl",
+                            "policy": "full",
+                            "budget": None,
+                            "sample": sample,
+                            "scores": {"nll": nll},
+                        }
+                    )
+                    + "\n"
+                )
                 if sample != "s3" or run == "new":  # s3 only in the new run: unpaired
-                    f.write(json.dumps({"model": "m", "task": "ppl", "policy": "mem", "budget": 0.2,
-                                        "sample": sample, "scores": {"nll": nll + 0.01 + shift}}) + "\n")
-    args = [str(tmp_path / "new"), "--baseline", str(tmp_path / "old"), "--task", "ppl", "--budget", "0.2",
-            "--metric", "nll"]
+                    f.write(
+                        json.dumps(
+                            {
+                                "model": "m",
+                                "task": "ppl",
+                                "policy": "mem",
+                                "budget": 0.2,
+                                "sample": sample,
+                                "scores": {"nll": nll + 0.01 + shift},
+                            }
+                        )
+                        + "\n"
+                    )
+    args = [
+        str(tmp_path / "new"),
+        "--baseline",
+        str(tmp_path / "old"),
+        "--task",
+        "ppl",
+        "--budget",
+        "0.2",
+        "--metric",
+        "nll",
+    ]
     main(args + ["mem:base.mem", "base.full:full", "base.mem:full"])
     out = capsys.readouterr().out
     assert "mem - base.mem @ 0.2: -0.1 [" in out and "n=2" in out

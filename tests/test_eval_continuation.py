@@ -8,9 +8,8 @@ import torch
 
 from conftest import tiny_model
 from eval_helpers import essay_like, tiny_tokenizer
-from kvevict.eval import bytes_report
+from kvevict.eval import bytes_report, records
 from kvevict.eval.runner import run_grid
-from kvevict.eval import records
 from kvevict.eval.tasks import TASKS, ContinuationTask
 
 
@@ -26,8 +25,9 @@ def model():
 
 def _task(tok, **kw):
     texts = {"fixture": [essay_like(tok, 300), essay_like(tok, 300).replace("green", "grey")]}
-    return ContinuationTask(**{"context": 48, "continuation": 20, "chunk": 8, "sources": ("fixture",),
-                               "texts": texts, **kw})
+    return ContinuationTask(
+        **{"context": 48, "continuation": 20, "chunk": 8, "sources": ("fixture",), "texts": texts, **kw}
+    )
 
 
 def test_full_cell_equals_one_forward_pass_over_the_continuation(tok, model):
@@ -96,6 +96,8 @@ def test_grid_records_feed_the_bytes_report(tmp_path, tok, model):
     recs = list(records.load(tmp_path).values())
     assert len(recs) == 6
     rows = bytes_report.rows(recs)
-    assert {(r["task"], r["policy"], r["n"]) for r in rows} == {("continuation", "h2o", 2),
-                                                               ("continuation", "kvzip-pool", 2)}
+    assert {(r["task"], r["policy"], r["n"]) for r in rows} == {
+        ("continuation", "h2o", 2),
+        ("continuation", "kvzip-pool", 2),
+    }
     assert all(0 < r["bytes"] < 1 for r in rows)

@@ -41,8 +41,10 @@ def test_narrativeqa_loader():
 def test_piqa_loader_reads_options_and_label():
     items = piqa.piqa(FIXTURES / "piqa-tiny.jsonl")
     assert len(items) == 2  # the unlabelled item is skipped
-    assert items[0].options == ["Stuff them with newspaper and leave them in a warm room.",
-                                "Stuff them with ice and leave them in the freezer."]
+    assert items[0].options == [
+        "Stuff them with newspaper and leave them in a warm room.",
+        "Stuff them with ice and leave them in the freezer.",
+    ]
     assert items[0].label == 0 and items[1].label == 1
     assert items[1].options[1] == "can hold coffee"
 
@@ -68,6 +70,8 @@ def test_austen_reads_an_r_lazyload_database():
     from kvevict.data.austen import austen, lines_to_text
 
     books = austen(FIXTURES / "austen")
-    assert books == [("tinynovel", "Tiny Novel\n\nChapter 1\n\nIt was a bright cold day.\n\nThe end."),
-                     ("second", "Another book.")]
+    assert books == [
+        ("tinynovel", "Tiny Novel\n\nChapter 1\n\nIt was a bright cold day.\n\nThe end."),
+        ("second", "Another book."),
+    ]
     assert lines_to_text(["", "a", "b", "", "", "c"]) == "a b\n\nc"

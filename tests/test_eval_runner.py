@@ -15,8 +15,7 @@ from kvevict.eval import records
 from kvevict.eval.report import summarize
 from kvevict.eval.runner import run_grid
 from kvevict.eval.streaming import continuation_logprob, stream_compare
-from kvevict.eval.tasks import (NarrativeQATask, PerplexityTask, PIQATask, ReconstructionTask, RetrievalTask,
-                                XSumTask)
+from kvevict.eval.tasks import NarrativeQATask, PerplexityTask, PIQATask, ReconstructionTask, RetrievalTask, XSumTask
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +54,7 @@ def test_a_memory_cell_streams_under_the_plan_a_streamed_text_gets():
     cache = make_cache(model, memory=0.3)
     cache.set_prompt_length(400)
     with torch.no_grad():
-        want = [model(ids[:, s:min(399, s + 16)], cache=cache).logits[0] for s in range(0, 399, 16)]
+        want = [model(ids[:, s : min(399, s + 16)], cache=cache).logits[0] for s in range(0, 399, 16)]
     want = torch.cat(want).log_softmax(-1).gather(1, ids[0, 1:, None]).neg().squeeze(1)
     assert sc[("mem", 0.3)].nll == pytest.approx(want.tolist(), abs=1e-4)
     assert sc[("mem", 0.3)].kv_bytes == cache.kv_bytes()
@@ -83,7 +82,7 @@ def test_streaming_records_the_oracle_on_the_streamed_text():
     # the same as streaming by hand through a cache whose oracle was recorded on these ids
     cache = make_cache(model, Oracle.record(model, ids), 12)
     with torch.no_grad():
-        want = [model(ids[:, s:min(59, s + 8)], cache=cache).logits[0] for s in range(0, 59, 8)]
+        want = [model(ids[:, s : min(59, s + 8)], cache=cache).logits[0] for s in range(0, 59, 8)]
     want = torch.cat(want).log_softmax(-1).gather(1, ids[0, 1:, None]).neg().squeeze(1)
     assert sc[("oracle", 12)].nll == pytest.approx(want.tolist(), abs=1e-4)
     assert max(sc[("oracle", 12)].kl[20:]) > 1e-4  # it did evict
@@ -112,7 +111,13 @@ def test_grid_end_to_end_resume_and_report(tmp_path, tok):
         by_task.setdefault(r["task"], set()).add((r["policy"], r["budget"], r["sample"]))
     # every task: 2 samples (NarrativeQA has one story in the fixture) x (full + 2 budgets)
     assert {t: len(v) for t, v in by_task.items()} == {
-        "ppl": 6, "passkey": 6, "xsum": 6, "reconstruct": 6, "narrativeqa": 3, "piqa": 6}
+        "ppl": 6,
+        "passkey": 6,
+        "xsum": 6,
+        "reconstruct": 6,
+        "narrativeqa": 3,
+        "piqa": 6,
+    }
     assert any("only 1 samples available" in m for m in logs)
     # the full cache's streamed NLL is the NLL of one plain forward pass over the window
     full_ppl = {r["sample"]: r for r in recs if r["task"] == "ppl" and r["policy"] == "full"}
@@ -151,9 +156,11 @@ def test_grid_end_to_end_resume_and_report(tmp_path, tok):
 def test_paired_to_full_pairs_samples_and_skips_unpaired_ones():
     from kvevict.eval.report import paired_to_full
 
-    cells = {("full", None): {"a": 3.0, "b": 5.0, "c": 4.0},
-             ("h2o", 0.2): {"a": 4.0, "b": 5.5, "z": 9.0},  # z has no full-cache record: not paired
-             ("roco", 0.2): {"c": 3.0}}
+    cells = {
+        ("full", None): {"a": 3.0, "b": 5.0, "c": 4.0},
+        ("h2o", 0.2): {"a": 4.0, "b": 5.5, "z": 9.0},  # z has no full-cache record: not paired
+        ("roco", 0.2): {"c": 3.0},
+    }
     d = paired_to_full(cells)
     assert set(d) == {("h2o", 0.2), ("roco", 0.2)}
     assert (d[("h2o", 0.2)].n, d[("h2o", 0.2)].mean) == (2, 0.75)
@@ -170,6 +177,7 @@ class _FlakyTask:
 
     def samples(self, tokenizer, n):
         from kvevict.eval.tasks import Sample
+
         return [Sample(id=f"s{i}", data={}) for i in range(n)]
 
     def evaluate(self, model, tokenizer, sample, cells, reference):
@@ -202,11 +210,15 @@ def test_real_model_streaming_perplexity_is_sane(real_model):
 
 
 def test_plot_draws_storage_cells_without_a_budget_as_levels(tmp_path):
-    """"full/int4" keeps every token (budget None): drawn as a level beside the budgeted policies."""
+    """ "full/int4" keeps every token (budget None): drawn as a level beside the budgeted policies."""
     from kvevict.eval.report import plot_task
 
-    cells = {("full", None): {"a": 1.0, "b": 0.0}, ("full/int4", None): {"a": 1.0, "b": 1.0},
-             ("h2o", 0.2): {"a": 0.0, "b": 0.0}, ("h2o", 0.1): {"a": 0.0, "b": 1.0}}
+    cells = {
+        ("full", None): {"a": 1.0, "b": 0.0},
+        ("full/int4", None): {"a": 1.0, "b": 1.0},
+        ("h2o", 0.2): {"a": 0.0, "b": 0.0},
+        ("h2o", 0.1): {"a": 0.0, "b": 1.0},
+    }
     path = tmp_path / "passkey.png"
     plot_task("passkey", {"em": cells}, {"em": "accuracy"}, path)
     assert path.read_bytes()[:4] == b"\x89PNG"

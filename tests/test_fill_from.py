@@ -22,7 +22,9 @@ def _context(model, ids):
 
 
 @pytest.mark.parametrize("arch", ["llama-gqa", "qwen2"])
-@pytest.mark.parametrize("kw", [dict(budget=20), dict(budget=24, kv_bits=4), dict(budget=16, kv_bits=8, evicted_bits=4)])
+@pytest.mark.parametrize(
+    "kw", [dict(budget=20), dict(budget=24, kv_bits=4), dict(budget=16, kv_bits=8, evicted_bits=4)]
+)
 def test_filled_from_the_scoring_pass_keeps_what_the_prompts_forward_keeps(arch, kw):
     model, tok = tiny_model(arch), char_tokenizer()
     ids = tok("hello there, this is a longer prompt to compress " * 3, return_tensors="pt").input_ids
@@ -30,8 +32,11 @@ def test_filled_from_the_scoring_pass_keeps_what_the_prompts_forward_keeps(arch,
     context = _context(model, ctx)
     policy = KVzip.record(model, tok, ctx, context=context)
     assert context.get_seq_length() == ctx.shape[1]  # left as given: the pieces were cropped off
-    assert torch.allclose(torch.stack([s.float() for s in policy.scores]),
-                          torch.stack([s.float() for s in KVzip.record(model, tok, ctx).scores]), atol=1e-5)
+    assert torch.allclose(
+        torch.stack([s.float() for s in policy.scores]),
+        torch.stack([s.float() for s in KVzip.record(model, tok, ctx).scores]),
+        atol=1e-5,
+    )
     filled, run = (kvevict.make_cache(model, policy, **kw) for _ in range(2))
     fill_from(filled, context)
     with torch.no_grad():
@@ -40,8 +45,19 @@ def test_filled_from_the_scoring_pass_keeps_what_the_prompts_forward_keeps(arch,
         for ta, tb in zip(a.tiers, b.tiers):
             assert torch.equal(ta.pos, tb.pos)  # the same tokens in the same slots
     assert filled.kv_bytes() == run.kv_bytes() and filled.get_seq_length() == run.get_seq_length()
-    outs = [model.generate(ids, attention_mask=torch.ones_like(ids), cache=c, max_new_tokens=6, do_sample=False,
-                           output_logits=True, return_dict_in_generate=True, pad_token_id=0) for c in (filled, run)]
+    outs = [
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            cache=c,
+            max_new_tokens=6,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+        for c in (filled, run)
+    ]
     assert torch.equal(outs[0].sequences, outs[1].sequences)
     assert torch.allclose(torch.stack(outs[0].logits), torch.stack(outs[1].logits), atol=1e-4)
 
@@ -55,9 +71,15 @@ def test_generate_scores_kvzip_in_one_pass_over_the_prompt():
     cache = kvevict.make_cache(model, KVzip.record(model, tok, ids[:, :-1]), budget=24)
     with torch.no_grad():
         model(ids[:, :-1], cache=cache, use_cache=True)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=8, do_sample=False,
-                         pad_token_id=tok.pad_token_id)
-    assert got.text == tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        cache=cache,
+        max_new_tokens=8,
+        do_sample=False,
+        pad_token_id=tok.pad_token_id,
+    )
+    assert got.text == tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
     assert got.kv_bytes == cache.kv_bytes()
 
 

@@ -16,10 +16,18 @@ WINDOW = 8
 def tiny_gemma(head_dim=64, seed=0):
     torch.manual_seed(seed)
     cfg = Gemma3TextConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=head_dim, query_pre_attn_scalar=head_dim, max_position_embeddings=256,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=head_dim,
+        query_pre_attn_scalar=head_dim,
+        max_position_embeddings=256,
         sliding_window=WINDOW,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"])
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+    )
     return Gemma3ForCausalLM(cfg).eval()
 
 
@@ -30,7 +38,7 @@ def _logits(model, cache, ids, mask, steps):
         out.append(model(ids, attention_mask=mask, cache=cache).logits)
         for i in range(steps.shape[1]):
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
-            out.append(model(steps[:, i:i + 1], attention_mask=mask, cache=cache).logits)
+            out.append(model(steps[:, i : i + 1], attention_mask=mask, cache=cache).logits)
     return out
 
 
@@ -41,7 +49,7 @@ def test_covering_budget_equals_the_stock_cache_batched_and_padded(head_dim):
     ids = torch.randint(1, 128, (3, 3 * WINDOW + 5), generator=g)  # 29 tokens: past the window
     mask = torch.ones_like(ids)
     mask[1, :4] = 0
-    mask[2, :WINDOW + 3] = 0  # a row padded past a whole window
+    mask[2, : WINDOW + 3] = 0  # a row padded past a whole window
     steps = torch.randint(1, 128, (3, WINDOW + 2), generator=g)  # decoding slides the window on
     model.set_attn_implementation("sdpa")
     ref_cache = DynamicCache(config=model.config)
@@ -60,8 +68,9 @@ def test_covering_budget_generates_the_stock_tokens():
     ids = torch.randint(1, 128, (2, 3 * WINDOW), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(ids)
     mask[0, :5] = 0
-    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=2 * WINDOW, min_new_tokens=2 * WINDOW,
-              pad_token_id=0)
+    kw = dict(
+        attention_mask=mask, do_sample=False, max_new_tokens=2 * WINDOW, min_new_tokens=2 * WINDOW, pad_token_id=0
+    )
     model.set_attn_implementation("sdpa")
     ref = model.generate(ids, cache=DynamicCache(config=model.config), **kw)
     got = model.generate(ids, cache=kvevict.make_cache(model, "tova", 5 * WINDOW), **kw)
@@ -79,6 +88,7 @@ def test_a_small_budget_stays_within_it_on_every_layer():
 
 class _NoTemplate:
     """A base model's tokenizer: no chat template (apply_chat_template would raise)."""
+
     chat_template = None
 
     def __call__(self, text, return_tensors=None):

@@ -17,8 +17,18 @@ def folder(tmp_path_factory):
 
 
 def items(policies=("full", "h2o", "recency"), depths=(0.0, 1.0)):
-    return [{"policy": p, "budget": None if p == "full" else 16, "tokens": 60, "depth": d, "haystack": "filler",
-             "max_new_tokens": 4} for p in policies for d in depths]
+    return [
+        {
+            "policy": p,
+            "budget": None if p == "full" else 16,
+            "tokens": 60,
+            "depth": d,
+            "haystack": "filler",
+            "max_new_tokens": 4,
+        }
+        for p in policies
+        for d in depths
+    ]
 
 
 def comparable(records):
@@ -48,8 +58,9 @@ def test_inline_grid_writes_one_record_per_item_and_resumes(folder, tmp_path):
 
 def test_a_failing_item_is_reported_not_written_and_retried(folder, tmp_path):
     out = tmp_path / "grid.jsonl"
-    grid = items(("h2o",), (0.5,)) + [{"policy": "no-such-policy", "budget": 16, "tokens": 60, "depth": 0.5,
-                                        "haystack": "filler"}]
+    grid = items(("h2o",), (0.5,)) + [
+        {"policy": "no-such-policy", "budget": 16, "tokens": 60, "depth": 0.5, "haystack": "filler"}
+    ]
     s = run_grid(grid, FN, folder, out, executor="inline", progress=False)
     assert s.done == 2 and s.records == 1 and list(s.failed) == [item_key(grid[1])]
     assert "unknown policy 'no-such-policy'" in s.failed[item_key(grid[1])]
@@ -64,14 +75,18 @@ def test_local_worker_processes_give_the_same_records(folder, tmp_path):
     assert comparable(read_records(tmp_path / "local.jsonl")) == comparable(read_records(tmp_path / "inline.jsonl"))
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(fn="no_colon_path"), "'package.module:function'"),
-    (dict(fn="kvevict.nothing_here:run"), "cannot import"),
-    (dict(executor="slurm"), "unknown executor 'slurm'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(fn="no_colon_path"), "'package.module:function'"),
+        (dict(fn="kvevict.nothing_here:run"), "cannot import"),
+        (dict(executor="slurm"), "unknown executor 'slurm'"),
+    ],
+)
 def test_bad_grid_arguments_fail_clearly(folder, tmp_path, kwargs, message):
-    args = dict(items=items(("h2o",), (0.0,)), fn=FN, model=folder, out=tmp_path / "g.jsonl", executor="inline",
-                progress=False)
+    args = dict(
+        items=items(("h2o",), (0.0,)), fn=FN, model=folder, out=tmp_path / "g.jsonl", executor="inline", progress=False
+    )
     args.update(kwargs)
     if args["fn"] != FN:  # a bad path is the item's error (a worker imports it), reported per item
         s = run_grid(**args)
@@ -91,8 +106,24 @@ def test_records_are_json_lines_with_the_item_fields(folder, tmp_path):
 def test_kvevict_sweep_runs_prints_a_table_and_resumes(folder, tmp_path, capsys):
     from kvevict.cli import main
 
-    argv = ["sweep", "--model", folder, "--inline", "--haystack", "filler", "--tokens", "40", "--depths", "0.5",
-            "--policies", "full,h2o", "--budgets", "16", "--out", str(tmp_path / "s.jsonl")]
+    argv = [
+        "sweep",
+        "--model",
+        folder,
+        "--inline",
+        "--haystack",
+        "filler",
+        "--tokens",
+        "40",
+        "--depths",
+        "0.5",
+        "--policies",
+        "full,h2o",
+        "--budgets",
+        "16",
+        "--out",
+        str(tmp_path / "s.jsonl"),
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "2 items: 2 run now (inline), 0 already" in out
@@ -102,12 +133,27 @@ def test_kvevict_sweep_runs_prints_a_table_and_resumes(folder, tmp_path, capsys)
     assert "--depths must be in [0, 1]" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag, value, message", [
-    ("--budgets", "1.5", "(0, 1]"), ("--budgets", "0", "budget"), ("--tokens", "5k", "--tokens takes comma-separated integers")])
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--budgets", "1.5", "(0, 1]"),
+        ("--budgets", "0", "budget"),
+        ("--tokens", "5k", "--tokens takes comma-separated integers"),
+    ],
+)
 def test_kvevict_sweep_bad_numbers_fail_before_any_worker(tmp_path, capsys, flag, value, message):
     from kvevict.cli import main
 
-    argv = ["sweep", "--model", str(tmp_path / "no-model-here"), "--inline", "--out", str(tmp_path / "s.jsonl"), flag, value]
+    argv = [
+        "sweep",
+        "--model",
+        str(tmp_path / "no-model-here"),
+        "--inline",
+        "--out",
+        str(tmp_path / "s.jsonl"),
+        flag,
+        value,
+    ]
     assert main(argv) == 2  # the model folder does not exist: failing here means nothing was loaded
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err
@@ -117,8 +163,23 @@ def test_a_bad_model_under_worker_processes_is_one_clear_line(tmp_path, capsys):
     """Checked in the parent, before any worker: not BrokenProcessPool."""
     from kvevict.cli import main
 
-    argv = ["sweep", "--model", str(tmp_path / "no-model-here"), "--workers", "2", "--out", str(tmp_path / "s.jsonl"),
-            "--policies", "h2o", "--budgets", "0.5", "--tokens", "64", "--depths", "0.5"]
+    argv = [
+        "sweep",
+        "--model",
+        str(tmp_path / "no-model-here"),
+        "--workers",
+        "2",
+        "--out",
+        str(tmp_path / "s.jsonl"),
+        "--policies",
+        "h2o",
+        "--budgets",
+        "0.5",
+        "--tokens",
+        "64",
+        "--depths",
+        "0.5",
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "unknown model" in err and "no-model-here" in err
@@ -130,5 +191,13 @@ def test_a_worker_that_dies_loading_the_model_is_a_clear_error(tmp_path):
     bad.mkdir()
     (bad / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="a worker process died .*--inline to see the error"):
-        run_grid(items(("recency",), (0.5,)), FN, str(bad), tmp_path / "out.jsonl", executor="local", workers=1,
-                 threads=1, progress=False)
+        run_grid(
+            items(("recency",), (0.5,)),
+            FN,
+            str(bad),
+            tmp_path / "out.jsonl",
+            executor="local",
+            workers=1,
+            threads=1,
+            progress=False,
+        )

@@ -40,12 +40,16 @@ except ImportError:  # until kernel-cpu's runs.py is merged: the same fields, pe
 # on the CPU in the interpreter; on a GPU (TRITON_INTERPRET=0 and CUDA) compiled, the same checks
 DEVICE = "cpu" if interpreting() else "cuda"
 pytestmark = [
-    pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),
-                       reason="triton's interpreter is off (TRITON_INTERPRET must be 1 before triton is first "
-                              "imported; tests/conftest.py sets it) and there is no GPU to compile for"),
+    pytest.mark.skipif(
+        DEVICE == "cuda" and not torch.cuda.is_available(),
+        reason="triton's interpreter is off (TRITON_INTERPRET must be 1 before triton is first "
+        "imported; tests/conftest.py sets it) and there is no GPU to compile for",
+    ),
     # 3.2 and 3.5 (measured) fail in the interpreter on a loop over runtime bounds with numpy 2
-    pytest.mark.skipif(DEVICE == "cpu" and tuple(map(int, triton.__version__.split(".")[:2])) < (3, 9),
-                       reason=f"triton {triton.__version__}'s interpreter cannot run the kernel; needs >= 3.9"),
+    pytest.mark.skipif(
+        DEVICE == "cpu" and tuple(map(int, triton.__version__.split(".")[:2])) < (3, 9),
+        reason=f"triton {triton.__version__}'s interpreter cannot run the kernel; needs >= 3.9",
+    ),
 ]
 
 
@@ -59,8 +63,10 @@ def make_run(b, h, n, d, bits, group, dtype, gen, spare=0, factored=True):
         kq, vq = quantize(k, bits, group), quantize(v, bits, group)
         run = Run(bits, group, tuple(t.to(DEVICE)[:, :, :n] for t in kq), tuple(t.to(DEVICE)[:, :, :n] for t in vq), n)
         exact = factored and _factored(bits, group, d)
-        deq = [dequantize(*(t[:, :, :n] for t in x), bits, group, torch.float32 if exact else dtype).float()
-               for x in (kq, vq)]
+        deq = [
+            dequantize(*(t[:, :, :n] for t in x), bits, group, torch.float32 if exact else dtype).float()
+            for x in (kq, vq)
+        ]
         return run, deq[0], deq[1]
     store = torch.float16 if bits == 16 else dtype
     ks, vs = k.to(store), v.to(store)
@@ -148,14 +154,17 @@ def case_inputs(name, factored=True, b=2):
     return q, runs, keys, values, k_new, v_new, mask, softcap
 
 
-@pytest.mark.parametrize("factored, prefetch", [(True, True), (False, True), (True, False), (False, False)],
-                         ids=["factored", "registers", "factored-no-prefetch", "registers-no-prefetch"])
+@pytest.mark.parametrize(
+    "factored, prefetch",
+    [(True, True), (False, True), (True, False), (False, False)],
+    ids=["factored", "registers", "factored-no-prefetch", "registers-no-prefetch"],
+)
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_torch(name, factored, prefetch):
     b, (_, d, hkv, g, _, _, dtype) = 2, CASES[name]
     q, runs, keys, values, k_new, v_new, mask, softcap = case_inputs(name, factored, b)
     n_total = sum(r.n for r in runs)
-    scale = d ** -0.5
+    scale = d**-0.5
     # split 32 < n: several splits per run, and a run that ends inside a key tile
     out, pg = call(q, runs, k_new, v_new, mask, scale, softcap, split=32, factored=factored, prefetch=prefetch)
     ref_out, ref_pg, sdpa = reference(q, keys, values, k_new, v_new, mask, scale, softcap)
@@ -171,8 +180,9 @@ def test_matches_torch(name, factored, prefetch):
         torch.testing.assert_close(pg[1, 0, -1], torch.tensor(float(g)))
 
 
-@pytest.mark.parametrize("name", ["int4-d64-g3", "bf16-int4-d128-g2", "two-tiers-int8-int4", "softcap-int4",
-                                  "dense-d256-g1"])
+@pytest.mark.parametrize(
+    "name", ["int4-d64-g3", "bf16-int4-d128-g2", "two-tiers-int8-int4", "softcap-int4", "dense-d256-g1"]
+)
 def test_out_only_is_the_same_out(name):
     """pg=False (a policy that collects no statistics): the split programs save no scores and
     _finish runs one program per (sequence, KV head), and out is the same, bit for bit."""
@@ -203,7 +213,7 @@ def test_the_transposed_read_is_sm90s_default(monkeypatch):
     def launched(d, n=4096):  # laid out, not run: a long row is cheap here
         run, _, _ = make_run(1, 2, n, d, 4, 32, torch.bfloat16, gen)
         q, k_new, v_new = on_device(*(torch.randn(1, h, 1, d).bfloat16() for h in (4, 2, 2)))
-        _, _, launches = plan(q, [run], k_new, v_new, None, d ** -0.5)
+        _, _, launches = plan(q, [run], k_new, v_new, None, d**-0.5)
         return {la.kwargs["TRANS"] for la in launches if "TRANS" in la.kwargs}, launches[0].grid
 
     here = {d: launched(d) for d in (128, 256)}
@@ -217,17 +227,19 @@ def test_the_transposed_read_is_sm90s_default(monkeypatch):
 
 
 @pytest.mark.parametrize("block", [128, 64])
-@pytest.mark.parametrize("name", ["bf16-int4-d128-g2", "fp16-int4-d128-g4", "bf16-int2-pooled", "int4-d64-g3",
-                                  "softcap-int4"])
+@pytest.mark.parametrize(
+    "name", ["bf16-int4-d128-g2", "fp16-int4-d128-g4", "bf16-int2-pooled", "int4-d64-g3", "softcap-int4"]
+)
 def test_transposed_products_match_torch(name, block):
     """trans=True: both products transposed (the codes the first operand), the keys' words loaded in
     the lanes order where 2 or 4 bits are made from their bits in 64-key tiles: the same attention."""
     _, d, _, _, _, _, dtype = CASES[name]
     q, runs, keys, values, k_new, v_new, mask, softcap = case_inputs(name)
     for prefetch in (True, False):
-        out, pg = call(q, runs, k_new, v_new, mask, d ** -0.5, softcap, split=128, block=block, trans=True,
-                       prefetch=prefetch)
-        ref_out, ref_pg, _ = reference(q, keys, values, k_new, v_new, mask, d ** -0.5, softcap)
+        out, pg = call(
+            q, runs, k_new, v_new, mask, d**-0.5, softcap, split=128, block=block, trans=True, prefetch=prefetch
+        )
+        ref_out, ref_pg, _ = reference(q, keys, values, k_new, v_new, mask, d**-0.5, softcap)
         torch.testing.assert_close(out.float(), ref_out, atol=2e-5 if dtype == torch.float32 else 1e-2, rtol=0)
         torch.testing.assert_close(pg, ref_pg, atol=2e-5, rtol=0)
 
@@ -244,11 +256,17 @@ def test_the_factored_reads_switches_give_the_same_attention(g):
     kn, vn = torch.randn(2, b, hkv, 1, d, generator=gen).bfloat16()
     mask = torch.rand(b, hkv, 90, generator=gen) > 0.3
     base = call(q, [run], kn, vn, mask, 0.1, magic=False, zwords=False, split=64, block=64)
-    for magic, zwords, block, fold, vpairs in ((True, False, 64, True, True), (False, True, 32, True, True),
-                                               (True, True, 16, True, True), (True, True, 32, False, False),
-                                               (True, True, 64, True, False), (True, False, 32, False, True)):
-        out, pg = call(q, [run], kn, vn, mask, 0.1, magic=magic, zwords=zwords, split=64, block=block, fold=fold,
-                       vpairs=vpairs)
+    for magic, zwords, block, fold, vpairs in (
+        (True, False, 64, True, True),
+        (False, True, 32, True, True),
+        (True, True, 16, True, True),
+        (True, True, 32, False, False),
+        (True, True, 64, True, False),
+        (True, False, 32, False, True),
+    ):
+        out, pg = call(
+            q, [run], kn, vn, mask, 0.1, magic=magic, zwords=zwords, split=64, block=block, fold=fold, vpairs=vpairs
+        )
         torch.testing.assert_close(out.float(), base[0].float(), atol=8e-3, rtol=0)  # one bf16 rounding apart
         # a folded bias is carried through fp32 sums as B sum(q) and then taken off: ~1e-6 of a score
         torch.testing.assert_close(pg, base[1], atol=5e-6 if magic and fold else 1e-6, rtol=0)
@@ -357,8 +375,9 @@ def test_compiles_for_an_h100_without_one():
     import sys
 
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(__import__("kvevict").__file__)),
-                                         env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [os.path.dirname(os.path.dirname(__import__("kvevict").__file__)), env.get("PYTHONPATH", "")]
+    )
     done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
@@ -367,8 +386,11 @@ def test_the_sass_tool_says_what_its_switches_may_be():
     """benchmarks/triton_sass.py refuses an unknown switch or a non-object by name, before compiling."""
     from benchmarks import triton_sass
 
-    for argv, says in ((['{"fodl": false}'], "unknown switch(es) fodl: the JSON may name split"),
-                       (["[1]"], "must be a JSON object"), (["{"], "must be a JSON object (")):
+    for argv, says in (
+        (['{"fodl": false}'], "unknown switch(es) fodl: the JSON may name split"),
+        (["[1]"], "must be a JSON object"),
+        (["{"], "must be a JSON object ("),
+    ):
         with pytest.raises(SystemExit, match=re.escape(says)):
             triton_sass.main(argv)
 
@@ -386,14 +408,23 @@ def test_the_sass_counts_show_what_the_switches_save(tmp_path):
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "triton_sass.py"
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(__import__("kvevict").__file__)),
-                                         env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [os.path.dirname(os.path.dirname(__import__("kvevict").__file__)), env.get("PYTHONPATH", "")]
+    )
     got = {}
-    for name, switches in (("on", '{"trans": false}'), ("off", '{"fold": false, "vpairs": false, "trans": false}'),
-                           ("trans", "{}")):  # sm_90's default, transposed
+    for name, switches in (
+        ("on", '{"trans": false}'),
+        ("off", '{"fold": false, "vpairs": false, "trans": false}'),
+        ("trans", "{}"),
+    ):  # sm_90's default, transposed
         out = tmp_path / f"{name}.json"
-        done = subprocess.run([sys.executable, str(script), switches, "--out", str(out)],
-                              env=env, capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [sys.executable, str(script), switches, "--out", str(out)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         got[name] = json.loads(out.read_text())
     on, off = got["on"], got["off"]
@@ -415,8 +446,8 @@ def test_the_cache_on_a_gpu_generates_as_the_torch_reference(monkeypatch, kv_bit
     """generate() on CUDA with an evicting cache (H2O, budget below the prompt, two padded rows):
     the triton backend gives the torch reference's greedy tokens, in rectangles and in pages."""
     from conftest import tiny_model
-
-    from kvevict import ATTN_NAME, make_cache, register as register_attention
+    from kvevict import ATTN_NAME, make_cache
+    from kvevict import register as register_attention
     from kvevict.storage import Pools
 
     model = tiny_model("llama-mha").to("cuda")
@@ -431,8 +462,9 @@ def test_the_cache_on_a_gpu_generates_as_the_torch_reference(monkeypatch, kv_bit
         monkeypatch.setenv("KVEVICT_KERNEL", kernel)
         cache = make_cache(model, "h2o", 24, kv_bits=kv_bits, pages=Pools() if paged else None)
         with torch.no_grad():
-            outs[kernel] = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=16,
-                                          do_sample=False, pad_token_id=0).tolist()
+            outs[kernel] = model.generate(
+                ids, attention_mask=mask, past_key_values=cache, max_new_tokens=16, do_sample=False, pad_token_id=0
+            ).tolist()
     assert outs["triton"] == outs["torch"]
 
 
@@ -444,12 +476,32 @@ def test_the_benchmark_configurations_compute_the_same_attention():
 
     from benchmarks.triton_decode import TINY, build
 
-    args = SimpleNamespace(**TINY, group=32, split=None, page=32, splits=[None], warps=[None], blocks=[None, 16],
-                           prefetch=[True], regs=[None], magic=[True, False], fold=[True, False], vpairs=[True],
-                           trans=[None, True], pg=[True, False])
+    args = SimpleNamespace(
+        **TINY,
+        group=32,
+        split=None,
+        page=32,
+        splits=[None],
+        warps=[None],
+        blocks=[None, 16],
+        prefetch=[True],
+        regs=[None],
+        magic=[True, False],
+        fold=[True, False],
+        vpairs=[True],
+        trans=[None, True],
+        pg=[True, False],
+    )
     configs = build(args, torch.device(DEVICE))
-    assert {"triton int4", "triton int4 registers", "triton int4 paged 32", "torch int4 (copy)",
-            "triton int4 out only", "int4 s- w- b- trans", "int4 s- w- b- trans out-only"} <= set(configs)
+    assert {
+        "triton int4",
+        "triton int4 registers",
+        "triton int4 paged 32",
+        "torch int4 (copy)",
+        "triton int4 out only",
+        "int4 s- w- b- trans",
+        "int4 s- w- b- trans out-only",
+    } <= set(configs)
     for name, (fn, _, ref) in configs.items():
         if ref is not None:
             out, _ = fn()
@@ -460,9 +512,11 @@ def test_the_benchmark_says_what_its_sweeps_may_be(capsys):
     """benchmarks/triton_decode.py checks its sweep lists before it looks for triton or a GPU."""
     from benchmarks import triton_decode
 
-    for argv, says in ((["--pg", "yes"], "--pg takes comma-separated 1 / 0, got 'yes'"),
-                       (["--trans", "1,2"], "--trans takes comma-separated 1 / 0, got '2'"),
-                       (["--splits", "2k"], "--splits takes comma-separated whole numbers, got '2k'")):
+    for argv, says in (
+        (["--pg", "yes"], "--pg takes comma-separated 1 / 0, got 'yes'"),
+        (["--trans", "1,2"], "--trans takes comma-separated 1 / 0, got '2'"),
+        (["--splits", "2k"], "--splits takes comma-separated whole numbers, got '2k'"),
+    ):
         with pytest.raises(SystemExit):
             triton_decode.main(argv)
         assert says in capsys.readouterr().err
@@ -483,9 +537,9 @@ def test_the_merged_caches_mean_slot_joins_as_the_reference_says(dtype, softcap)
     mk, mv = (torch.randn(b, hkv, 1, d, generator=gen).to(dtype) for _ in range(2))
     logn = torch.tensor([[2.5, -math.inf], [0.0, 5.5]]).view(b, hkv, 1, 1)
     mask = torch.rand(b, hkv, n, generator=gen) > 0.3
-    out, pg = call(q, [run], k_new, v_new, mask, d ** -0.5, softcap, summary=tuple(x.to(DEVICE) for x in (mk, mv, logn)))
+    out, pg = call(q, [run], k_new, v_new, mask, d**-0.5, softcap, summary=tuple(x.to(DEVICE) for x in (mk, mv, logn)))
     cpu_run = Run(run.bits, run.group, tuple(t.cpu() for t in run.k), tuple(t.cpu() for t in run.v), n)
-    want, want_pg = decode_attention_reference(q, [cpu_run], k_new, v_new, mask, d ** -0.5, softcap, (mk, mv, logn))
+    want, want_pg = decode_attention_reference(q, [cpu_run], k_new, v_new, mask, d**-0.5, softcap, (mk, mv, logn))
     tol = 2e-5 if dtype == torch.float32 else 2e-2  # bf16: the reference sums in bf16, one ulp at |out| < 4
     torch.testing.assert_close(out.float(), want.float(), atol=tol, rtol=0)
     torch.testing.assert_close(pg, want_pg, atol=2e-5 if dtype == torch.float32 else 2e-3, rtol=0)

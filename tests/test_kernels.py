@@ -129,14 +129,19 @@ def test_bfloat16_queries_over_bfloat16_storage(backend):
     q, k_new, v_new = (t.bfloat16() for t in _inputs(b, hkv, g, d, seed=11))
     run = _run(b, hkv, n, d, 32)
     run = Run(32, 0, (run.k[0].bfloat16(),), (run.v[0].bfloat16(),), n)
-    want_out, want_pg = decode_attention_reference(q, [run], k_new, v_new, None, d ** -0.5)
-    out, pg = BACKENDS[backend].fn(q, [run], k_new, v_new, None, d ** -0.5, None)
+    want_out, want_pg = decode_attention_reference(q, [run], k_new, v_new, None, d**-0.5)
+    out, pg = BACKENDS[backend].fn(q, [run], k_new, v_new, None, d**-0.5, None)
     assert out.dtype == torch.bfloat16
     # the reference rounds the probabilities to bf16 before p . v, the kernel keeps fp32 until the
     # output: it must be at least as close as the reference to the fp32 result (up to an output ulp)
     exact, exact_pg = decode_attention_reference(
-        q.float(), [Run(32, 0, (run.k[0].float(),), (run.v[0].float(),), n)], k_new.float(), v_new.float(), None,
-        d ** -0.5)
+        q.float(),
+        [Run(32, 0, (run.k[0].float(),), (run.v[0].float(),), n)],
+        k_new.float(),
+        v_new.float(),
+        None,
+        d**-0.5,
+    )
     assert (out.float() - exact).abs().max() <= (want_out.float() - exact).abs().max() + 1e-2
     torch.testing.assert_close(pg, exact_pg, atol=1e-3, rtol=1e-2)
 
@@ -150,8 +155,8 @@ def test_out_only_gives_the_same_out_and_no_pg(backend, bits):
     runs = [_run(b, hkv, 40, d, bits)]
     mask = torch.ones(b, 1, 40, dtype=torch.bool)
     mask[1, :, :7] = False
-    out, pg = decode_attention(q, runs, k_new, v_new, mask, d ** -0.5, backend=backend)
-    only, none = decode_attention(q, runs, k_new, v_new, mask, d ** -0.5, backend=backend, pg=False)
+    out, pg = decode_attention(q, runs, k_new, v_new, mask, d**-0.5, backend=backend)
+    only, none = decode_attention(q, runs, k_new, v_new, mask, d**-0.5, backend=backend, pg=False)
     assert none is None and pg is not None
     assert torch.equal(only, out)
 
@@ -203,8 +208,8 @@ def test_a_missing_compiled_kernel_falls_back_to_torch_and_says_so_once(monkeypa
     runs = [_run(b, hkv, 20, d, 4, group=8)]
     with caplog.at_level(logging.INFO, logger="kvevict.kernels"):
         for _ in range(3):
-            out, pg = decode_attention(q, runs, k_new, v_new, None, d ** -0.5)
-    want_out, want_pg = decode_attention_reference(q, runs, k_new, v_new, None, d ** -0.5)
+            out, pg = decode_attention(q, runs, k_new, v_new, None, d**-0.5)
+    want_out, want_pg = decode_attention_reference(q, runs, k_new, v_new, None, d**-0.5)
     assert torch.equal(out, want_out) and torch.equal(pg, want_pg)
     lines = [r for r in caplog.records if r.name == "kvevict.kernels"]
     assert len(lines) == 1 and lines[0].levelno == logging.WARNING
@@ -225,13 +230,27 @@ def test_the_chosen_path_is_logged_once(monkeypatch, caplog):
 
 def test_each_environment_builds_into_its_own_folder():
     """Two environments on one machine never share a build folder (each switch rebuilt the other's)."""
-    base = dict(isa="avx512", flags=["-O3"], source="// kernel", torch_version="2.13.0+cpu",
-                torch_path="/env/a/lib/python3.11/site-packages/torch", prefix="/env/a", python="3.11.7 (main)")
+    base = dict(
+        isa="avx512",
+        flags=["-O3"],
+        source="// kernel",
+        torch_version="2.13.0+cpu",
+        torch_path="/env/a/lib/python3.11/site-packages/torch",
+        prefix="/env/a",
+        python="3.11.7 (main)",
+    )
     name = cpu_kernel.build_name(**base)
     assert name.startswith("kvevict_decode_avx512_") and name.isidentifier()  # it names the module too
     assert cpu_kernel.build_name(**base) == name  # the same environment finds its build again
-    for key, other in [("torch_version", "2.12.0+cpu"), ("torch_path", "/env/b/torch"), ("prefix", "/env/b"),
-                       ("python", "3.12.1 (main)"), ("isa", "avx2"), ("flags", ["-O2"]), ("source", "// kernel 2")]:
+    for key, other in [
+        ("torch_version", "2.12.0+cpu"),
+        ("torch_path", "/env/b/torch"),
+        ("prefix", "/env/b"),
+        ("python", "3.12.1 (main)"),
+        ("isa", "avx2"),
+        ("flags", ["-O2"]),
+        ("source", "// kernel 2"),
+    ]:
         assert cpu_kernel.build_name(**{**base, key: other}) != name, key
 
 
@@ -277,11 +296,20 @@ def test_the_demo_builds_the_kernel_before_its_timed_runs_or_says_why_not(monkey
 
 # -- end to end: a tiny random Llama decoding through kvevict caches ------------------------------
 
+
 def _llama_64():
     """Head dim 64, 3 query heads on 1 KV head (GQA group 3), like SmolLM2's layout."""
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=192, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=3, num_key_value_heads=1, head_dim=64, max_position_embeddings=512)
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=192,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=512,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -338,8 +366,9 @@ def test_the_kernel_runs_when_decoding(monkeypatch):
     _compiled()
     calls = []
     real = BACKENDS["cpu"].fn
-    monkeypatch.setitem(BACKENDS, "cpu", kernels.Backend(lambda *a: calls.append(1) or real(*a),
-                                                          BACKENDS["cpu"].available, "cpu"))
+    monkeypatch.setitem(
+        BACKENDS, "cpu", kernels.Backend(lambda *a: calls.append(1) or real(*a), BACKENDS["cpu"].available, "cpu")
+    )
     monkeypatch.setenv("KVEVICT_KERNEL", "cpu")
     model = tiny_model("llama-gqa")
     cache = kvevict.make_cache(model, "h2o", budget=8, kv_bits=4, group=8)

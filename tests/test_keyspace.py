@@ -116,8 +116,17 @@ def test_rotated_tiers_on_a_padded_batch_equal_each_row_alone(kw):
 
     def run(x, m):
         cache = kvevict.make_cache(model, "h2o", budget=16, evicted_budget=12, **kw)
-        out = model.generate(x, attention_mask=m, cache=cache, max_new_tokens=8, min_new_tokens=8, do_sample=False,
-                             pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        out = model.generate(
+            x,
+            attention_mask=m,
+            cache=cache,
+            max_new_tokens=8,
+            min_new_tokens=8,
+            do_sample=False,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
         assert cache.layers[0].keyspace.center.shape[0] == x.shape[0]
         return out.sequences[:, -8:], torch.stack(out.logits, 1)
 

@@ -30,8 +30,11 @@ def _graph(mods: dict) -> dict:
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
-                base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else [])) \
-                    if node.level else node.module
+                base = (
+                    ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
+                    if node.level
+                    else node.module
+                )
                 targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
             else:
                 continue

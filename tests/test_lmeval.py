@@ -23,8 +23,13 @@ from tiny_chat_model import save_tiny_chat_model  # noqa: E402
 
 KvevictLM = register()
 
-PAIRS = [("The cat sat on the", " mat"), ("Hello", " world, how are you"), ("Abc def ghi jkl mno", " p"),
-         ("Q: 2+2=", " 4"), ("A much longer context that goes on and on for a while", " and then ends.")]
+PAIRS = [
+    ("The cat sat on the", " mat"),
+    ("Hello", " world, how are you"),
+    ("Abc def ghi jkl mno", " p"),
+    ("Q: 2+2=", " 4"),
+    ("A much longer context that goes on and on for a while", " and then ends."),
+]
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +51,7 @@ def _ll(pairs):
 @torch.no_grad()
 def _stock_logprob(model, ctx: list[int], cont: list[int]) -> tuple[float, bool]:
     ids = torch.tensor([ctx + cont])
-    lp = torch.log_softmax(model(ids).logits[0].float(), -1)[len(ctx) - 1:-1]
+    lp = torch.log_softmax(model(ids).logits[0].float(), -1)[len(ctx) - 1 : -1]
     target = torch.tensor(cont)
     return lp.gather(1, target[:, None]).sum().item(), bool((lp.argmax(-1) == target).all())
 
@@ -118,7 +123,7 @@ def test_kvzip_is_recorded_on_each_context(folder):
             want = 0.0
             for i in range(x.shape[1]):
                 want += torch.log_softmax(logits.float(), -1)[x[0, i]].item()
-                logits = lm.model(x[:, i:i + 1], cache=cache).logits[0, -1]
+                logits = lm.model(x[:, i : i + 1], cache=cache).logits[0, -1]
         assert lp == pytest.approx(want, abs=1e-4)
 
 
@@ -136,8 +141,10 @@ def test_rolling_loglikelihood_with_a_covering_budget_equals_the_stock_model(fol
 
 
 def _gen(prompts, until, max_gen_toks):
-    return [Instance("generate_until", {}, (p, {"until": until, "max_gen_toks": max_gen_toks, "do_sample": False}), i)
-            for i, p in enumerate(prompts)]
+    return [
+        Instance("generate_until", {}, (p, {"until": until, "max_gen_toks": max_gen_toks, "do_sample": False}), i)
+        for i, p in enumerate(prompts)
+    ]
 
 
 def test_generate_until_is_greedy_batched_and_stops_at_its_stop_strings(folder, stock):
@@ -147,14 +154,15 @@ def test_generate_until_is_greedy_batched_and_stops_at_its_stop_strings(folder, 
     model, tok = stock
     for p, text in zip(prompts, free):  # the stock model's own greedy answer, one prompt at a time
         ids = tok(p, return_tensors="pt")["input_ids"]
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
-                             pad_token_id=tok.pad_token_id)
-        assert text == tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id
+        )
+        assert text == tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
         assert 0 < len(tok.encode(text, add_special_tokens=False)) <= 12
     stops = []
     for text in free:  # a stop string that first occurs past the answer's start
-        k = next(k for k in range(1, len(text) - 1) if text.find(text[k:k + 2]) == k)
-        stops.append(text[k:k + 2])
+        k = next(k for k in range(1, len(text) - 1) if text.find(text[k : k + 2]) == k)
+        stops.append(text[k : k + 2])
     cut = lm.generate_until(_gen(prompts, stops, 12), disable_tqdm=True)
     for text, got in zip(free, cut):
         first = min(text.find(s) for s in stops if s in text)
@@ -178,32 +186,51 @@ def test_a_bad_model_arg_is_a_clear_error(folder):
 def _tasks(root: Path) -> Path:
     """A multiple-choice task and a generate_until task over local jsonl files (offline)."""
     root.mkdir(parents=True, exist_ok=True)
-    mc = [("The sky is", [" blue", " green", " loud"], 0), ("Two plus two is", [" four", " five"], 0),
-          ("Cats say", [" meow", " moo"], 0)]
+    mc = [
+        ("The sky is", [" blue", " green", " loud"], 0),
+        ("Two plus two is", [" four", " five"], 0),
+        ("Cats say", [" meow", " moo"], 0),
+    ]
     gen = [("Say hi:", "hi"), ("Count: 1 2 3", "4"), ("Name a colour:", "red")]
-    (root / "mc.jsonl").write_text("".join(json.dumps({"question": q, "choices": c, "label": lab}) + "\n"
-                                           for q, c, lab in mc))
+    (root / "mc.jsonl").write_text(
+        "".join(json.dumps({"question": q, "choices": c, "label": lab}) + "\n" for q, c, lab in mc)
+    )
     (root / "gen.jsonl").write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in gen))
     (root / "tiny_mc.yaml").write_text(
         "task: kvevict_tiny_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
         f"    test: {root / 'mc.jsonl'}\ntest_split: test\noutput_type: multiple_choice\n"
         'doc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: label\n'
-        "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
+        "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
+    )
     (root / "tiny_gen.yaml").write_text(
         "task: kvevict_tiny_gen\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
         f"    test: {root / 'gen.jsonl'}\ntest_split: test\noutput_type: generate_until\n"
         'doc_to_text: "{{prompt}}"\ndoc_to_target: "{{answer}}"\n'
         'generation_kwargs:\n  until: ["a"]\n  max_gen_toks: 10\n  do_sample: false\n'
-        "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n")
+        "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n"
+    )
     return root
 
 
 def test_the_cli_runs_local_tasks_and_prints_the_bytes(folder, tmp_path, capsys):
     tasks = _tasks(tmp_path / "tasks")
     out = tmp_path / "out"
-    rc = kvevict_main(["lm-eval", "--model", "kvevict", "--model_args", f"pretrained={folder},policy=h2o,budget=8",
-                       "--tasks", "kvevict_tiny_mc,kvevict_tiny_gen", "--include_path", str(tasks),
-                       "--output_path", str(out), "--log_samples"])
+    rc = kvevict_main(
+        [
+            "lm-eval",
+            "--model",
+            "kvevict",
+            "--model_args",
+            f"pretrained={folder},policy=h2o,budget=8",
+            "--tasks",
+            "kvevict_tiny_mc,kvevict_tiny_gen",
+            "--include_path",
+            str(tasks),
+            "--output_path",
+            str(out),
+            "--log_samples",
+        ]
+    )
     printed = capsys.readouterr().out
     assert rc == 0
     assert "kvevict_tiny_mc" in printed and "kvevict_tiny_gen" in printed and "exact_match" in printed
@@ -226,11 +253,31 @@ def test_registering_keeps_lm_evals_own_models():
 
 def test_python_m_checks_model_args_before_lm_eval_starts(folder, tmp_path):
     tasks = _tasks(tmp_path)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(kvevict.__file__).parents[1]),
-                                                                     os.environ.get("PYTHONPATH")]))}
-    run = subprocess.run([sys.executable, "-m", "kvevict.lmeval", "--model", "kvevict", "--model_args",
-                          f"pretrained={folder},bogus=1", "--tasks", "kvevict_tiny_mc", "--include_path", str(tasks)],
-                         capture_output=True, text=True, env=env, timeout=300)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(Path(kvevict.__file__).parents[1]), os.environ.get("PYTHONPATH")])
+        ),
+    }
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvevict.lmeval",
+            "--model",
+            "kvevict",
+            "--model_args",
+            f"pretrained={folder},bogus=1",
+            "--tasks",
+            "kvevict_tiny_mc",
+            "--include_path",
+            str(tasks),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert run.returncode == 2, run.stderr[-2000:]
     assert "kvevict lm-eval: error: unknown model_args bogus" in run.stderr
     assert "Traceback" not in run.stderr
@@ -242,8 +289,11 @@ def test_a_memory_budget_picks_the_policy_per_request_type(folder):
 
     s = parse_settings({"pretrained": folder, "memory": 0.2})
     assert s.policy is None
-    assert [s.policy_for(k) for k in ("generate_until", "loglikelihood", "loglikelihood_rolling")] == \
-        ["kvzip-pool", "kvzip-pool", "mas"]  # the whole context known before decoding, or streamed
+    assert [s.policy_for(k) for k in ("generate_until", "loglikelihood", "loglikelihood_rolling")] == [
+        "kvzip-pool",
+        "kvzip-pool",
+        "mas",
+    ]  # the whole context known before decoding, or streamed
     assert parse_settings({"pretrained": folder, "memory": 0.2, "batch_size": 4}).policy_for("loglikelihood") == "mas"
     assert parse_settings({"pretrained": folder}).policy_for("generate_until") == "h2o"  # a token budget
     assert parse_settings({"pretrained": folder, "memory": 0.2, "policy": "tova"}).policy_for("loglikelihood") == "tova"

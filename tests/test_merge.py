@@ -30,7 +30,7 @@ def test_a_covering_budget_is_still_exact():
     torch.manual_seed(1)
     prompt, steps = torch.randint(0, 128, (2, 24)), torch.randint(0, 128, (2, 5))
     ref_cache, cache = DynamicCache(config=model.config), kvevict.make_cache(model, "merge-h2o", budget=30)
-    for ids in [prompt] + [steps[:, i:i + 1] for i in range(steps.shape[1])]:
+    for ids in [prompt] + [steps[:, i : i + 1] for i in range(steps.shape[1])]:
         assert (_run(model, ids, ref_cache) - _run(model, ids, cache)).abs().max().item() < 1e-4
     assert all(float(layer.summary.n.sum()) == 0 for layer in cache.layers)
 
@@ -45,16 +45,16 @@ def test_one_mean_slot_attends_as_n_copies_of_the_mean():
     mk, mv = torch.randn(b, hkv, 1, d), torch.randn(b, hkv, 1, d)
     copies_k = torch.cat([keys[:, :, :n_kept], mk.expand(-1, -1, n, -1), keys[:, :, n_kept:]], dim=2)
     copies_v = torch.cat([values[:, :, :n_kept], mv.expand(-1, -1, n, -1), values[:, :, n_kept:]], dim=2)
-    want, want_stats = attend(q, _generic_segments(copies_k, copies_v, 1, None), d ** -0.5, None, None, ("sum",))
+    want, want_stats = attend(q, _generic_segments(copies_k, copies_v, 1, None), d**-0.5, None, None, ("sum",))
     seg = _generic_segments(keys, values, 1, None)
     seg.summary = (mk, mv, torch.full((b, hkv, 1, 1), math.log(n)))
-    got, stats = attend(q, seg, d ** -0.5, None, None, ("sum",))
+    got, stats = attend(q, seg, d**-0.5, None, None, ("sum",))
     assert (got - want).abs().max().item() < 1e-5
     assert torch.allclose(stats["sum"][..., :n_kept], want_stats["sum"][..., :n_kept], atol=1e-6)
     assert torch.allclose(stats["sum"][..., -1], want_stats["sum"][..., -1], atol=1e-6)  # the new key
     seg.summary = (mk, mv, torch.full((b, hkv, 1, 1), -math.inf))  # nothing evicted: no column at all
-    plain, _ = attend(q, _generic_segments(keys, values, 1, None), d ** -0.5, None, None, ("sum",))
-    assert (attend(q, seg, d ** -0.5, None, None, ("sum",))[0] - plain).abs().max().item() < 1e-6
+    plain, _ = attend(q, _generic_segments(keys, values, 1, None), d**-0.5, None, None, ("sum",))
+    assert (attend(q, seg, d**-0.5, None, None, ("sum",))[0] - plain).abs().max().item() < 1e-6
 
 
 @pytest.mark.parametrize("policy", ["merge-h2o", "merge-ada-h2o"])
@@ -95,8 +95,7 @@ def test_decoding_counts_every_token_once_padding_none():
     mask = torch.ones_like(ids)
     mask[1, :5] = 0  # row 1: 11 real tokens
     cache = kvevict.make_cache(model, "merge-h2o", budget=6, recent=2)
-    out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=6, min_new_tokens=6,
-                         do_sample=False)
+    out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=6, min_new_tokens=6, do_sample=False)
     assert out.shape[1] == 22
     for layer in cache.layers:
         t = layer.tiers[0]
@@ -168,11 +167,11 @@ def test_the_fused_decode_reads_the_mean_slot_as_attend_does(backend, bits, g, s
     mask = torch.ones(b, 1, n, dtype=torch.bool)
     mask[1, :, :6] = False
     summary = _summary(b, hkv, d, [[12, 0], [3, 250]])
-    out, pg = BACKENDS[backend].fn(q, [run], k_new, v_new, mask, d ** -0.5, softcap, summary=summary)
+    out, pg = BACKENDS[backend].fn(q, [run], k_new, v_new, mask, d**-0.5, softcap, summary=summary)
     seg = _generic_segments(torch.cat([kd, k_new], 2), torch.cat([vd, v_new], 2), 1, None)
     seg.valid_past, seg.pos_past = mask.expand(b, hkv, n), torch.arange(n).view(1, 1, n)
     seg.summary = summary
-    want, stats = attend(q, seg, d ** -0.5, None, softcap, ("sum",))
+    want, stats = attend(q, seg, d**-0.5, None, softcap, ("sum",))
     torch.testing.assert_close(out, want.transpose(1, 2), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(pg, stats["sum"], atol=1e-6, rtol=1e-5)
     assert pg.shape == (b, hkv, n + 1)

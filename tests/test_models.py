@@ -71,14 +71,21 @@ def test_qwen_tokenizer_and_chat_template_facts():
 
     folder = _qwen_folder()
     tok, cfg = AutoTokenizer.from_pretrained(folder), AutoConfig.from_pretrained(folder)
-    assert (cfg.model_type, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == ("qwen2", 28, 12, 2)
+    assert (cfg.model_type, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (
+        "qwen2",
+        28,
+        12,
+        2,
+    )
     assert cfg.hidden_size // cfg.num_attention_heads == 128 and cfg.max_position_embeddings == 32768
     assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 151645
     assert tok("Hello world").input_ids == [9707, 1879]  # no BOS added
     assert tok.convert_ids_to_tokens(tok(" capital").input_ids) == ["Ġcapital"]
     chat = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
-    assert chat == ("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
-                    "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert chat == (
+        "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_the_one_shot_default_is_per_model_where_measured():
@@ -92,12 +99,17 @@ def test_the_one_shot_default_is_per_model_where_measured():
     from kvevict.generate import _observes
     from kvevict.memory import PROMPT_POLICY, pick_policy
 
-    qwen = SimpleNamespace(config=Qwen2Config(num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                                              hidden_size=1536, vocab_size=151936))
+    qwen = SimpleNamespace(
+        config=Qwen2Config(
+            num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, hidden_size=1536, vocab_size=151936
+        )
+    )
     tiny = tiny_model("qwen2")
     assert pick_policy(True, True, qwen, 0.2) == "ada-snapkv" and _observes("ada-snapkv", qwen, 0.3)
     assert pick_policy(True, True, qwen, 0.1) == PROMPT_POLICY  # measured below its share: kvzip-pool
     assert pick_policy(True, True, qwen, None) == PROMPT_POLICY  # bytes: no share to compare
-    assert pick_policy(True, True, tiny, 0.2) == PROMPT_POLICY == "kvzip-pool" and not _observes("kvzip-pool", tiny, 0.2)
+    assert pick_policy(True, True, tiny, 0.2) == PROMPT_POLICY == "kvzip-pool" and not _observes(
+        "kvzip-pool", tiny, 0.2
+    )
     assert not _observes("ada-snapkv", tiny, 0.2)  # named by the caller on another model: its own window
     assert pick_policy(False, True, qwen, 0.2) == "mas" and pick_policy(True, False, qwen) == "h2o"

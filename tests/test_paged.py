@@ -4,12 +4,11 @@ and its bookkeeping. The bounds below are exact by design (kvevict.storage.page_
 
 import pytest
 import torch
-from conftest import tiny_model
 from transformers import DynamicCache
 
 import kvevict
-from kvevict.storage import Storage
-from kvevict.storage import PAGE, page_slots
+from conftest import tiny_model
+from kvevict.storage import PAGE, Storage, page_slots
 
 H, D = 2, 8  # llama-gqa: 2 KV heads of 8 dims, 3 layers
 
@@ -26,8 +25,12 @@ def _expected(cache, tokens: int, batch: int, kv_bits, stats_bytes: int, paged: 
     storage = Storage(kv_bits=kv_bits, group=8)
     slot, row = storage.slot_bytes(D, D, 4, stats_bytes), storage.row_bytes(H, D) + 8  # key centre, count
     if paged:
-        return sum(batch * H * -(-min(tokens, layer.budget) // PAGE) * PAGE * slot + row * batch
-                   + 3 * batch * -(-page_slots(tokens, layer.budget) // PAGE) * 8 for layer in cache.layers)
+        return sum(
+            batch * H * -(-min(tokens, layer.budget) // PAGE) * PAGE * slot
+            + row * batch
+            + 3 * batch * -(-page_slots(tokens, layer.budget) // PAGE) * 8
+            for layer in cache.layers
+        )
     return sum(batch * H * page_slots(tokens, layer.budget) * slot + row * batch for layer in cache.layers)
 
 
@@ -52,7 +55,9 @@ def test_bytes_are_exact_at_every_length_and_within_a_page_of_the_stock_cache(bu
                 # the bound: the stock cache's bytes + one page per (layer, KV head) + bookkeeping
                 page = 3 * 2 * H * (PAGE - 1) * 2 * D * 4
                 per_slot_book = 2 + 2  # position (int16; -1: empty), H2O's statistic (float16)
-                book = 3 * 2 * H * (tokens + PAGE - 1) * per_slot_book + 3 * 2 * (8 + Storage(kv_bits=kv_bits).row_bytes(H, D))
+                book = 3 * 2 * H * (tokens + PAGE - 1) * per_slot_book + 3 * 2 * (
+                    8 + Storage(kv_bits=kv_bits).row_bytes(H, D)
+                )
                 book += 3 * 3 * 2 * -(-tokens // PAGE) * 8 if paged else 0  # a page table per tensor and row
                 assert held <= _stock_bytes(stock) + page + book
                 nxt = out.logits[:, -1:].argmax(-1)
@@ -98,7 +103,7 @@ def _left_padded(prompts):
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+        ids[i, width - len(p) :], mask[i, width - len(p) :] = p, 1
     return ids, mask, (mask.cumsum(1) - 1).clamp(min=0)
 
 
@@ -120,8 +125,13 @@ def test_padding_takes_no_slot_a_short_row_holds_its_own_tokens(kv_bits):
             assert torch.equal(t.pos[0, :, :10], torch.arange(10).expand(H, 10))
             assert (t.pos[0, :, 10:] == -1).all() and torch.equal(t.pos[1, :, :40], torch.arange(40).expand(H, 40))
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-        model(nxt, attention_mask=torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1),
-              position_ids=torch.tensor([[10], [40]]), cache=cache, use_cache=True)
+        model(
+            nxt,
+            attention_mask=torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1),
+            position_ids=torch.tensor([[10], [40]]),
+            cache=cache,
+            use_cache=True,
+        )
         assert all(t.fills == [11, 41] and int(t.pos[0, 0, 10]) == 10 for t in tiers)
         alone = kvevict.make_cache(model, "h2o", 512, kv_bits=kv_bits, group=8)
         want = model(short[None], cache=alone, use_cache=True).logits[0, -1]
@@ -139,11 +149,15 @@ def test_padding_is_stored_when_no_slot_past_a_rows_tokens_is_free():
         model(torch.randint(1, 128, (1, 1)), cache=b, use_cache=True)
         a.append_rows(b)  # fills PAGE - 2 and 1
         mask = torch.ones(2, PAGE - 2 + m, dtype=torch.long)
-        mask[1, :PAGE - 3] = 0  # b's history is left padding of the shared rectangle
-        mask[0, PAGE - 2:-2] = 0  # a's chunk: 2 tokens after 38 pads; b's: 31 after 9
-        mask[1, PAGE - 2:PAGE - 2 + 9] = 0
-        pos = torch.stack([torch.full((m,), PAGE - 2).index_put((torch.tensor([m - 1]),), torch.tensor(PAGE - 1)),
-                           torch.cat([torch.ones(9, dtype=torch.long), torch.arange(1, 32)])])
+        mask[1, : PAGE - 3] = 0  # b's history is left padding of the shared rectangle
+        mask[0, PAGE - 2 : -2] = 0  # a's chunk: 2 tokens after 38 pads; b's: 31 after 9
+        mask[1, PAGE - 2 : PAGE - 2 + 9] = 0
+        pos = torch.stack(
+            [
+                torch.full((m,), PAGE - 2).index_put((torch.tensor([m - 1]),), torch.tensor(PAGE - 1)),
+                torch.cat([torch.ones(9, dtype=torch.long), torch.arange(1, 32)]),
+            ]
+        )
         model(torch.randint(1, 128, (2, m)), attention_mask=mask, position_ids=pos, cache=a, use_cache=True)
     for layer in a.layers:
         t = layer.tiers[0]
@@ -172,8 +186,13 @@ def test_padding_beside_a_row_without_room_never_overwrites_a_token():
             assert all(sum(p >= 0 for p in layer.tiers[0].pos[1, h].tolist()) == 8 for h in range(H))  # b's budget
         a.batch_select_indices(torch.tensor([0]))  # b leaves: a appends at its own fill again
         for step in range(3):
-            model(torch.randint(1, 128, (1, 1)), attention_mask=torch.ones(1, 12 + step, dtype=torch.long),
-                  position_ids=torch.tensor([[9 + step]]), cache=a, use_cache=True)
+            model(
+                torch.randint(1, 128, (1, 1)),
+                attention_mask=torch.ones(1, 12 + step, dtype=torch.long),
+                position_ids=torch.tensor([[9 + step]]),
+                cache=a,
+                use_cache=True,
+            )
     for layer in a.layers:
         t = layer.tiers[0]
         for h in range(H):

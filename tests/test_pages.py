@@ -11,10 +11,9 @@ import kvevict
 from conftest import decode_joining, tiny_model
 from kvevict.attention import ATTN_NAME, register
 from kvevict.kernels import BACKENDS, Run, decode_attention, decode_attention_reference
-from kvevict.storage import Pools
 from kvevict.serve.batch import DecodeBatch
+from kvevict.storage import PAGE, Pools, page_slots
 from kvevict.storage.codes import quantize
-from kvevict.storage import PAGE, page_slots
 
 
 def _model(arch="llama-gqa"):
@@ -30,16 +29,23 @@ def _serve(model, policy, budget, kv_bits, pool, new=20, joins=(4, 7, 9)):
     torch.manual_seed(5)
     prompts = [torch.randint(1, 128, (n,)).tolist() for n in (30, 9, 21, 45)]
     in_use = []
-    outs = decode_joining(lambda p: DecodeBatch.prefill(model, p, policy, budget, None, kv_bits, pool), prompts,
-                          joins, new, 60, None if pool is None else lambda: in_use.append(pool.pages_in_use()))
+    outs = decode_joining(
+        lambda p: DecodeBatch.prefill(model, p, policy, budget, None, kv_bits, pool),
+        prompts,
+        joins,
+        new,
+        60,
+        None if pool is None else lambda: in_use.append(pool.pages_in_use()),
+    )
     if pool is not None:
         in_use.append(pool.pages_in_use())
     return outs, in_use
 
 
 @pytest.mark.parametrize("kernel", ["torch", "cpu", "triton"])
-@pytest.mark.parametrize("policy, budget, kv_bits", [("h2o", 8, None), ("h2o", 64, None), ("h2o", 40, 8),
-                                                      ("tova", 12, 4), ("adakv", 16, 8)])
+@pytest.mark.parametrize(
+    "policy, budget, kv_bits", [("h2o", 8, None), ("h2o", 64, None), ("h2o", 40, 8), ("tova", 12, 4), ("adakv", 16, 8)]
+)
 def test_paged_rows_equal_the_rectangle_and_give_every_page_back(monkeypatch, kernel, policy, budget, kv_bits):
     if kernel == "cpu" and not BACKENDS["cpu"].available()[0]:
         pytest.skip("no compiler here: the cpu kernel cannot be built")
@@ -106,8 +112,14 @@ def test_rows_of_different_policies_bring_and_take_their_statistics_pages(kv_bit
         prompts = [torch.randint(1, 128, (n,)).tolist() for n in (30, 9, 21, 45)]
         it = iter(policies)
         in_use = []
-        outs = decode_joining(lambda p: DecodeBatch.prefill(model, p, next(it), 16, None, kv_bits, pool), prompts,
-                              (2, 5, 8), 12, 40, None if pool is None else lambda: in_use.append(pool.pages_in_use()))
+        outs = decode_joining(
+            lambda p: DecodeBatch.prefill(model, p, next(it), 16, None, kv_bits, pool),
+            prompts,
+            (2, 5, 8),
+            12,
+            40,
+            None if pool is None else lambda: in_use.append(pool.pages_in_use()),
+        )
         return outs, in_use + ([pool.pages_in_use()] if pool is not None else [])
 
     want, _ = run(None)
@@ -161,8 +173,9 @@ def test_repeated_rows_get_their_own_copies_of_the_pages():
     assert len(ids) == len(set(ids)) == 2  # a page each, none written by two rows
 
 
-@pytest.mark.parametrize("bits, group", [(8, 32), (4, 32), (2, 32), (None, 0),
-                                         (4, 16)])  # 4 groups a token: Triton loads zeros and steps as words
+@pytest.mark.parametrize(
+    "bits, group", [(8, 32), (4, 32), (2, 32), (None, 0), (4, 16)]
+)  # 4 groups a token: Triton loads zeros and steps as words
 def test_a_paged_run_reads_as_its_rectangle(bits, group):
     """The kernels' page-table addressing against the same slots laid out in a rectangle: the
     reference, the compiled cpu kernel and the Triton kernel (interpreted), padding masked, rows of
@@ -221,8 +234,9 @@ def test_admission_counts_a_paged_batch_exactly(kv_bits):
     with torch.no_grad():
         for i, (policy, budget, recent) in enumerate(rows):
             n = 11 + 17 * i
-            other, _ = DecodeBatch.prefill(model, [t % 120 + 1 for t in range(n)], policy, budget, recent, kv_bits,
-                                           pool)
+            other, _ = DecodeBatch.prefill(
+                model, [t % 120 + 1 for t in range(n)], policy, budget, recent, kv_bits, pool
+            )
             assert other.kv_bytes() == budgeter.batch_bytes([(policy, budget, recent, n)], paged=True)
             specs.append((policy, budget, recent, n))
             if batch is None:
@@ -241,8 +255,9 @@ def test_admission_counts_a_paged_batch_exactly(kv_bits):
         ada, _ = DecodeBatch.prefill(model, list(range(1, 20)), "adakv", 8, None, kv_bits, pool)
         other, _ = DecodeBatch.prefill(model, list(range(1, 45)), "ada-snapkv", 40, None, kv_bits, pool)
         ada.join(other)
-        assert ada.kv_bytes() == budgeter.batch_bytes([("adakv", 8, None, 19), ("ada-snapkv", 40, None, 44)],
-                                                      paged=True)
+        assert ada.kv_bytes() == budgeter.batch_bytes(
+            [("adakv", 8, None, 19), ("ada-snapkv", 40, None, 44)], paged=True
+        )
 
 
 def test_the_row_pages_benchmark_lays_rows_out_three_ways():
@@ -254,8 +269,15 @@ def test_the_row_pages_benchmark_lays_rows_out_three_ways():
     prompts = [[t % 120 + 1 for t in range(n)] for n in (20, 50, 190)]
     made = {name: row_pages.build(model, prompts, 400, 8, name) for name in ("pages", "rectangle", "buckets")}
     assert [len(made[n]) for n in ("pages", "rectangle", "buckets")] == [1, 1, 2]
-    kv = {n: sum(t.store.nbytes() - getattr(t.store, "table", torch.empty(0)).nbytes for b in made[n]
-                  for layer in b.cache.layers for t in layer.tiers) for n in made}
+    kv = {
+        n: sum(
+            t.store.nbytes() - getattr(t.store, "table", torch.empty(0)).nbytes
+            for b in made[n]
+            for layer in b.cache.layers
+            for t in layer.tiers
+        )
+        for n in made
+    }
     page = kv["rectangle"] // (3 * 6 * len(model.model.layers))  # the rectangle: 3 rows of 6 pages
     assert (kv["pages"], kv["buckets"]) == (9 * page * len(model.model.layers), 10 * page * len(model.model.layers))
     assert row_pages.steps(made["pages"], 2) > 0
@@ -279,8 +301,14 @@ def test_compacting_between_steps_moves_pages_under_their_rows_and_frees_the_res
 
     torch.manual_seed(5)
     prompts = [torch.randint(1, 128, (n,)).tolist() for n in (30, 9, 21, 45)]
-    got = decode_joining(lambda p: DecodeBatch.prefill(model, p, policy, budget, None, kv_bits, pool), prompts,
-                         (4, 7, 9), 20, 60, squeeze)
+    got = decode_joining(
+        lambda p: DecodeBatch.prefill(model, p, policy, budget, None, kv_bits, pool),
+        prompts,
+        (4, 7, 9),
+        20,
+        60,
+        squeeze,
+    )
     assert got == want
     assert all(kept) and any(shrank)
 

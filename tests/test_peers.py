@@ -5,16 +5,27 @@ import json
 from pathlib import Path
 
 import pytest
-
 from benchmarks.cachebench import llamacpp_peer as lp
+
 from kvevict.cli import main
 from kvevict.peers import environments, locations
 
 
 def _test(kv, depth, threads, tps, samples=None, n_gen=32, n_prompt=0):
-    return {"build_commit": "abc", "model_type": "llama ?B Q4_1", "n_threads": threads, "type_k": kv, "type_v": kv,
-            "flash_attn": True, "n_prompt": n_prompt, "n_gen": n_gen, "n_depth": depth, "avg_ts": tps,
-            "stddev_ts": 0.5, "samples_ts": samples or [tps]}
+    return {
+        "build_commit": "abc",
+        "model_type": "llama ?B Q4_1",
+        "n_threads": threads,
+        "type_k": kv,
+        "type_v": kv,
+        "flash_attn": True,
+        "n_prompt": n_prompt,
+        "n_gen": n_gen,
+        "n_depth": depth,
+        "avg_ts": tps,
+        "stddev_ts": 0.5,
+        "samples_ts": samples or [tps],
+    }
 
 
 def test_llama_bench_argv_one_kv_pair_per_call():
@@ -30,23 +41,39 @@ def test_llama_bench_argv_one_kv_pair_per_call():
 
 
 def test_parse_llama_bench_json_skips_prompt_tests_and_log_lines():
-    text = "load_backend: loaded CPU\n" + json.dumps([
-        _test("f16", 3072, 2, 900.0, n_gen=0, n_prompt=512),  # a -p test: not a decode step
-        _test("q4_0", 3072, 2, 26.6, samples=[26.0, 27.2])]) + "\n"
+    text = (
+        "load_backend: loaded CPU\n"
+        + json.dumps(
+            [
+                _test("f16", 3072, 2, 900.0, n_gen=0, n_prompt=512),  # a -p test: not a decode step
+                _test("q4_0", 3072, 2, 26.6, samples=[26.0, 27.2]),
+            ]
+        )
+        + "\n"
+    )
     (t,) = lp.parse_json(text)
     assert (t["type_k"], t["context"], t["threads"], t["n_gen"]) == ("q4_0", 3072, 2, 32)
     assert t["tokens_per_s"] == 26.6 and t["samples_tokens_per_s"] == [26.0, 27.2]
-    for bad, msg in (("no json here", "no JSON"), ("[{", "does not parse"),
-                     (json.dumps([_test("f16", 1, 1, 1.0, n_gen=0)]), "no decode test"),
-                     (json.dumps([{"n_gen": 32}]), "without")):
+    for bad, msg in (
+        ("no json here", "no JSON"),
+        ("[{", "does not parse"),
+        (json.dumps([_test("f16", 1, 1, 1.0, n_gen=0)]), "no decode test"),
+        (json.dumps([{"n_gen": 32}]), "without"),
+    ):
         with pytest.raises(ValueError, match=msg):
             lp.parse_json(bad)
 
 
 def test_run_peer_interleaves_and_takes_ratios_within_a_round():
     # tokens/s per (context, type, round): q8_0 at par in round 1, 10% slower in round 2; q4_0 1.6x slower
-    speed = {("f16", 0): 40.0, ("f16", 1): 44.0, ("q8_0", 0): 40.0, ("q8_0", 1): 40.0,
-             ("q4_0", 0): 25.0, ("q4_0", 1): 27.5}
+    speed = {
+        ("f16", 0): 40.0,
+        ("f16", 1): 44.0,
+        ("q8_0", 0): 40.0,
+        ("q8_0", 1): 40.0,
+        ("q4_0", 0): 25.0,
+        ("q4_0", 1): 27.5,
+    }
     calls = []
 
     def runner(argv):
@@ -81,8 +108,15 @@ def test_setup_plan_builds_llama_cpp_without_native_or_amx(tmp_path):
     download, unpack, configure, build = steps
     assert download.argv[:4] == ["py", "-m", "pip", "download"] and "llama-cpp-python==0.3.36" in download.argv
     assert configure.argv[:3] == ["cmake", "-S", str(tmp_path / "llama.cpp" / "src")]
-    for flag in ("-DGGML_NATIVE=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
-                 "-DGGML_AVX2=ON", "-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON"):
+    for flag in (
+        "-DGGML_NATIVE=OFF",
+        "-DGGML_AMX_TILE=OFF",
+        "-DGGML_AMX_INT8=OFF",
+        "-DGGML_AMX_BF16=OFF",
+        "-DGGML_AVX2=ON",
+        "-DGGML_AVX512=ON",
+        "-DGGML_AVX512_VNNI=ON",
+    ):
         assert flag in configure.argv
     assert build.argv[build.argv.index("-j") + 1] == "3"
     assert build.argv[-2:] == ["llama-bench", "llama-batched-bench"]
@@ -114,14 +148,22 @@ def test_setup_skips_what_exists(tmp_path):
     assert not (tmp_path / "llama.cpp" / "build").exists()  # a dry run makes nothing
 
 
-@pytest.mark.parametrize("text, want", [(None, ["kvpress", "vllm", "llamacpp"]), ("all", ["kvpress", "vllm", "llamacpp"]),
-                                        ("llama.cpp,kvpress", ["kvpress", "llamacpp"])])
+@pytest.mark.parametrize(
+    "text, want",
+    [
+        (None, ["kvpress", "vllm", "llamacpp"]),
+        ("all", ["kvpress", "vllm", "llamacpp"]),
+        ("llama.cpp,kvpress", ["kvpress", "llamacpp"]),
+    ],
+)
 def test_only(text, want):
     assert environments.parse_only(text) == want
 
 
 def test_cli_dry_run_and_bad_arguments(tmp_path, capsys):
-    assert main(["peers", "setup", "--into", str(tmp_path / "p"), "--only", "llamacpp", "--dry-run", "--jobs", "1"]) == 0
+    assert (
+        main(["peers", "setup", "--into", str(tmp_path / "p"), "--only", "llamacpp", "--dry-run", "--jobs", "1"]) == 0
+    )
     out = capsys.readouterr().out
     assert "cmake --build" in out and "-j 1" in out and str(tmp_path / "p") in out
     assert not (tmp_path / "p").exists()

@@ -12,14 +12,16 @@ from kvevict.policies import Candidates, make_policy
 from kvevict.storage import stat_bytes
 
 # Attention of 6 queries over 6 keys (one head, causal, rows sum to 1), built by hand.
-A = torch.tensor([
-    [1.00, 0.00, 0.00, 0.00, 0.00, 0.00],
-    [0.50, 0.50, 0.00, 0.00, 0.00, 0.00],
-    [0.60, 0.10, 0.30, 0.00, 0.00, 0.00],
-    [0.40, 0.10, 0.10, 0.40, 0.00, 0.00],
-    [0.50, 0.05, 0.05, 0.10, 0.30, 0.00],
-    [0.30, 0.25, 0.02, 0.03, 0.19, 0.21],
-])
+A = torch.tensor(
+    [
+        [1.00, 0.00, 0.00, 0.00, 0.00, 0.00],
+        [0.50, 0.50, 0.00, 0.00, 0.00, 0.00],
+        [0.60, 0.10, 0.30, 0.00, 0.00, 0.00],
+        [0.40, 0.10, 0.10, 0.40, 0.00, 0.00],
+        [0.50, 0.05, 0.05, 0.10, 0.30, 0.00],
+        [0.30, 0.25, 0.02, 0.03, 0.19, 0.21],
+    ]
+)
 
 
 def stats_of(a, history=None, window=None):
@@ -30,30 +32,45 @@ def stats_of(a, history=None, window=None):
     age = (a.shape[0] - 1 - t).float()
     gamma = 1 - 1 / history if history else 1.0
     w = a.shape[0] if window is None else window
-    return {"sum": a.sum(0), "sq": a.square().sum(0), "count": seen.sum(0), "last": a[-1],
-            "hits": hit.sum(0), "hits_ema": (hit * gamma ** age[:, None]).sum(0), "obs": a[-w:].sum(0)}
+    return {
+        "sum": a.sum(0),
+        "sq": a.square().sum(0),
+        "count": seen.sum(0),
+        "last": a[-1],
+        "hits": hit.sum(0),
+        "hits_ema": (hit * gamma ** age[:, None]).sum(0),
+        "obs": a[-w:].sum(0),
+    }
 
 
 def kept(policy, budget, **kw):
     st = stats_of(A, **kw)
     st.pop("count")  # MAS and RoCo read n_i from positions (Candidates.seen), not from a statistic
-    c = Candidates(stats={k: v.view(1, 1, -1) for k, v in st.items()}, pos=torch.arange(6).view(1, 1, -1),
-                   valid=torch.ones(1, 1, 6, dtype=torch.bool), newest=torch.tensor(5).view(1, 1, 1),
-                   budget=budget, layer_idx=0)
+    c = Candidates(
+        stats={k: v.view(1, 1, -1) for k, v in st.items()},
+        pos=torch.arange(6).view(1, 1, -1),
+        valid=torch.ones(1, 1, 6, dtype=torch.bool),
+        newest=torch.tensor(5).view(1, 1, 1),
+        budget=budget,
+        layer_idx=0,
+    )
     return set(policy.priority(c).topk(budget, dim=-1).indices.flatten().tolist())
 
 
-@pytest.mark.parametrize("name, params, budget, expected, why", [
-    ("h2o", dict(recent=1), 3, {0, 1, 5}, "sums 3.3 1.0 .47 .53 .49: evict keys 2, 4, 3"),
-    ("mas", dict(recent=1), 3, {0, 4, 5}, "means .55 .2 .1175 .177 .245: evict 2, 3, 1"),
-    ("tova", dict(), 3, {0, 1, 5}, "last row .3 .25 .02 .03 .19 .21, no window: evict 2, 3, 4"),
-    ("aqas", dict(recent=1), 4, {0, 1, 4, 5}, "above-uniform votes 6 2 0 1 2: evict 2, 3"),
-    ("scissorhands", dict(recent=1, history=2), 3, {0, 4, 5}, "decayed votes 1.97 1.06 0 .25 1.5"),
-    ("recency", dict(recent=1, sinks=1), 3, {0, 4, 5}, "sink 0 + newest; evict 1, 2, 3"),
-    ("roco", dict(recent=2, young=1), 3, {0, 1, 5}, "std protects 0 (.222) and 1 (.164); scope 2,3,4"),
-    ("snapkv", dict(recent=1, window=2, kernel=1), 3, {0, 4, 5}, "last 2 rows .8 .3 .07 .13 .49"),
-    ("snapkv", dict(recent=1, window=2, kernel=3), 3, {0, 1, 5}, "pooled .55 .39 .167 .23 .277"),
-])
+@pytest.mark.parametrize(
+    "name, params, budget, expected, why",
+    [
+        ("h2o", dict(recent=1), 3, {0, 1, 5}, "sums 3.3 1.0 .47 .53 .49: evict keys 2, 4, 3"),
+        ("mas", dict(recent=1), 3, {0, 4, 5}, "means .55 .2 .1175 .177 .245: evict 2, 3, 1"),
+        ("tova", dict(), 3, {0, 1, 5}, "last row .3 .25 .02 .03 .19 .21, no window: evict 2, 3, 4"),
+        ("aqas", dict(recent=1), 4, {0, 1, 4, 5}, "above-uniform votes 6 2 0 1 2: evict 2, 3"),
+        ("scissorhands", dict(recent=1, history=2), 3, {0, 4, 5}, "decayed votes 1.97 1.06 0 .25 1.5"),
+        ("recency", dict(recent=1, sinks=1), 3, {0, 4, 5}, "sink 0 + newest; evict 1, 2, 3"),
+        ("roco", dict(recent=2, young=1), 3, {0, 1, 5}, "std protects 0 (.222) and 1 (.164); scope 2,3,4"),
+        ("snapkv", dict(recent=1, window=2, kernel=1), 3, {0, 4, 5}, "last 2 rows .8 .3 .07 .13 .49"),
+        ("snapkv", dict(recent=1, window=2, kernel=3), 3, {0, 1, 5}, "pooled .55 .39 .167 .23 .277"),
+    ],
+)
 def test_policy_choice_on_hand_built_attention(name, params, budget, expected, why):
     pol = make_policy(name, **params)
     extra = {k: params[k] for k in ("history", "window") if k in params}
@@ -62,8 +79,14 @@ def test_policy_choice_on_hand_built_attention(name, params, budget, expected, w
 
 def test_query_counts_come_from_positions():
     """MAS / RoCo's n_i (queries that saw key i) equals newest - pos_i + 1: the counter's definition."""
-    c = Candidates(stats={}, pos=torch.arange(6).view(1, 1, -1), valid=torch.ones(1, 1, 6, dtype=torch.bool),
-                   newest=torch.tensor(5).view(1, 1, 1), budget=3, layer_idx=0)
+    c = Candidates(
+        stats={},
+        pos=torch.arange(6).view(1, 1, -1),
+        valid=torch.ones(1, 1, 6, dtype=torch.bool),
+        newest=torch.tensor(5).view(1, 1, 1),
+        budget=3,
+        layer_idx=0,
+    )
     assert torch.equal(c.seen(), stats_of(A)["count"].view(1, 1, -1))
 
 
@@ -78,11 +101,19 @@ def test_attention_statistics_match_their_definitions():
     torch.manual_seed(0)
     b, hkv, g, q, d = 2, 2, 3, 7, 8
     query, key, value = torch.randn(b, hkv * g, q, d), torch.randn(b, hkv, q, d), torch.randn(b, hkv, q, d)
-    seg = _Segments(pieces=[], pos_past=None, valid_past=None, k_new=key, v_new=value,
-                    pos_new=torch.arange(q).view(1, -1), valid_new=None)
-    out, st = attend(query, seg, d ** -0.5, None, None,
-                     ("sum", "sq", "last", "hits", "hits_ema", "obs"), observe=3, gamma=0.5)
-    scores = (query.view(b, hkv, g, q, d) @ key.unsqueeze(2).transpose(-1, -2)) * d ** -0.5
+    seg = _Segments(
+        pieces=[],
+        pos_past=None,
+        valid_past=None,
+        k_new=key,
+        v_new=value,
+        pos_new=torch.arange(q).view(1, -1),
+        valid_new=None,
+    )
+    out, st = attend(
+        query, seg, d**-0.5, None, None, ("sum", "sq", "last", "hits", "hits_ema", "obs"), observe=3, gamma=0.5
+    )
+    scores = (query.view(b, hkv, g, q, d) @ key.unsqueeze(2).transpose(-1, -2)) * d**-0.5
     causal = torch.ones(q, q, dtype=torch.bool).tril()
     p = scores.masked_fill(~causal, float("-inf")).softmax(-1)  # (b, hkv, g, q, q)
     ref_out = (p @ value.unsqueeze(2)).view(b, hkv * g, q, d).transpose(1, 2)
@@ -122,7 +153,7 @@ def _padded_batch():
     ids = torch.randint(1, 128, (3, max(lens)))
     mask = torch.zeros_like(ids)
     for i, n in enumerate(lens):
-        mask[i, max(lens) - n:] = 1
+        mask[i, max(lens) - n :] = 1
     return ids, mask
 
 
@@ -135,8 +166,9 @@ def test_every_policy_and_prefill_mode_on_a_padded_gqa_batch(name, mode, stride)
     params = {} if name in ("tova", "pyramidkv", "oracle") else {"recent": 4}
     cache = kvevict.make_cache(model, _policy(name, model, ids, mask), budget=budget, **params)
     kvevict.prefill(model, cache, ids, mask, mode=mode, stride=stride)
-    out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=10, min_new_tokens=10,
-                         do_sample=False, pad_token_id=0)
+    out = model.generate(
+        ids, attention_mask=mask, cache=cache, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0
+    )
     assert out.shape == (3, ids.shape[1] + 10)
     cfg = model.config
     per_layer = [layer.budget for layer in cache.layers]
@@ -177,7 +209,7 @@ def test_every_policy_with_a_covering_budget_equals_the_full_cache(name):
     cache = kvevict.make_cache(model, _policy(name, model, torch.cat([ids, steps], 1)), budget=budget)
     assert min(layer.budget_spec for layer in cache.layers) >= 24
     with torch.no_grad():
-        for part in [ids] + [steps[:, i:i + 1] for i in range(4)]:
+        for part in [ids] + [steps[:, i : i + 1] for i in range(4)]:
             r = model(part, cache=ref_cache).logits
             g = model(part, cache=cache).logits
             assert (r - g).abs().max().item() < 1e-4
@@ -189,11 +221,14 @@ def test_pyramid_budgets_shrink_with_depth_and_keep_the_total():
     assert b == sorted(b, reverse=True) and sum(b) == 500 and b[-1] == 5
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(mode="chunky"), "unknown prefill mode 'chunky'"),
-    (dict(mode="block"), "stride >= 1"),
-    (dict(mode="block", stride=0), "stride >= 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(mode="chunky"), "unknown prefill mode 'chunky'"),
+        (dict(mode="block"), "stride >= 1"),
+        (dict(mode="block", stride=0), "stride >= 1"),
+    ],
+)
 def test_bad_prefill_arguments(kwargs, message):
     model = tiny_model("llama-gqa")
     cache = kvevict.make_cache(model, "h2o", budget=8)

@@ -17,11 +17,17 @@ from tiny_chat_model import char_tokenizer
 def pooled(scores, budget, newest=None, prompt_len=None):
     """Candidates of H heads laid out head after head in one row, as an adaptive tier holds them."""
     h, n = len(scores), len(scores[0])
-    return Candidates(stats={"sum": torch.tensor(scores, dtype=torch.float32).view(1, 1, -1)},
-                      pos=torch.arange(n).repeat(h).view(1, 1, -1), valid=torch.ones(1, 1, h * n, dtype=torch.bool),
-                      newest=torch.tensor(n - 1 if newest is None else newest).view(1, 1, 1), budget=budget,
-                      layer_idx=0, head=torch.arange(h).repeat_interleave(n).view(1, 1, -1), heads=h,
-                      prompt_len=None if prompt_len is None else torch.tensor(prompt_len).view(1, 1, 1))
+    return Candidates(
+        stats={"sum": torch.tensor(scores, dtype=torch.float32).view(1, 1, -1)},
+        pos=torch.arange(n).repeat(h).view(1, 1, -1),
+        valid=torch.ones(1, 1, h * n, dtype=torch.bool),
+        newest=torch.tensor(n - 1 if newest is None else newest).view(1, 1, 1),
+        budget=budget,
+        layer_idx=0,
+        head=torch.arange(h).repeat_interleave(n).view(1, 1, -1),
+        heads=h,
+        prompt_len=None if prompt_len is None else torch.tensor(prompt_len).view(1, 1, 1),
+    )
 
 
 def kept(policy, c, total):
@@ -34,14 +40,17 @@ def kept(policy, c, total):
 SCORES = [[9.0, 8.0, 7.0, 6.0, 0.0], [1.0, 0.5, 0.2, 0.1, 0.0]]
 
 
-@pytest.mark.parametrize("floor, want", [
-    # 2 heads x budget 3 = 6 slots: both recent tokens, then the 4 best scores of either head
-    (0.0, {(0, 0), (0, 1), (0, 2), (0, 3), (0, 4), (1, 4)}),
-    # floor 0.5 of (3 - 1 recent) = 1 ranked token per head: head 1 keeps its best (pos 0)
-    (0.5, {(0, 0), (0, 1), (0, 2), (0, 4), (1, 0), (1, 4)}),
-    # floor 1: each head its whole budget, as uniform per-head eviction would keep
-    (1.0, {(0, 0), (0, 1), (0, 4), (1, 0), (1, 1), (1, 4)}),
-])
+@pytest.mark.parametrize(
+    "floor, want",
+    [
+        # 2 heads x budget 3 = 6 slots: both recent tokens, then the 4 best scores of either head
+        (0.0, {(0, 0), (0, 1), (0, 2), (0, 3), (0, 4), (1, 4)}),
+        # floor 0.5 of (3 - 1 recent) = 1 ranked token per head: head 1 keeps its best (pos 0)
+        (0.5, {(0, 0), (0, 1), (0, 2), (0, 4), (1, 0), (1, 4)}),
+        # floor 1: each head its whole budget, as uniform per-head eviction would keep
+        (1.0, {(0, 0), (0, 1), (0, 4), (1, 0), (1, 1), (1, 4)}),
+    ],
+)
 def test_adaptive_keeps_the_top_scores_of_all_heads_with_a_floor(floor, want):
     pol = make_policy("ada-h2o", recent=1, floor=floor)
     assert kept(pol, pooled(SCORES, budget=3), total=6) == want
@@ -80,8 +89,10 @@ def test_adaptive_cache_keeps_the_joint_top_of_every_head_on_a_real_prefill(floo
         want = {(i, p) for i in range(h) for p in range(n - recent, n)}
         for i in range(h):  # the floor: each head's best int(floor x (budget - recent))
             want |= {(i, int(p)) for p in score[i].topk(int(floor * (budget - recent))).indices}
-        rest = sorted(((float(score[i, p]), i, p) for i in range(h) for p in range(n - recent)
-                       if (i, p) not in want), reverse=True)
+        rest = sorted(
+            ((float(score[i, p]), i, p) for i in range(h) for p in range(n - recent) if (i, p) not in want),
+            reverse=True,
+        )
         want |= {(i, p) for _, i, p in rest[: h * budget - len(want)]}
         t = layer.tiers[0]
         got = {(int(a), int(b)) for a, b in zip(t.head.flatten(), t.pos.flatten())}
@@ -97,15 +108,30 @@ def test_adaptive_memory_is_the_layer_total_not_heads_x_the_longest_head(kv_bits
     torch.manual_seed(7)
     n, budget, b = 40, 8, 2
     ids = torch.randint(0, 128, (b, n))
-    cache = kvevict.make_cache(model, "adakv", budget=budget, kv_bits=kv_bits, evicted_bits=evicted_bits,
-                               evicted_budget=6 if evicted_bits else None)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=5,
-                         min_new_tokens=5, do_sample=False, pad_token_id=0)
+    cache = kvevict.make_cache(
+        model,
+        "adakv",
+        budget=budget,
+        kv_bits=kv_bits,
+        evicted_bits=evicted_bits,
+        evicted_budget=6 if evicted_bits else None,
+    )
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        cache=cache,
+        max_new_tokens=5,
+        min_new_tokens=5,
+        do_sample=False,
+        pad_token_id=0,
+    )
     assert out.shape == (b, n + 5)
     hkv, d = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
     group = cache.storage.group
     meta = 2 + 1 + stat_bytes(cache.policy.stats)  # position (int16), head id, the statistics
-    per_layer = b * hkv * budget * (slot_bytes(d, d, kv_bits, group, 4) + meta) + b * (8 + cache.storage.row_bytes(hkv, d))
+    per_layer = b * hkv * budget * (slot_bytes(d, d, kv_bits, group, 4) + meta) + b * (
+        8 + cache.storage.row_bytes(hkv, d)
+    )
     if evicted_bits:
         per_layer += b * hkv * 6 * (slot_bytes(d, d, evicted_bits, group, 4) + meta)
     assert cache.kv_bytes() == cfg.num_hidden_layers * per_layer
@@ -129,7 +155,7 @@ def test_adaptive_with_a_covering_budget_equals_the_full_cache(name, kv_bits):
     cache = kvevict.make_cache(model, name, budget=24, kv_bits=kv_bits)
     tol = 1e-4 if kv_bits is None else 2e-2  # float16 storage rounds the keys
     with torch.no_grad():
-        for part in [ids] + [steps[:, i:i + 1] for i in range(4)]:
+        for part in [ids] + [steps[:, i : i + 1] for i in range(4)]:
             r = model(part, cache=ref).logits
             g = model(part, cache=cache).logits
             assert (r - g).abs().max().item() < tol
@@ -142,15 +168,23 @@ def test_adaptive_padded_batch_keeps_padding_out_and_rows_apart():
     ids = torch.randint(1, 128, (2, max(lens)))
     mask = torch.zeros_like(ids)
     for i, n in enumerate(lens):
-        mask[i, max(lens) - n:] = 1
+        mask[i, max(lens) - n :] = 1
     cache = kvevict.make_cache(model, "ada-h2o", budget=8, recent=2)
-    out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=6, min_new_tokens=6,
-                         do_sample=False, pad_token_id=0)
+    out = model.generate(
+        ids, attention_mask=mask, cache=cache, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0
+    )
     alone = kvevict.make_cache(model, "ada-h2o", budget=8, recent=2)
-    short = ids[1:, max(lens) - lens[1]:]
-    out1 = model.generate(short, attention_mask=torch.ones_like(short), cache=alone, max_new_tokens=6,
-                          min_new_tokens=6, do_sample=False, pad_token_id=0)
-    assert torch.equal(out[1, max(lens):], out1[0, lens[1]:])  # the padded row decodes as it would alone
+    short = ids[1:, max(lens) - lens[1] :]
+    out1 = model.generate(
+        short,
+        attention_mask=torch.ones_like(short),
+        cache=alone,
+        max_new_tokens=6,
+        min_new_tokens=6,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    assert torch.equal(out[1, max(lens) :], out1[0, lens[1] :])  # the padded row decodes as it would alone
     for layer in cache.layers:
         assert layer.valid.all()  # padding never holds a slot
 
@@ -162,14 +196,28 @@ def test_question_stays_and_is_what_snapkv_observes():
     ids = torch.randint(0, 128, (1, n))
     cache = kvevict.make_cache(model, "snapkv", budget=10, question=q, recent=2)
     assert cache.policy.attention_params() == {"observe": q}
-    model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=12,
-                   min_new_tokens=12, do_sample=False, pad_token_id=0)
+    model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        cache=cache,
+        max_new_tokens=12,
+        min_new_tokens=12,
+        do_sample=False,
+        pad_token_id=0,
+    )
     for layer in cache.layers:  # 12 tokens later the recent window has moved on; the question has not
         for row in layer.pos[0]:
             assert set(range(n - q, n)) <= set(row.tolist())
     plain = kvevict.make_cache(model, "snapkv", budget=10, recent=2)
-    model.generate(ids, attention_mask=torch.ones_like(ids), cache=plain, max_new_tokens=12,
-                   min_new_tokens=12, do_sample=False, pad_token_id=0)
+    model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        cache=plain,
+        max_new_tokens=12,
+        min_new_tokens=12,
+        do_sample=False,
+        pad_token_id=0,
+    )
     assert any(not set(range(n - q, n)) <= set(row.tolist()) for layer in plain.layers for row in layer.pos[0])
 
 
@@ -213,14 +261,17 @@ def test_eval_accepts_adaptive_and_question_specs():
         new_cache(tiny_model("llama-gqa"), "h2o+q", 0.2)
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda: kvevict.make_cache(tiny_model(), "roco", budget=8, adaptive=True), "roco cannot take adaptive"),
-    (lambda: kvevict.make_cache(tiny_model(), "ada-h2o", budget=8, floor=1.5), "floor must be a share"),
-    (lambda: kvevict.make_cache(tiny_model(), "adakv", budget=8, compact=True), "compact positions"),
-    (lambda: kvevict.make_cache(tiny_model(), "h2o", budget=8, question=-1), "question must be an int"),
-    (lambda: kvevict.make_cache(tiny_model(), "h2o", budget=8, question=6), "more than the budget"),
-    (lambda: kvevict.make_cache(tiny_model(), "ada-nope", budget=8), "unknown policy 'ada-nope'"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: kvevict.make_cache(tiny_model(), "roco", budget=8, adaptive=True), "roco cannot take adaptive"),
+        (lambda: kvevict.make_cache(tiny_model(), "ada-h2o", budget=8, floor=1.5), "floor must be a share"),
+        (lambda: kvevict.make_cache(tiny_model(), "adakv", budget=8, compact=True), "compact positions"),
+        (lambda: kvevict.make_cache(tiny_model(), "h2o", budget=8, question=-1), "question must be an int"),
+        (lambda: kvevict.make_cache(tiny_model(), "h2o", budget=8, question=6), "more than the budget"),
+        (lambda: kvevict.make_cache(tiny_model(), "ada-nope", budget=8), "unknown policy 'ada-nope'"),
+    ],
+)
 def test_bad_adaptive_and_question_parameters_are_clear(make, message):
     with pytest.raises(ValueError, match=message):
         make()
@@ -270,8 +321,15 @@ def test_question_survives_chunked_prefill(mode, stride):
     ids = torch.randint(0, 128, (1, n))
     cache = kvevict.make_cache(model, "ada-h2o", budget=8, question=q, recent=2)
     kvevict.prefill(model, cache, ids, mode=mode, stride=stride)  # fixes the prompt length first
-    model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=8,
-                   min_new_tokens=8, do_sample=False, pad_token_id=0)
+    model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        cache=cache,
+        max_new_tokens=8,
+        min_new_tokens=8,
+        do_sample=False,
+        pad_token_id=0,
+    )
     for layer in cache.layers:
         t = layer.tiers[0]
         for h in range(model.config.num_key_value_heads):

@@ -8,16 +8,20 @@ from transformers import DynamicCache
 import kvevict
 from conftest import tiny_model
 from kvevict.attention import _Segments, attend
-from kvevict.storage import Piece
 from kvevict.policies import Candidates, make_policy
 from kvevict.policies.kvzip import KVzip
+from kvevict.storage import Piece
 
 
 def candidates(stats, n, budget, newest=None):
-    return Candidates(stats={k: torch.tensor(v, dtype=torch.float32).view(1, 1, -1) for k, v in stats.items()},
-                      pos=torch.arange(n).view(1, 1, -1), valid=torch.ones(1, 1, n, dtype=torch.bool),
-                      newest=torch.tensor(n - 1 if newest is None else newest).view(1, 1, 1), budget=budget,
-                      layer_idx=0)
+    return Candidates(
+        stats={k: torch.tensor(v, dtype=torch.float32).view(1, 1, -1) for k, v in stats.items()},
+        pos=torch.arange(n).view(1, 1, -1),
+        valid=torch.ones(1, 1, n, dtype=torch.bool),
+        newest=torch.tensor(n - 1 if newest is None else newest).view(1, 1, 1),
+        budget=budget,
+        layer_idx=0,
+    )
 
 
 def piece(keys):
@@ -40,9 +44,16 @@ def test_attention_writes_the_key_norm_once():
     torch.manual_seed(1)
     b, hkv, g, d = 1, 2, 2, 4
     kp, kn = torch.randn(b, hkv, 3, d), torch.randn(b, hkv, 2, d)
-    seg = _Segments(pieces=[piece(kp)], pos_past=None, valid_past=None, k_new=kn,
-                    v_new=torch.randn_like(kn), pos_new=torch.tensor([[3, 4]]), valid_new=None)
-    _, st = attend(torch.randn(b, hkv * g, 2, d), seg, d ** -0.5, None, None, ("knorm",))
+    seg = _Segments(
+        pieces=[piece(kp)],
+        pos_past=None,
+        valid_past=None,
+        k_new=kn,
+        v_new=torch.randn_like(kn),
+        pos_new=torch.tensor([[3, 4]]),
+        valid_new=None,
+    )
+    _, st = attend(torch.randn(b, hkv * g, 2, d), seg, d**-0.5, None, None, ("knorm",))
     assert torch.equal(st["knorm"][..., :3], torch.zeros(b, hkv, 3))  # stored keys: already counted
     assert torch.allclose(st["knorm"][..., 3:], kn.norm(dim=-1))
 
@@ -144,8 +155,12 @@ def test_kvzip_chunked_record_is_the_max_over_each_piece_reconstructed_from_the_
         want = got if want is None else [torch.maximum(x, y) for x, y in zip(want, got)]
     for s, w in zip(pol.scores, want):
         assert torch.allclose(s, w, atol=1e-5)
-    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(KVzip.record(model, _Tok(), ids, chunk=9).scores,
-                                                                  KVzip.record(model, _Tok(), ids, chunk=12).scores))
+    assert all(
+        torch.allclose(a, b, atol=1e-5)
+        for a, b in zip(
+            KVzip.record(model, _Tok(), ids, chunk=9).scores, KVzip.record(model, _Tok(), ids, chunk=12).scores
+        )
+    )
     assert not all(torch.allclose(a, b, atol=1e-5) for a, b in zip(one.scores, pol.scores))
 
 
@@ -166,14 +181,26 @@ def test_kvzip_through_generate_matches_full_with_a_covering_budget():
     assert zipped.text == full.text and zipped.kv_bytes < full.kv_bytes * 32 / 16 + 1
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda: make_policy("kvzip"), "kvzip scores a prompt before generation"),
-    (lambda: kvevict.make_cache(tiny_model("llama-gqa"), "knorm", budget=8, recent=8), "recent=8 must be smaller"),
-    (lambda: KVzip.record(tiny_model("llama-gqa"), _Tok(), torch.ones(2, 5, dtype=torch.long),
-                          attention_mask=torch.tensor([[0, 1, 1, 1, 1], [1] * 5])), "unpadded prompts"),
-    (lambda: KVzip.record(tiny_model("llama-gqa"), _Tok(), torch.ones(1, 5, dtype=torch.long), chunk=0),
-     "chunk is the number of context tokens"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: make_policy("kvzip"), "kvzip scores a prompt before generation"),
+        (lambda: kvevict.make_cache(tiny_model("llama-gqa"), "knorm", budget=8, recent=8), "recent=8 must be smaller"),
+        (
+            lambda: KVzip.record(
+                tiny_model("llama-gqa"),
+                _Tok(),
+                torch.ones(2, 5, dtype=torch.long),
+                attention_mask=torch.tensor([[0, 1, 1, 1, 1], [1] * 5]),
+            ),
+            "unpadded prompts",
+        ),
+        (
+            lambda: KVzip.record(tiny_model("llama-gqa"), _Tok(), torch.ones(1, 5, dtype=torch.long), chunk=0),
+            "chunk is the number of context tokens",
+        ),
+    ],
+)
 def test_bad_retrieval_policy_parameters_are_clear(make, message):
     with pytest.raises(ValueError, match=message):
         make()
@@ -184,10 +211,17 @@ def test_expected_attention_statistic_matches_its_definition():
     b, hkv, g, q, d, w = 1, 2, 3, 6, 4, 4
     query, key = torch.randn(b, hkv * g, q, d), torch.randn(b, hkv, q, d)
     kp = torch.randn(b, hkv, 2, d)
-    seg = _Segments(pieces=[piece(kp[:, :, :1]), piece(kp[:, :, 1:])], pos_past=None, valid_past=None, k_new=key,
-                    v_new=torch.randn_like(key), pos_new=torch.arange(2, 2 + q).view(1, -1), valid_new=None)
-    _, st = attend(query, seg, d ** -0.5, None, None, ("expected",), observe=w)
-    qs = query.view(b, hkv, g, q, d)[:, :, :, -w:] * d ** -0.5
+    seg = _Segments(
+        pieces=[piece(kp[:, :, :1]), piece(kp[:, :, 1:])],
+        pos_past=None,
+        valid_past=None,
+        k_new=key,
+        v_new=torch.randn_like(key),
+        pos_new=torch.arange(2, 2 + q).view(1, -1),
+        valid_new=None,
+    )
+    _, st = attend(query, seg, d**-0.5, None, None, ("expected",), observe=w)
+    qs = query.view(b, hkv, g, q, d)[:, :, :, -w:] * d**-0.5
     mu, var = qs.mean(3), qs.var(3, unbiased=False)
     keys = torch.cat([kp, key], 2)
     for h in range(hkv):
@@ -198,9 +232,16 @@ def test_expected_attention_statistic_matches_its_definition():
         assert torch.allclose(st["expected"][0, h], want * q, atol=1e-5)
     # one decoding query: var = 0, so the statistic is exactly that query's attention
     one = query[:, :, -1:]
-    seg1 = _Segments(pieces=[piece(keys[:, :, :-1])], pos_past=None, valid_past=None,
-                     k_new=keys[:, :, -1:], v_new=keys[:, :, -1:], pos_new=torch.tensor([[7]]), valid_new=None)
-    _, s1 = attend(one, seg1, d ** -0.5, None, None, ("expected", "sum"), observe=w)
+    seg1 = _Segments(
+        pieces=[piece(keys[:, :, :-1])],
+        pos_past=None,
+        valid_past=None,
+        k_new=keys[:, :, -1:],
+        v_new=keys[:, :, -1:],
+        pos_new=torch.tensor([[7]]),
+        valid_new=None,
+    )
+    _, s1 = attend(one, seg1, d**-0.5, None, None, ("expected", "sum"), observe=w)
     assert torch.allclose(s1["expected"], s1["sum"], atol=1e-5)
 
 

@@ -45,8 +45,12 @@ def test_variable_tracking_chain_leads_from_the_value_to_every_answer():
 
 def test_tasks_sample_the_grid_and_score():
     tok = tiny_tokenizer()
-    t = NeedleOnceTask(lengths=(96,), depths=(0.0, 1.0), haystacks=("a", "b"),
-                       haystack_fn=lambda kind, tk, n, start: essay_like(tk, n, start))
+    t = NeedleOnceTask(
+        lengths=(96,),
+        depths=(0.0, 1.0),
+        haystacks=("a", "b"),
+        haystack_fn=lambda kind, tk, n, start: essay_like(tk, n, start),
+    )
     ids = [s.id for s in t.samples(tok, 4)]
     assert ids == ["a-96-d0-0", "b-96-d0-1", "a-96-d1-2", "b-96-d1-3"]
     s = t.samples(tok, 1)[0]
@@ -59,12 +63,15 @@ def test_tasks_sample_the_grid_and_score():
     assert task_names("needle,vartrack") == ["needle", "vartrack"]
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda: needle_once_prompt(HAY, 1.5), "depth must be in"),
-    (lambda: vartrack_prompt(HAY, n_hops=0), "n_hops and n_chains must be >= 1"),
-    (lambda: press_names("snapkv,h2o"), "unknown kvpress press 'h2o'"),
-    (lambda: NeedleOnceTask(lengths=(96,), haystacks=("poems",)).samples(tiny_tokenizer(), 1), "unknown haystack"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: needle_once_prompt(HAY, 1.5), "depth must be in"),
+        (lambda: vartrack_prompt(HAY, n_hops=0), "n_hops and n_chains must be >= 1"),
+        (lambda: press_names("snapkv,h2o"), "unknown kvpress press 'h2o'"),
+        (lambda: NeedleOnceTask(lengths=(96,), haystacks=("poems",)).samples(tiny_tokenizer(), 1), "unknown haystack"),
+    ],
+)
 def test_bad_task_parameters_are_clear(make, message):
     with pytest.raises(ValueError, match=message):
         make()

@@ -9,8 +9,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvevict
 from kvevict.attention import ATTN_NAME, register
-from kvevict.storage import Pools
 from kvevict.serve.batch import DecodeBatch
+from kvevict.storage import Pools
 from kvevict.tier import POS16_MAX
 
 LONG = POS16_MAX - 7  # a prompt whose last position, 32,759, fits int16; 9 more tokens pass it
@@ -30,9 +30,17 @@ def one_thread():
 def model():
     """Two layers, 32 channels: 32K tokens of prefill in a second or two (and positions that far)."""
     torch.manual_seed(0)
-    m = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2,
-                                     max_position_embeddings=1 << 16)).eval()
+    m = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=128,
+            hidden_size=32,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=1 << 16,
+        )
+    ).eval()
     register()
     m.set_attn_implementation(ATTN_NAME)
     return m
@@ -52,7 +60,7 @@ def _long_row(model, pool, n=LONG, budget=32):
     cache = kvevict.make_cache(model, "h2o", budget, pages=pool)
     with torch.no_grad():
         for s in range(0, n, 2048):
-            model(ids[:, s: s + 2048], cache=cache, use_cache=True, logits_to_keep=1)
+            model(ids[:, s : s + 2048], cache=cache, use_cache=True, logits_to_keep=1)
     return DecodeBatch(model, cache, torch.ones(1, n, dtype=torch.long), torch.tensor([n]))
 
 
@@ -102,8 +110,9 @@ def test_a_row_past_int16_widens_its_batch_and_admission_counts_it_exactly(model
         int32 = [p for p in pool.pools.values() if p.tensors[0].dtype == torch.int32]
         assert len(int32) == 1
         assert budgeter.opening("h2o", None, lengths[0])[("int32 positions", budgeter.heads)] == int32[0].page_bytes()
-        assert budgeter.opening_bytes("h2o", None, lengths[0]) == (budgeter.opening_bytes("h2o", None, 9)
-                                                                   + int32[0].page_bytes())
+        assert budgeter.opening_bytes("h2o", None, lengths[0]) == (
+            budgeter.opening_bytes("h2o", None, 9) + int32[0].page_bytes()
+        )
         batch.keep([1])  # the long row leaves: the short one holds int16 positions again
         assert _widths(batch) == {torch.int16}
         assert batch.kv_bytes() == budgeter.batch_bytes([("h2o", 32, None, lengths[1])], paged=True)

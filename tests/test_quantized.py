@@ -18,7 +18,7 @@ def _logits(model, ids, cache, mask=None):
 def _stream(model, cache, prompt, steps):
     """Logits of the prompt's last token and of each single-token step after it."""
     out = [_logits(model, prompt, cache)[:, -1]]
-    out += [_logits(model, steps[:, i:i + 1], cache)[:, -1] for i in range(steps.shape[1])]
+    out += [_logits(model, steps[:, i : i + 1], cache)[:, -1] for i in range(steps.shape[1])]
     return torch.stack(out)
 
 
@@ -71,7 +71,6 @@ def _slot_bytes(head_dim, bits, group, stats_bytes):
     return 2 * (codes + 2 * groups) + 2 + stats_bytes
 
 
-
 @pytest.mark.parametrize("bits", [8, 4, 2])
 def test_kv_bytes_is_exact_for_packed_storage(bits):
     model = tiny_model("llama-mha")  # head_dim 16, 4 KV heads, 3 layers
@@ -79,7 +78,11 @@ def test_kv_bytes_is_exact_for_packed_storage(bits):
     budget, batch, n_layers, heads = 10, 2, cfg.num_hidden_layers, cfg.num_key_value_heads
     cache = kvevict.make_cache(model, "h2o", budget=budget, kv_bits=bits, group=8)
     _logits(model, torch.randint(0, 128, (batch, 30)), cache)
-    expected = (budget * heads * _slot_bytes(16, bits, 8, H2O_STAT) + 8 + Storage(kv_bits=bits).row_bytes(heads, 16)) * n_layers * batch
+    expected = (
+        (budget * heads * _slot_bytes(16, bits, 8, H2O_STAT) + 8 + Storage(kv_bits=bits).row_bytes(heads, 16))
+        * n_layers
+        * batch
+    )
     assert cache.kv_bytes() == expected
     ptr = [layer.keys.data_ptr() for layer in cache.layers]
     assert all(layer.keys.dtype == torch.uint8 for layer in cache.layers)
@@ -126,8 +129,7 @@ def test_mixed_precision_with_a_covering_low_bit_tier_loses_no_token():
     model = tiny_model("llama-gqa")
     torch.manual_seed(4)
     prompt, steps = torch.randint(0, 128, (2, 30)), torch.randint(0, 128, (2, 8))
-    cache = kvevict.make_cache(model, "h2o", budget=10, recent=4, kv_bits=None, evicted_bits=16,
-                               evicted_budget=40)
+    cache = kvevict.make_cache(model, "h2o", budget=10, recent=4, kv_bits=None, evicted_bits=16, evicted_budget=40)
     got = _stream(model, cache, prompt, steps)
     for layer in cache.layers:
         hi, lo = layer.tiers
@@ -164,11 +166,25 @@ def test_packed_storage_on_a_padded_batch_equals_each_row_alone():
     mask = torch.ones_like(ids)
     mask[1, :6] = 0
     kw = dict(policy="h2o", budget=10, recent=3, kv_bits=4, group=8, evicted_bits=2, evicted_budget=6)
-    out = model.generate(ids, attention_mask=mask, cache=kvevict.make_cache(model, **kw),
-                         max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        cache=kvevict.make_cache(model, **kw),
+        max_new_tokens=8,
+        min_new_tokens=8,
+        do_sample=False,
+        pad_token_id=0,
+    )
     for row, x in ((0, a), (1, b)):
-        alone = model.generate(x, attention_mask=torch.ones_like(x), cache=kvevict.make_cache(model, **kw),
-                               max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+        alone = model.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            cache=kvevict.make_cache(model, **kw),
+            max_new_tokens=8,
+            min_new_tokens=8,
+            do_sample=False,
+            pad_token_id=0,
+        )
         assert torch.equal(out[row, -8:], alone[0, -8:])
 
 
@@ -195,22 +211,34 @@ def test_batch_operations_on_packed_storage():
 def test_beam_search_and_compact_positions_run_on_packed_storage():
     model = tiny_model("llama-gqa")
     ids = torch.randint(0, 128, (1, 20))
-    cache = kvevict.make_cache(model, "h2o", budget=8, kv_bits=4, group=8, evicted_bits=2, evicted_budget=8,
-                               compact=True)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, num_beams=2,
-                         max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    cache = kvevict.make_cache(
+        model, "h2o", budget=8, kv_bits=4, group=8, evicted_bits=2, evicted_budget=8, compact=True
+    )
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        cache=cache,
+        num_beams=2,
+        max_new_tokens=6,
+        min_new_tokens=6,
+        do_sample=False,
+        pad_token_id=0,
+    )
     assert out.shape == (1, 26)
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(kv_bits=3), "kv_bits must be one of"),
-    (dict(kv_bits=True), "kv_bits must be one of"),
-    (dict(evicted_bits=5), "evicted_bits must be one of"),
-    (dict(kv_bits=4, group=5), "does not divide the head dimension 8"),
-    (dict(kv_bits=4, group=0), "group must be a positive"),
-    (dict(evicted_budget=10), "give evicted_bits too"),
-    (dict(evicted_bits=2, evicted_budget=1.5), "fraction of the prompt"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(kv_bits=3), "kv_bits must be one of"),
+        (dict(kv_bits=True), "kv_bits must be one of"),
+        (dict(evicted_bits=5), "evicted_bits must be one of"),
+        (dict(kv_bits=4, group=5), "does not divide the head dimension 8"),
+        (dict(kv_bits=4, group=0), "group must be a positive"),
+        (dict(evicted_budget=10), "give evicted_bits too"),
+        (dict(evicted_bits=2, evicted_budget=1.5), "fraction of the prompt"),
+    ],
+)
 def test_bad_storage_options_are_clear_errors(kw, match):
     model = tiny_model("llama-gqa")
     with pytest.raises(ValueError, match=match):
@@ -272,8 +300,16 @@ def test_a_memory_budget_holds_in_kv_bytes(memory):
     assert cache.kv_bytes() >= 0.6 * memory * cache.full_kv_bytes()  # and uses most of it
 
 
-@pytest.mark.parametrize("memory, match", [(0.0, "in \\(0, 1\\]"), (1.5, "in \\(0, 1\\]"), ("lots", "cannot read"),
-                                           (True, "fraction"), ("10", "less than one 4-bit token")])
+@pytest.mark.parametrize(
+    "memory, match",
+    [
+        (0.0, "in \\(0, 1\\]"),
+        (1.5, "in \\(0, 1\\]"),
+        ("lots", "cannot read"),
+        (True, "fraction"),
+        ("10", "less than one 4-bit token"),
+    ],
+)
 def test_bad_memory_budgets_are_clear_errors(memory, match):
     with pytest.raises(ValueError, match=match):
         kvevict.make_cache(tiny_model("llama-gqa"), "h2o", memory=memory)
@@ -296,7 +332,9 @@ def test_rank_statistics_are_float16_and_counters_float32():
     grow["sum"][..., 0] = 7e4
     tier.accumulate(grow, 0, 1.0, 1)
     # a sum past float16's range saturates, finite and still first
-    assert torch.isfinite(tier.stats["sum"]).all() and tier.stats["sum"][..., 0].eq(torch.finfo(torch.float16).max).all()
+    assert (
+        torch.isfinite(tier.stats["sum"]).all() and tier.stats["sum"][..., 0].eq(torch.finfo(torch.float16).max).all()
+    )
     assert tier.candidates(None, 20, 8, 0).stats["sum"].dtype == torch.float32  # policies score in float32
     cache = kvevict.make_cache(model, "aqas", budget=8)  # hits: a counter
     _logits(model, torch.randint(0, 128, (1, 20)), cache)

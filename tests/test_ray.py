@@ -33,8 +33,18 @@ def local_ray():
 
 
 def test_ray_actors_run_the_grid_like_one_process(folder, tmp_path, local_ray):
-    grid = [{"policy": p, "budget": None if p == "full" else 16, "tokens": 60, "depth": d, "haystack": "filler",
-             "max_new_tokens": 4} for p in ("full", "h2o", "recency") for d in (0.0, 1.0)]
+    grid = [
+        {
+            "policy": p,
+            "budget": None if p == "full" else 16,
+            "tokens": 60,
+            "depth": d,
+            "haystack": "filler",
+            "max_new_tokens": 4,
+        }
+        for p in ("full", "h2o", "recency")
+        for d in (0.0, 1.0)
+    ]
     run_grid(grid, FN, folder, tmp_path / "inline.jsonl", executor="inline", progress=False)
     ex = RayExecutor(folder, workers=2, threads=1)
     try:
@@ -46,7 +56,9 @@ def test_ray_actors_run_the_grid_like_one_process(folder, tmp_path, local_ray):
     finally:
         ex.close()
     key = lambda r: (r["grid_key"], r["text"], r["kv_bytes"], r["full_kv_bytes"])  # noqa: E731
-    assert sorted(map(key, read_records(tmp_path / "ray.jsonl"))) == sorted(map(key, read_records(tmp_path / "inline.jsonl")))
+    assert sorted(map(key, read_records(tmp_path / "ray.jsonl"))) == sorted(
+        map(key, read_records(tmp_path / "inline.jsonl"))
+    )
 
 
 def test_two_replicas_under_ray_serve_behind_one_openai_api(folder, local_ray):
@@ -58,11 +70,15 @@ def test_two_replicas_under_ray_serve_behind_one_openai_api(folder, local_ray):
     url = f"http://127.0.0.1:{port}"
     client = openai.OpenAI(base_url=url + "/v1", api_key="t", max_retries=0, timeout=60)
     messages = [{"role": "user", "content": "Hello from Ray."}]
-    answers = {client.chat.completions.create(model="tiny", messages=messages).choices[0].message.content
-               for _ in range(4)}
+    answers = {
+        client.chat.completions.create(model="tiny", messages=messages).choices[0].message.content for _ in range(4)
+    }
     assert len(answers) == 1  # the same weights and greedy decoding on every replica
-    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model="tiny", messages=messages, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(model="tiny", messages=messages, stream=True)
+        if c.choices
+    )
     assert {streamed} == answers
     with pytest.raises(openai.BadRequestError, match="kv_budget"):
         client.chat.completions.create(model="tiny", messages=messages, extra_body={"kv_budget": -1})

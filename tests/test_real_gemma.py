@@ -7,9 +7,9 @@ import torch
 from transformers import DynamicCache
 
 import kvevict
-from kvevict.storage import PAGE
 from kvevict.data.essays import haystack
 from kvevict.generate import dynamic_kv_bytes
+from kvevict.storage import PAGE
 
 
 def test_tokenizer_and_shape_facts(gemma_model):
@@ -34,7 +34,7 @@ def test_covering_budget_equals_the_stock_cache_past_the_window(gemma_model):
     def run(cache):
         with torch.no_grad():
             out = [model(ids, cache=cache, logits_to_keep=1).logits]
-            out += [model(steps[:, i:i + 1], cache=cache).logits for i in range(steps.shape[1])]
+            out += [model(steps[:, i : i + 1], cache=cache).logits for i in range(steps.shape[1])]
         return out
 
     model.set_attn_implementation("sdpa")

@@ -25,10 +25,10 @@ def test_real_model_full_budget_equals_dynamic_cache(real_model):
         model.set_attn_implementation("sdpa")
         ref_cache = DynamicCache(config=model.config)
         ref = [model(ids, cache=ref_cache).logits]
-        ref += [model(steps[:, i:i + 1], cache=ref_cache).logits for i in range(3)]
+        ref += [model(steps[:, i : i + 1], cache=ref_cache).logits for i in range(3)]
         cache = kvevict.make_cache(model, "h2o", budget=ids.shape[1] + 3)
         got = [model(ids, cache=cache).logits]
-        got += [model(steps[:, i:i + 1], cache=cache).logits for i in range(3)]
+        got += [model(steps[:, i : i + 1], cache=cache).logits for i in range(3)]
     for r, g in zip(ref, got):
         assert (r - g).abs().max().item() < 1e-4
 
@@ -48,19 +48,38 @@ def test_real_model_h2o_generation_holds_the_budget(real_model):
 def test_cli_generate_prints_answer_and_memory(tmp_path, real_model):
     prompt = tmp_path / "p.txt"
     prompt.write_text("What is the capital of France?")
-    out = subprocess.run([sys.executable, "-m", "kvevict.cli", "generate", "--prompt-file", str(prompt),
-                          "--budget", "16", "--max-new-tokens", "8", "--threads", "2"],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvevict.cli",
+            "generate",
+            "--prompt-file",
+            str(prompt),
+            "--budget",
+            "16",
+            "--max-new-tokens",
+            "8",
+            "--threads",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
     assert "KV held" in out.stderr and "vs 16-bit stock cache" in out.stderr
 
 
 def test_cli_bad_input_is_one_clear_line(tmp_path):
-    for args, message in ((["--prompt", "hi", "--policy", "nope"], "unknown policy 'nope'"),
-                          (["--prompt", "hi", "--budget", "1.5"], "(0, 1]"),
-                          (["--prompt-file", str(tmp_path / "missing.txt")], "does not exist")):
-        out = subprocess.run([sys.executable, "-m", "kvevict.cli", "generate", *args],
-                             capture_output=True, text=True, timeout=300)
+    for args, message in (
+        (["--prompt", "hi", "--policy", "nope"], "unknown policy 'nope'"),
+        (["--prompt", "hi", "--budget", "1.5"], "(0, 1]"),
+        (["--prompt-file", str(tmp_path / "missing.txt")], "does not exist"),
+    ):
+        out = subprocess.run(
+            [sys.executable, "-m", "kvevict.cli", "generate", *args], capture_output=True, text=True, timeout=300
+        )
         assert out.returncode == 2
         assert message in out.stderr and "Traceback" not in out.stderr

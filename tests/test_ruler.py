@@ -3,9 +3,9 @@
 import json
 
 import pytest
+
 from conftest import tiny_model
 from eval_helpers import tiny_tokenizer
-
 from kvevict.data.ruler import OTHER_TASKS, TASKS, TOKENS_TO_GENERATE, punkt_ready, ruler_samples, string_match_all
 from kvevict.eval.runner import run_grid
 from kvevict.eval.tasks import TASKS as EVAL_TASKS
@@ -127,7 +127,8 @@ def test_grid_runs_a_ruler_task_with_memory_cells(tmp_path, tok):
     run_grid(model, tok, [Tiny(lengths=(512,))], ["mem", "mem-h2o"], [0.2], 2, tmp_path, "tiny", log=lambda m: None)
     recs = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
     assert sorted((r["policy"], r["sample"]) for r in recs) == sorted(
-        (p, s) for p in ("full", "mem", "mem-h2o") for s in ("512-0", "512-1"))
+        (p, s) for p in ("full", "mem", "mem-h2o") for s in ("512-0", "512-1")
+    )
     for r in recs:
         assert 0.0 <= r["scores"]["score"] <= 1.0 and r["task"] == "ruler-niah_single_1"
         if r["policy"] != "full":

@@ -14,17 +14,15 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 import kvevict  # noqa: E402
-from kvevict.storage import stat_bytes  # noqa: E402
-from kvevict.storage import page_slots  # noqa: E402
 from kvevict.generate import generate  # noqa: E402
 from kvevict.serve.server import ServerThread, build  # noqa: E402
+from kvevict.storage import page_slots, stat_bytes  # noqa: E402
 from tiny_chat_model import save_tiny_chat_model  # noqa: E402
 
 MODEL = "tiny"
 # kv_bits=None: rows in the model's dtype, compared with the library's cache (tests/test_serve_storage.py
 # covers the packed default)
-DEFAULTS = dict(model_id=MODEL, policy="h2o", budget=8, max_tokens=16, max_tokens_limit=480, max_batch=8,
-                kv_bits=None)
+DEFAULTS = dict(model_id=MODEL, policy="h2o", budget=8, max_tokens=16, max_tokens_limit=480, max_batch=8, kv_bits=None)
 
 
 @pytest.fixture(scope="module")
@@ -105,14 +103,23 @@ def test_models_health_and_metrics_format(server, client):
     assert status == 200 and json.loads(body)["status"] == "ok"
     status, text = _get(srv.url, "/metrics")
     assert status == 200
-    for name in ("kvevict_requests_total", "kvevict_generated_tokens_total", "kvevict_tokens_per_second",
-                 "kvevict_kv_bytes_held", "kvevict_evicted_tokens_total"):
+    for name in (
+        "kvevict_requests_total",
+        "kvevict_generated_tokens_total",
+        "kvevict_tokens_per_second",
+        "kvevict_kv_bytes_held",
+        "kvevict_evicted_tokens_total",
+    ):
         assert f"# TYPE {name} " in text
     # the values move with a request: one completed, its tokens counted, evictions past an 8-token budget
     done0 = metric(srv.url, "kvevict_requests_total", outcome="completed")
     gen0, ev0 = metric(srv.url, "kvevict_generated_tokens_total"), metric(srv.url, "kvevict_evicted_tokens_total")
-    r = client.chat.completions.create(model=MODEL, messages=chat("count the metrics, please"), max_tokens=6,
-                                       extra_body={"kv_policy": "h2o", "kv_budget": 8})
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=chat("count the metrics, please"),
+        max_tokens=6,
+        extra_body={"kv_policy": "h2o", "kv_budget": 8},
+    )
     assert metric(srv.url, "kvevict_requests_total", outcome="completed") - done0 == 1
     assert metric(srv.url, "kvevict_generated_tokens_total") - gen0 == r.usage.completion_tokens >= 1
     assert metric(srv.url, "kvevict_evicted_tokens_total") > ev0 and metric(srv.url, "kvevict_kv_bytes_peak") > 0
@@ -121,8 +128,9 @@ def test_models_health_and_metrics_format(server, client):
 def test_chat_equals_generate_alone_and_reports_kv_bytes(client, reference):
     model, tok = reference
     messages = chat("Tell me a story about a fox and a crow, please.")
-    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16,
-                                       extra_body={"kv_policy": "h2o", "kv_budget": 8})
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=16, extra_body={"kv_policy": "h2o", "kv_budget": 8}
+    )
     want = generate(model, tok, messages, "h2o", 8, max_new_tokens=16)
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content.strip() == want.text
@@ -151,8 +159,11 @@ def test_streaming_equals_plain_and_ends_with_done(server, client):
     srv, _ = server
     messages = chat("Name three colours.")
     plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=16, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == plain.choices[0].message.content
@@ -163,8 +174,12 @@ def test_streaming_equals_plain_and_ends_with_done(server, client):
     # the wire format itself: SSE events, the last one [DONE]
     host, port = srv.url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    conn.request("POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": "abc", "max_tokens": 5,
-                                                        "stream": True}), {"Content-Type": "application/json"})
+    conn.request(
+        "POST",
+        "/v1/completions",
+        json.dumps({"model": MODEL, "prompt": "abc", "max_tokens": 5, "stream": True}),
+        {"Content-Type": "application/json"},
+    )
     resp = conn.getresponse()
     assert resp.getheader("content-type").startswith("text/event-stream")
     events = [e for e in resp.read().decode().split("\n\n") if e]
@@ -219,8 +234,14 @@ def test_64_concurrent_requests_batched_none_lost_each_as_alone_memory_bounded(s
     srv, engine = server
     model, tok = reference
     groups = [("h2o", 8), ("full", None), ("h2o", 0.5), ("recency", 8)]
-    asks = [(f"Question {i}: what is {'abcdefgh'[: 1 + i % 8]} backwards?" + " please" * (i % 5),
-             *groups[i % 4], i % 3 == 0) for i in range(64)]
+    asks = [
+        (
+            f"Question {i}: what is {'abcdefgh'[: 1 + i % 8]} backwards?" + " please" * (i % 5),
+            *groups[i % 4],
+            i % 3 == 0,
+        )
+        for i in range(64)
+    ]
     completed0 = metric(srv.url, "kvevict_requests_total", outcome="completed")
     generated0 = metric(srv.url, "kvevict_generated_tokens_total")
     log0 = len(engine.log)
@@ -272,16 +293,31 @@ def test_seeded_sampling_repeats_and_stop_strings_cut(client):
     a = client.chat.completions.create(**kw, seed=7).choices[0].message.content
     assert a == client.chat.completions.create(**kw, seed=7).choices[0].message.content
     assert {a} != {client.chat.completions.create(**kw, seed=s).choices[0].message.content for s in (1, 2, 3)}
-    full = client.chat.completions.create(model=MODEL, messages=chat("Stop me."), max_tokens=16,
-                                          extra_body={"ignore_eos": True}).choices[0].message.content
+    full = (
+        client.chat.completions.create(
+            model=MODEL, messages=chat("Stop me."), max_tokens=16, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .message.content
+    )
     stop = full[6:8]
     cut = full[: full.find(stop)]
-    r = client.chat.completions.create(model=MODEL, messages=chat("Stop me."), max_tokens=16, stop=[stop, "\x00"],
-                                       extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(
+        model=MODEL, messages=chat("Stop me."), max_tokens=16, stop=[stop, "\x00"], extra_body={"ignore_eos": True}
+    )
     assert (r.choices[0].message.content, r.choices[0].finish_reason) == (cut, "stop")
-    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model=MODEL, messages=chat("Stop me."), max_tokens=16, stop=stop, stream=True,
-        extra_body={"ignore_eos": True}) if c.choices)
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(
+            model=MODEL,
+            messages=chat("Stop me."),
+            max_tokens=16,
+            stop=stop,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        if c.choices
+    )
     assert streamed == cut
 
 
@@ -302,8 +338,9 @@ def open_stream(url, body):
     """A streamed chat request read up to its third token; returns (the connection, its request id)."""
     host, port = url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    conn.request("POST", "/v1/chat/completions", json.dumps({**body, "stream": True}),
-                 {"Content-Type": "application/json"})
+    conn.request(
+        "POST", "/v1/chat/completions", json.dumps({**body, "stream": True}), {"Content-Type": "application/json"}
+    )
     resp = conn.getresponse()
     events = []
     while len(events) < 4:  # the role event and three tokens
@@ -319,8 +356,13 @@ def test_client_disconnect_drops_its_sequence_and_frees_its_cache(folder):
     with ServerThread(app) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="t", max_retries=0, timeout=60)
         stayer = {}
-        t = threading.Thread(target=lambda: stayer.update(r=client.chat.completions.create(
-            model=MODEL, messages=long["messages"], max_tokens=400, extra_body={"ignore_eos": True})))
+        t = threading.Thread(
+            target=lambda: stayer.update(
+                r=client.chat.completions.create(
+                    model=MODEL, messages=long["messages"], max_tokens=400, extra_body={"ignore_eos": True}
+                )
+            )
+        )
         t.start()
         conn, leaver = open_stream(srv.url, long)
         conn.sock.close()  # the client goes away mid-stream
@@ -336,16 +378,21 @@ def test_client_disconnect_drops_its_sequence_and_frees_its_cache(folder):
         assert 0 < shrink[0]["kv_bytes"] * 2 <= shrink[0]["kv_bytes_before"]
         assert metric(srv.url, "kvevict_requests_total", outcome="cancelled") == 1
         # a non-streamed request whose client gives up while it waits (both rows busy) is cancelled too
-        busy = [threading.Thread(target=client.chat.completions.create, kwargs=dict(
-            model=MODEL, messages=long["messages"], max_tokens=400, extra_body={"ignore_eos": True}))
-            for _ in range(2)]
+        busy = [
+            threading.Thread(
+                target=client.chat.completions.create,
+                kwargs=dict(model=MODEL, messages=long["messages"], max_tokens=400, extra_body={"ignore_eos": True}),
+            )
+            for _ in range(2)
+        ]
         for b in busy:
             b.start()
         assert _wait(lambda: metric(srv.url, "kvevict_running_sequences") == 2)
         impatient = openai.OpenAI(base_url=srv.url + "/v1", api_key="t", max_retries=0, timeout=0.3)
         with pytest.raises(openai.APITimeoutError):
-            impatient.chat.completions.create(model=MODEL, messages=chat("Never mind."), max_tokens=400,
-                                              extra_body={"ignore_eos": True})
+            impatient.chat.completions.create(
+                model=MODEL, messages=chat("Never mind."), max_tokens=400, extra_body={"ignore_eos": True}
+            )
         assert _wait(lambda: metric(srv.url, "kvevict_requests_total", outcome="cancelled") == 2)
         assert [e["event"] for e in engine.log if e.get("id") == _last_id(engine)] == ["cancelled"]
         for b in busy:
@@ -363,8 +410,10 @@ def test_budget_round_lets_prompts_of_different_lengths_share_a_batch(folder, re
         results = [None, None]
 
         def ask(i):
-            results[i] = client.chat.completions.create(model=MODEL, messages=chat(texts[i]), max_tokens=8,
-                                                        extra_body={"kv_budget": 0.3})
+            results[i] = client.chat.completions.create(
+                model=MODEL, messages=chat(texts[i]), max_tokens=8, extra_body={"kv_budget": 0.3}
+            )
+
         threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
         for t in threads:
             t.start()
@@ -375,5 +424,7 @@ def test_budget_round_lets_prompts_of_different_lengths_share_a_batch(folder, re
     assert exact[0] != exact[1] and budgets[0] == budgets[1] == -(-max(exact) // 16) * 16
     assert max(e["size"] for e in engine.log if e["event"] == "join") == 2  # one batch, one cache
     for text, r in zip(texts, results):  # each as alone with the rounded token budget
-        assert r.choices[0].message.content.strip() == generate(model, tok, chat(text), "h2o", budgets[0],
-                                                                max_new_tokens=8).text
+        assert (
+            r.choices[0].message.content.strip()
+            == generate(model, tok, chat(text), "h2o", budgets[0], max_new_tokens=8).text
+        )

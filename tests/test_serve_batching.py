@@ -4,7 +4,6 @@ driven over loopback with the official openai client (tiny model; the real one f
 
 import asyncio
 import threading
-import time
 
 import pytest
 import torch
@@ -19,8 +18,7 @@ from kvevict.serve.detokenize import TextStream  # noqa: E402
 from kvevict.serve.sampling import next_token, pick_tokens  # noqa: E402
 from kvevict.serve.server import ServerThread, build  # noqa: E402
 from kvevict.storage import PAGE  # noqa: E402
-from test_serve import (DEFAULTS, MODEL, _wait, chat, folder, held_bytes, metric, reference,  # noqa: E402,F401
-                        token_bytes)
+from test_serve import DEFAULTS, MODEL, _wait, chat, folder, held_bytes, metric, reference, token_bytes  # noqa: E402,F401
 from tiny_chat_model import char_tokenizer  # noqa: E402
 
 LONG = dict(max_tokens=300, extra_body={"ignore_eos": True})
@@ -56,8 +54,10 @@ def test_a_request_arriving_mid_decode_joins_before_the_running_one_ends(folder,
     # the timeline: b was admitted while a decoded, ran beside it, and left first
     assert admitted[a]["t"] < admitted[b]["t"] < finished[b]["t"] < finished[a]["t"]
     assert admitted[b]["running"] == 1
-    assert short.choices[0].message.content.strip() == generate(
-        model, tok, chat("Quick one?"), policy, DEFAULTS["budget"], max_new_tokens=8).text
+    assert (
+        short.choices[0].message.content.strip()
+        == generate(model, tok, chat("Quick one?"), policy, DEFAULTS["budget"], max_new_tokens=8).text
+    )
     assert _events(engine, "join")[b]["size"] == 2  # one cache: it joined the running batch
 
 
@@ -67,10 +67,18 @@ def test_admission_queues_when_memory_is_full_and_never_exceeds_it(folder, refer
     app, engine = build(folder, {**DEFAULTS, "max_batch": 8, "kv_memory": int(2.5 * PAGE * token_bytes(model))})
     texts = [f"Request number {i}, tell me something." for i in range(6)]
     with ServerThread(app) as srv:
+
         async def main():
             async with openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="t", max_retries=0, timeout=120) as ac:
-                return await asyncio.gather(*(ac.chat.completions.create(
-                    model=MODEL, messages=chat(t), max_tokens=20, extra_body={"ignore_eos": True}) for t in texts))
+                return await asyncio.gather(
+                    *(
+                        ac.chat.completions.create(
+                            model=MODEL, messages=chat(t), max_tokens=20, extra_body={"ignore_eos": True}
+                        )
+                        for t in texts
+                    )
+                )
+
         got = asyncio.run(main())
         text = _metrics(srv.url)
     assert all(r.usage.completion_tokens == 20 for r in got)  # none failed, none lost
@@ -80,8 +88,13 @@ def test_admission_queues_when_memory_is_full_and_never_exceeds_it(folder, refer
     assert max(e["running"] for e in admits) == 1  # at most two at once
     assert sum(e["waited"] > 0.01 for e in admits) >= 3  # the others queued
     assert engine.metrics.get("kvevict_kv_bytes_peak") <= engine.settings.kv_memory
-    for name in ("kvevict_kv_bytes_held", "kvevict_queued_requests", "kvevict_tokens_per_second",
-                 'kvevict_time_to_first_token_seconds{quantile="0.95"}', "kvevict_kv_memory_bytes"):
+    for name in (
+        "kvevict_kv_bytes_held",
+        "kvevict_queued_requests",
+        "kvevict_tokens_per_second",
+        'kvevict_time_to_first_token_seconds{quantile="0.95"}',
+        "kvevict_kv_memory_bytes",
+    ):
         assert name in text
     assert f"kvevict_kv_memory_bytes {engine.settings.kv_memory}" in text
     assert "kvevict_time_to_first_token_seconds_count 6" in text
@@ -98,8 +111,9 @@ def test_a_request_bigger_than_the_whole_memory_is_a_400(folder):
     with ServerThread(app) as srv:
         client = _client(srv)
         with pytest.raises(openai.BadRequestError, match="more than the server's kv_memory"):
-            client.chat.completions.create(model=MODEL, messages=chat("hi"), max_tokens=400,
-                                           extra_body={"kv_policy": "full"})
+            client.chat.completions.create(
+                model=MODEL, messages=chat("hi"), max_tokens=400, extra_body={"kv_policy": "full"}
+            )
         r = client.chat.completions.create(model=MODEL, messages=chat("hi"), max_tokens=4)  # budget 8 fits
         assert r.usage.completion_tokens >= 1
 
@@ -110,10 +124,15 @@ def test_pyramidkv_budget_checked_per_layer_and_fails_only_its_request(folder):
         client = _client(srv)
         # budget 12 fits recent=4, but PyramidKV gives the deepest of the 3 layers 1 token
         with pytest.raises(openai.BadRequestError, match="its layers get 1 to 23 tokens"):
-            client.chat.completions.create(model=MODEL, messages=chat("hi"), max_tokens=4,
-                                           extra_body={"kv_policy": "pyramidkv", "kv_budget": 12, "kv_recent": 4})
-        ok = client.chat.completions.create(model=MODEL, messages=chat("hi"), max_tokens=4,
-                                            extra_body={"kv_policy": "pyramidkv", "kv_budget": 64})
+            client.chat.completions.create(
+                model=MODEL,
+                messages=chat("hi"),
+                max_tokens=4,
+                extra_body={"kv_policy": "pyramidkv", "kv_budget": 12, "kv_recent": 4},
+            )
+        ok = client.chat.completions.create(
+            model=MODEL, messages=chat("hi"), max_tokens=4, extra_body={"kv_policy": "pyramidkv", "kv_budget": 64}
+        )
         assert ok.usage.kv_budget_tokens == 64
 
 
@@ -179,9 +198,11 @@ def test_default_budget_is_each_sequences_share_of_the_memory(folder, reference)
     engine.stop()
     per_token, rest = engine.budgeter.per_token("h2o")  # K, V and H2O's state of one kept token
     assert per_token > token_bytes(model)
-    for memory, want in ((4 * (rest + 200 * per_token), 192),  # 200 tokens each, down to a multiple of 64
-                         (4 * (rest + 10 * per_token), 64),  # never below the floor (min_budget)
-                         (1 << 40, model.config.max_position_embeddings)):  # never past the context
+    for memory, want in (
+        (4 * (rest + 200 * per_token), 192),  # 200 tokens each, down to a multiple of 64
+        (4 * (rest + 10 * per_token), 64),  # never below the floor (min_budget)
+        (1 << 40, model.config.max_position_embeddings),
+    ):  # never past the context
         _, engine = build(folder, {"model_id": MODEL, "kv_memory": memory, "max_batch": 4, "kv_bits": None})
         engine.stop()
         assert engine.settings.budget == want
@@ -203,10 +224,15 @@ def test_mixed_policies_and_budgets_share_one_batch_each_equal_its_answer_alone(
 
         async def main():
             async with openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="t", max_retries=0, timeout=120) as ac:
-                return await asyncio.gather(*(ac.chat.completions.create(
-                    model=MODEL, messages=chat(text), max_tokens=12,
-                    extra_body={"kv_policy": p, "kv_budget": b})
-                    for text, (p, b) in zip(texts, MIXED)))
+                return await asyncio.gather(
+                    *(
+                        ac.chat.completions.create(
+                            model=MODEL, messages=chat(text), max_tokens=12, extra_body={"kv_policy": p, "kv_budget": b}
+                        )
+                        for text, (p, b) in zip(texts, MIXED)
+                    )
+                )
+
         got = asyncio.run(main())
         t.join(60)
     for text, (policy, _b), r in zip(texts, MIXED, got):
@@ -274,10 +300,13 @@ def test_64_clients_mixing_short_chats_and_long_prompts_short_ones_hold_their_ow
     app, engine = build(folder, {**DEFAULTS, "budget": 256, "max_batch": 64, "kv_memory": memory})
     asks = [("Tell me a story. " * 25 if i % 4 == 0 else f"Hi {i}, name a colour.") for i in range(64)]
     with ServerThread(app) as srv:
+
         async def main():
             async with openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="t", max_retries=0, timeout=300) as ac:
-                return await asyncio.gather(*(ac.chat.completions.create(
-                    model=MODEL, messages=chat(text), max_tokens=8) for text in asks))
+                return await asyncio.gather(
+                    *(ac.chat.completions.create(model=MODEL, messages=chat(text), max_tokens=8) for text in asks)
+                )
+
         got = asyncio.run(main())
         peak = metric(srv.url, "kvevict_kv_bytes_peak")
         pool = metric(srv.url, "kvevict_kv_pool_bytes")

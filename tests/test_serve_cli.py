@@ -18,9 +18,29 @@ from tiny_chat_model import save_tiny_chat_model  # noqa: E402
 def test_kvevict_serve_starts_answers_and_stops(tmp_path):
     folder = save_tiny_chat_model(tmp_path / "tiny")
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kvevict.cli", "serve", "--model", str(folder), "--port", str(port),
-                             "--served-name", "tiny", "--policy", "recency", "--budget", "12", "--threads", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvevict.cli",
+            "serve",
+            "--model",
+            str(folder),
+            "--port",
+            str(port),
+            "--served-name",
+            "tiny",
+            "--policy",
+            "recency",
+            "--budget",
+            "12",
+            "--threads",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 90
         while True:
@@ -33,8 +53,9 @@ def test_kvevict_serve_starts_answers_and_stops(tmp_path):
                 assert time.monotonic() < deadline, "server did not come up in 90 s"
                 time.sleep(0.25)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="t", max_retries=0, timeout=30)
-        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi there"}],
-                                           max_tokens=6)
+        r = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi there"}], max_tokens=6
+        )
         assert r.usage.kv_policy == "recency" and r.usage.kv_budget_tokens == 12  # the CLI's defaults
     finally:
         proc.terminate()
@@ -43,9 +64,26 @@ def test_kvevict_serve_starts_answers_and_stops(tmp_path):
 
 def _start(folder, port, *flags):
     """``kvevict serve`` on the tiny model, returned once /health answers."""
-    proc = subprocess.Popen([sys.executable, "-m", "kvevict.cli", "serve", "--model", str(folder), "--port", str(port),
-                             "--served-name", "tiny", "--threads", "1", *flags],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvevict.cli",
+            "serve",
+            "--model",
+            str(folder),
+            "--port",
+            str(port),
+            "--served-name",
+            "tiny",
+            "--threads",
+            "1",
+            *flags,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + 90
     while True:
         assert proc.poll() is None, proc.stdout.read()
@@ -66,15 +104,19 @@ def test_sigterm_drains_503_for_new_requests_in_flight_ones_finish_exit_0(tmp_pa
 
     folder = save_tiny_chat_model(tmp_path / "tiny")
     port = free_port()
-    proc = _start(folder, port, "--policy", "full", "--max-batch", "1", "--drain-timeout", "120",
-                  "--api-key", "k")
+    proc = _start(folder, port, "--policy", "full", "--max-batch", "1", "--drain-timeout", "120", "--api-key", "k")
     try:
-        kw = dict(model="tiny", messages=[{"role": "user", "content": "go on"}], max_tokens=480,
-                  extra_body={"ignore_eos": True})
+        kw = dict(
+            model="tiny",
+            messages=[{"role": "user", "content": "go on"}],
+            max_tokens=480,
+            extra_body={"ignore_eos": True},
+        )
 
         async def main():
-            async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0,
-                                          timeout=300) as ac:
+            async with openai.AsyncOpenAI(
+                base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0, timeout=300
+            ) as ac:
                 first = await ac.chat.completions.create(**kw, stream=True)
                 rest = [asyncio.create_task(ac.chat.completions.create(**kw)) for _ in range(7)]
                 await first.__anext__()  # decoding has begun
@@ -98,17 +140,20 @@ def test_sigterm_drains_503_for_new_requests_in_flight_ones_finish_exit_0(tmp_pa
             proc.wait(30)
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--max-queue", "0"], "--max-queue must be >= 1"),
-    (["--request-timeout", "0"], "--request-timeout must be a positive number of seconds"),
-    (["--protect-metrics"], "--protect-metrics keys /metrics with the API key"),
-    (["--api-key", " "], "--api-key / KVEVICT_API_KEY must be a non-empty key"),
-    (["--budget", "0"], "positive"),
-    (["--policy", "h20"], "unknown --policy 'h20'"),
-    (["--max-batch", "0"], "--max-batch must be >= 1"),
-    (["--kv-memory", "lots"], "--kv-memory takes a size such as 512MiB or 2GiB, got 'lots'"),
-    (["--min-budget", "0"], "--min-budget must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--max-queue", "0"], "--max-queue must be >= 1"),
+        (["--request-timeout", "0"], "--request-timeout must be a positive number of seconds"),
+        (["--protect-metrics"], "--protect-metrics keys /metrics with the API key"),
+        (["--api-key", " "], "--api-key / KVEVICT_API_KEY must be a non-empty key"),
+        (["--budget", "0"], "positive"),
+        (["--policy", "h20"], "unknown --policy 'h20'"),
+        (["--max-batch", "0"], "--max-batch must be >= 1"),
+        (["--kv-memory", "lots"], "--kv-memory takes a size such as 512MiB or 2GiB, got 'lots'"),
+        (["--min-budget", "0"], "--min-budget must be >= 1"),
+    ],
+)
 def test_kvevict_serve_bad_flags_fail_clearly_before_loading(flags, message, capsys):
     from kvevict.cli import main
 
@@ -119,9 +164,24 @@ def test_kvevict_serve_bad_flags_fail_clearly_before_loading(flags, message, cap
 
 def test_kvevict_generate_default_budget_keeps_a_short_chat_whole(real_model):
     """Like the server's default: a token budget (1024) that a short chat never reaches."""
-    out = subprocess.run([sys.executable, "-m", "kvevict.cli", "generate", "--prompt",
-                          "What is the capital of France? Answer in one word.", "--max-new-tokens", "12",
-                          "--threads", "2", "--json"], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvevict.cli",
+            "generate",
+            "--prompt",
+            "What is the capital of France? Answer in one word.",
+            "--max-new-tokens",
+            "12",
+            "--threads",
+            "2",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout)
     assert res["budget"] == 1024 and res["prompt_tokens"] + res["new_tokens"] < 1024

@@ -53,6 +53,7 @@ def _in_background(fn, *args, **kwargs):
             box["r"] = fn(*args, **kwargs)
         except Exception as err:  # the test reads it
             box["err"] = err
+
     t = threading.Thread(target=run)
     t.start()
     return t, box
@@ -68,9 +69,12 @@ def test_api_key_401_on_every_v1_route_health_open_metrics_keyed_by_flag(folder)
     app, engine = build(folder, {**DEFAULTS, "api_key": KEY})
     with ServerThread(app) as srv:
         body = {"model": MODEL, "messages": chat("hi"), "max_tokens": 2}
-        for method, path, data in (("GET", "/v1/models", None), ("POST", "/v1/chat/completions", body),
-                                   ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi"}),
-                                   ("GET", "/v1/nothing-here", None)):
+        for method, path, data in (
+            ("GET", "/v1/models", None),
+            ("POST", "/v1/chat/completions", body),
+            ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi"}),
+            ("GET", "/v1/nothing-here", None),
+        ):
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
                 status, hdrs, text = _request(srv.url, method, path, data, headers)
                 err = json.loads(text)["error"]
@@ -147,8 +151,13 @@ def test_a_client_that_goes_away_frees_its_row_and_pages_within_one_decode_step(
     app, engine = build(folder, {**DEFAULTS, "max_batch": 4})  # h2o rows: pages of the pool
     _slow(engine, 0.02)
     with ServerThread(app) as srv:
-        t, stayer = _in_background(_client(srv).chat.completions.create, model=MODEL, messages=chat("I stay."),
-                                   max_tokens=300, extra_body={"ignore_eos": True})
+        t, stayer = _in_background(
+            _client(srv).chat.completions.create,
+            model=MODEL,
+            messages=chat("I stay."),
+            max_tokens=300,
+            extra_body={"ignore_eos": True},
+        )
         assert _wait(lambda: metric(srv.url, "kvevict_running_sequences") == 1)
         alone = metric(srv.url, "kvevict_kv_bytes_held")
         for streamed in (True, False):

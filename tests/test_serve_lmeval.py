@@ -17,8 +17,7 @@ from test_serve import DEFAULTS, folder  # noqa: E402,F401
 
 def _logliks(out) -> dict:
     """(doc id, choice) -> (log-likelihood, is_greedy) from lm-eval's logged samples."""
-    return {(s["doc_id"], i): tuple(r[0]) for s in out["samples"]["kvevict_tiny_mc"]
-            for i, r in enumerate(s["resps"])}
+    return {(s["doc_id"], i): tuple(r[0]) for s in out["samples"]["kvevict_tiny_mc"] for i, r in enumerate(s["resps"])}
 
 
 def test_lm_eval_local_completions_through_the_server_matches_kvevict_lm_eval(folder, tmp_path, monkeypatch):
@@ -31,15 +30,24 @@ def test_lm_eval_local_completions_through_the_server_matches_kvevict_lm_eval(fo
     from lm_eval.tasks import TaskManager
 
     manager = TaskManager(include_path=str(tasks))
-    direct = simple_evaluate(model="kvevict", model_args=f"pretrained={folder},policy=full", tasks=["kvevict_tiny_mc"],
-                             task_manager=manager, log_samples=True)
+    direct = simple_evaluate(
+        model="kvevict",
+        model_args=f"pretrained={folder},policy=full",
+        tasks=["kvevict_tiny_mc"],
+        task_manager=manager,
+        log_samples=True,
+    )
     monkeypatch.setenv("OPENAI_API_KEY", "lm-eval-key")  # local-completions sends it as the Bearer token
     app, engine = build(folder, {**DEFAULTS, "policy": "full", "api_key": "lm-eval-key"})
     with ServerThread(app) as srv:
         served = simple_evaluate(
-            model="local-completions", tasks=["kvevict_tiny_mc"], task_manager=manager, log_samples=True,
+            model="local-completions",
+            tasks=["kvevict_tiny_mc"],
+            task_manager=manager,
+            log_samples=True,
             model_args=f"model={DEFAULTS['model_id']},base_url={srv.url}/v1/completions,tokenizer={folder},"
-                       "tokenizer_backend=huggingface,tokenized_requests=True,num_concurrent=2,max_retries=1")
+            "tokenizer_backend=huggingface,tokenized_requests=True,num_concurrent=2,max_retries=1",
+        )
     want, got = _logliks(direct), _logliks(served)
     assert len(got) == len(want) == 7 and got.keys() == want.keys()
     for key in want:

@@ -4,21 +4,33 @@ runs, and each run's ratios against the same run's full cache and vLLM."""
 import json
 
 import pytest
-
 from benchmarks.serve_load import main
 
 
 def _run(folder, full, h2o, vllm):
     folder.mkdir()
-    systems = [{"system": name, "completed": 16, "requests": 16, "tokens_per_s": tps, "ttft_p50_s": 10.0 * tps,
-                "ttft_p95_s": 20.0 * tps, "peak_rss_mib": 1000 + int(tps)}
-               for name, tps in (("kvevict full cache", full), ("kvevict h2o", h2o), ("vllm-cpu", vllm))]
+    systems = [
+        {
+            "system": name,
+            "completed": 16,
+            "requests": 16,
+            "tokens_per_s": tps,
+            "ttft_p50_s": 10.0 * tps,
+            "ttft_p95_s": 20.0 * tps,
+            "peak_rss_mib": 1000 + int(tps),
+        }
+        for name, tps in (("kvevict full cache", full), ("kvevict h2o", h2o), ("vllm-cpu", vllm))
+    ]
     (folder / "results.json").write_text(json.dumps({"config": {"n": 16, "out": str(folder)}, "systems": systems}))
     return str(folder)
 
 
 def test_rounds_take_medians_and_pair_each_run_with_its_own_baselines(tmp_path):
-    runs = [_run(tmp_path / "r1", 2.0, 6.0, 3.0), _run(tmp_path / "r2", 4.0, 10.0, 5.0), _run(tmp_path / "r3", 3.0, 9.0, 4.0)]
+    runs = [
+        _run(tmp_path / "r1", 2.0, 6.0, 3.0),
+        _run(tmp_path / "r2", 4.0, 10.0, 5.0),
+        _run(tmp_path / "r3", 3.0, 9.0, 4.0),
+    ]
     assert main(["rounds", str(tmp_path / "out"), *runs]) == 0
     rows = {r["system"]: r for r in json.loads((tmp_path / "out" / "results.json").read_text())["medians"]}
     h2o = rows["kvevict h2o"]
@@ -37,9 +49,24 @@ def test_rounds_without_run_folders_says_what_to_give(tmp_path):
     first = _run(tmp_path / "r1", 2.0, 6.0, 3.0)
     other = tmp_path / "r2"
     other.mkdir()
-    (other / "results.json").write_text(json.dumps({"config": {}, "systems": [
-        {"system": "vllm-cpu", "completed": 1, "requests": 1, "tokens_per_s": 1.0, "ttft_p50_s": 1.0,
-         "ttft_p95_s": 1.0, "peak_rss_mib": 1}]}))
+    (other / "results.json").write_text(
+        json.dumps(
+            {
+                "config": {},
+                "systems": [
+                    {
+                        "system": "vllm-cpu",
+                        "completed": 1,
+                        "requests": 1,
+                        "tokens_per_s": 1.0,
+                        "ttft_p50_s": 1.0,
+                        "ttft_p95_s": 1.0,
+                        "peak_rss_mib": 1,
+                    }
+                ],
+            }
+        )
+    )
     with pytest.raises(SystemExit, match="r2 has no 'kvevict full cache', 'kvevict h2o'.*same --only"):
         main(["rounds", str(tmp_path / "out"), first, str(other)])
 
@@ -49,8 +76,17 @@ def test_packed_systems_run_the_h2o_server_with_kv_bits_and_bad_bits_are_refused
 
     from benchmarks.serve_load import commands
 
-    args = argparse.Namespace(threads=2, kv_memory=1 << 26, n=8, max_tokens=16, budget=128, kv_bits=[8, 4],
-                              mixed=False, vllm_python=None, max_seqs=None)
+    args = argparse.Namespace(
+        threads=2,
+        kv_memory=1 << 26,
+        n=8,
+        max_tokens=16,
+        budget=128,
+        kv_bits=[8, 4],
+        mixed=False,
+        vllm_python=None,
+        max_seqs=None,
+    )
     systems = commands(args)
     h2o = systems["kvevict h2o budget 128"][0]
     assert h2o[-2:] == ["--kv-bits", "none"]  # the server's default is int8: H2O in the model's dtype says so
@@ -62,6 +98,7 @@ def test_packed_systems_run_the_h2o_server_with_kv_bits_and_bad_bits_are_refused
 
 def test_gauges_are_read_from_kvevict_and_vllm_metrics_pages():
     from benchmarks.serve_load import gauge_values
+
     from kvevict.serve.metrics import Metrics
 
     m = Metrics()
@@ -70,11 +107,13 @@ def test_gauges_are_read_from_kvevict_and_vllm_metrics_pages():
     m.set("kvevict_kv_bytes_held", 2048)
     assert gauge_values(m.render()) == {"running": 37.0, "kv_bytes_held": 2048.0, "kv_bytes_reserved": 123456789.0}
     # vLLM labels its gauges per model and engine (a label's value may hold spaces): summed
-    vllm = ("# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
-            "# TYPE vllm:num_requests_running gauge\n"
-            'vllm:num_requests_running{engine="0",model_name="smollm2 135m"} 250.0\n'
-            'vllm:num_requests_running{engine="1",model_name="smollm2 135m"} 6.0\n'
-            'vllm:num_requests_waiting{engine="0",model_name="smollm2 135m"} 44.0\n')
+    vllm = (
+        "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+        "# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{engine="0",model_name="smollm2 135m"} 250.0\n'
+        'vllm:num_requests_running{engine="1",model_name="smollm2 135m"} 6.0\n'
+        'vllm:num_requests_waiting{engine="0",model_name="smollm2 135m"} 44.0\n'
+    )
     assert gauge_values(vllm) == {"running": 256.0}
 
 
@@ -83,8 +122,18 @@ def test_the_defaults_system_is_the_server_as_a_user_starts_it():
 
     from benchmarks.serve_load import commands
 
-    args = argparse.Namespace(threads=2, kv_memory=1 << 31, n=512, hi=40, max_tokens=64, budget=256, kv_bits=[],
-                              mixed=False, vllm_python="vllm-python", max_seqs=None)
+    args = argparse.Namespace(
+        threads=2,
+        kv_memory=1 << 31,
+        n=512,
+        hi=40,
+        max_tokens=64,
+        budget=256,
+        kv_bits=[],
+        mixed=False,
+        vllm_python="vllm-python",
+        max_seqs=None,
+    )
     systems = commands(args)
     defaults = systems["kvevict defaults"][0]
     # no policy, budget or storage chosen: only the memory, batch room and threads every system shares

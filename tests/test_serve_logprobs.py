@@ -55,16 +55,27 @@ def test_completion_echo_logprobs_equal_a_direct_forward_full_cache(server, refe
 
     async def main():
         async with _aclient(srv) as ac:
-            return await asyncio.gather(*(ac.completions.create(
-                model=MODEL, prompt=p, max_tokens=6, logprobs=5, echo=True,
-                extra_body={"kv_policy": "full", "ignore_eos": True}) for p in prompts))
+            return await asyncio.gather(
+                *(
+                    ac.completions.create(
+                        model=MODEL,
+                        prompt=p,
+                        max_tokens=6,
+                        logprobs=5,
+                        echo=True,
+                        extra_body={"kv_policy": "full", "ignore_eos": True},
+                    )
+                    for p in prompts
+                )
+            )
+
     for prompt, r in zip(prompts, asyncio.run(main())):
         lp = r.choices[0].logprobs
         ids = tok(prompt)["input_ids"]
         n = len(ids)
         assert r.choices[0].text.startswith(prompt) and len(lp.tokens) == n + 6
         assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing precedes it
-        gen = tok(r.choices[0].text[len(prompt):], add_special_tokens=False)["input_ids"]
+        gen = tok(r.choices[0].text[len(prompt) :], add_special_tokens=False)["input_ids"]
         assert len(gen) == 6  # the character tokenizer: one token a character
         want = _direct(model, ids + gen)
         for j, t in enumerate(ids + gen):
@@ -81,12 +92,19 @@ def test_chat_logprobs_full_cache_and_streamed_equal_plain(server, reference):
     srv, _ = server
     model, tok = reference
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="t", max_retries=0, timeout=60)
-    kw = dict(model=MODEL, messages=chat("Name a colour."), max_tokens=8, logprobs=True, top_logprobs=3,
-              extra_body={"kv_policy": "full"})
+    kw = dict(
+        model=MODEL,
+        messages=chat("Name a colour."),
+        max_tokens=8,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"kv_policy": "full"},
+    )
     r = client.chat.completions.create(**kw)
     content = r.choices[0].logprobs.content
-    prompt = tok.apply_chat_template(chat("Name a colour."), add_generation_prompt=True, tokenize=True,
-                                     return_dict=True)["input_ids"]
+    prompt = tok.apply_chat_template(
+        chat("Name a colour."), add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
     gen = [tok.convert_tokens_to_ids(c.token) for c in content]
     assert len(content) == r.usage.completion_tokens  # an EOS counts, and has its entry
     assert "".join(c.token for c in content).replace(tok.eos_token, "") == r.choices[0].message.content
@@ -95,8 +113,12 @@ def test_chat_logprobs_full_cache_and_streamed_equal_plain(server, reference):
         assert abs(c.logprob - want[len(prompt) - 1 + j, t].item()) < TOL
         assert bytes(c.bytes).decode() == c.token and len(c.top_logprobs) == 3
         assert c.top_logprobs[0].logprob >= c.logprob - TOL  # greedy: the token is the most likely
-    streamed = [x for ch in client.chat.completions.create(**kw, stream=True)
-                if ch.choices and ch.choices[0].logprobs for x in ch.choices[0].logprobs.content]
+    streamed = [
+        x
+        for ch in client.chat.completions.create(**kw, stream=True)
+        if ch.choices and ch.choices[0].logprobs
+        for x in ch.choices[0].logprobs.content
+    ]
     assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
 
 
@@ -109,10 +131,19 @@ def test_budgeted_logprobs_are_what_that_cache_computes(server, reference):
 
     async def main():
         async with _aclient(srv) as ac:
-            return await asyncio.gather(*(ac.completions.create(
-                model=MODEL, prompt=p, max_tokens=10, logprobs=0,
-                extra_body={"kv_policy": "h2o", "kv_budget": 8, "ignore_eos": True})
-                for p in (text, "Another one beside it.")))
+            return await asyncio.gather(
+                *(
+                    ac.completions.create(
+                        model=MODEL,
+                        prompt=p,
+                        max_tokens=10,
+                        logprobs=0,
+                        extra_body={"kv_policy": "h2o", "kv_budget": 8, "ignore_eos": True},
+                    )
+                    for p in (text, "Another one beside it.")
+                )
+            )
+
     r = asyncio.run(main())[0]
     ids = tok(text)["input_ids"]
     gen = tok(r.choices[0].text, add_special_tokens=False)["input_ids"]
@@ -120,7 +151,7 @@ def test_budgeted_logprobs_are_what_that_cache_computes(server, reference):
     alone = _alone(model, ids, gen, "h2o", 8)
     want = alone[torch.arange(len(gen)), torch.tensor(gen)]
     assert torch.allclose(got, want, atol=TOL)
-    full = _direct(model, ids + gen)[len(ids) - 1:][torch.arange(len(gen)), torch.tensor(gen)]
+    full = _direct(model, ids + gen)[len(ids) - 1 :][torch.arange(len(gen)), torch.tensor(gen)]
     assert (got - full).abs().max() > 1e-3
     assert r.choices[0].logprobs.top_logprobs == [{}] * 10  # logprobs=0: the token's own, no list
 
@@ -131,8 +162,12 @@ BAD = [
     ("/v1/chat/completions", {"logprobs": 1}, "'logprobs' must be true or false", "logprobs"),
     ("/v1/chat/completions", {"echo": True}, "'echo' is a /v1/completions field", "echo"),
     ("/v1/completions", {"logprobs": True}, "how many top tokens", "logprobs"),
-    ("/v1/completions", {"logprobs": 2, "top_logprobs": 2}, "'top_logprobs' is a /v1/chat/completions field",
-     "top_logprobs"),
+    (
+        "/v1/completions",
+        {"logprobs": 2, "top_logprobs": 2},
+        "'top_logprobs' is a /v1/chat/completions field",
+        "top_logprobs",
+    ),
     ("/v1/completions", {"echo": True, "stream": True}, "'echo' with 'stream' is not supported", "echo"),
 ]
 

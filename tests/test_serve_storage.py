@@ -52,8 +52,9 @@ def test_a_packed_server_answers_as_the_library_and_holds_less(folder, reference
         app, engine = build(folder, {**DEFAULTS, "budget": 12, "kv_bits": bits})
         with ServerThread(app) as srv:
             client = openai.OpenAI(base_url=srv.url + "/v1", api_key="t", max_retries=0, timeout=60)
-            out = client.chat.completions.create(model=MODEL, messages=chat("Tell me about the weather."),
-                                                 max_tokens=10)
+            out = client.chat.completions.create(
+                model=MODEL, messages=chat("Tell me about the weather."), max_tokens=10
+            )
         answers[bits] = out.choices[0].message.content.strip()
         held[bits] = out.usage.model_extra["kv_bytes"]
     want = generate(model, tok, chat("Tell me about the weather."), "h2o", 12, max_new_tokens=10, kv_bits=8).text
@@ -82,9 +83,14 @@ def test_the_server_stores_int8_unless_told_otherwise(folder):
     assert serve_cmd.settings_from_args(p.parse_args(["--kv-bits", "4"]))["kv_bits"] == 4
 
 
-@pytest.mark.parametrize("argv, says", [(["--kv-bits", "3"], "--kv-bits must be one of"),
-                                        (["--kv-bits", "eight"], "--kv-bits must be one of"),
-                                        (["--policy", "full", "--kv-bits", "8"], "drop --kv-bits")])
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--kv-bits", "3"], "--kv-bits must be one of"),
+        (["--kv-bits", "eight"], "--kv-bits must be one of"),
+        (["--policy", "full", "--kv-bits", "8"], "drop --kv-bits"),
+    ],
+)
 def test_bad_kv_bits_say_what_to_change(argv, says):
     p = argparse.ArgumentParser()
     serve_cmd.add_arguments(p)

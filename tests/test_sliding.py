@@ -13,9 +13,18 @@ W = 8
 
 def tiny_gemma3(seed=0):
     torch.manual_seed(seed)
-    cfg = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                           num_attention_heads=4, num_key_value_heads=1, head_dim=64, sliding_window=W,
-                           layer_types=["sliding_attention"] * 3 + ["full_attention"], max_position_embeddings=256)
+    cfg = Gemma3TextConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=64,
+        sliding_window=W,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        max_position_embeddings=256,
+    )
     return Gemma3ForCausalLM(cfg).eval()
 
 
@@ -30,9 +39,17 @@ def _padded(batch=3, length=30):
 def test_layer_windows_follow_the_stock_cache():
     assert layer_windows(tiny_gemma3()) == [W, W, W, None]
     torch.manual_seed(0)
-    mistral = MistralForCausalLM(MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                               sliding_window=W))
+    mistral = MistralForCausalLM(
+        MistralConfig(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            sliding_window=W,
+        )
+    )
     stock = DynamicCache(config=mistral.config)
     assert layer_windows(mistral) == [W, W] and all(layer.is_sliding for layer in stock.layers)
 
@@ -41,12 +58,25 @@ def test_a_covering_budget_is_exact_batched_with_padding_and_sliding_layers_hold
     model = tiny_gemma3()
     ids, mask = _padded()
     with torch.no_grad():
-        ref = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
-                             cache=DynamicCache(config=model.config), output_logits=True,
-                             return_dict_in_generate=True)
+        ref = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=12,
+            do_sample=False,
+            cache=DynamicCache(config=model.config),
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
         cache = kvevict.make_cache(model, "h2o", 1000)
-        got = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
-                             cache=cache, output_logits=True, return_dict_in_generate=True)
+        got = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=12,
+            do_sample=False,
+            cache=cache,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
     assert torch.equal(got.sequences, ref.sequences)
     for a, b in zip(got.logits, ref.logits):
         assert torch.allclose(a, b, atol=1e-4)

@@ -6,18 +6,24 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_model
 from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM
 
 import kvevict
+from conftest import tiny_model
 from kvevict.generate import dynamic_kv_bytes, generate
 from kvevict.memory import MIN_TOKENS, PromptShare, plan_for_model
 from kvevict.policies import make_policy
-from kvevict.stock import stock_windows, stock_kv_bytes
+from kvevict.stock import stock_kv_bytes, stock_windows
 from kvevict.storage import Storage
 
-SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-             max_position_embeddings=512)
+SMALL = dict(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
 
 
 def gemma3():
@@ -41,7 +47,7 @@ def _feed(model, cache, ids, steps=5):
     with torch.no_grad():
         model(ids, cache=cache)
         for t in range(steps):
-            model(ids[:, t:t + 1], cache=cache)
+            model(ids[:, t : t + 1], cache=cache)
     return cache
 
 
@@ -73,6 +79,7 @@ def test_an_fp32_model_is_counted_at_16_bits_with_its_own_dtype_beside():
 
 class _CharTok:
     """Just what generate asks of a tokenizer when the prompt is token ids."""
+
     pad_token_id = 0
 
     def decode(self, ids, skip_special_tokens=True):
@@ -148,8 +155,10 @@ def test_a_prompt_scoring_policy_keeps_int4_alone_only_on_a_sliding_model(memory
     else:  # 5% (below where tiers were measured) and 40% (over r4): evict, keep int8
         assert scored.storage == Storage(kv_bits=8) and float(scored.budget) == pytest.approx(memory / r8)
     # streaming: int4 alone at 5% and 10%; at 20% and 40% H2O's top at int8 and the next at int4
-    assert stream.storage.kv_bits == (4 if memory <= 0.1 else 8) and 4 in (stream.storage.kv_bits,
-                                                                            stream.storage.evicted_bits)
+    assert stream.storage.kv_bits == (4 if memory <= 0.1 else 8) and 4 in (
+        stream.storage.kv_bits,
+        stream.storage.evicted_bits,
+    )
     assert plan(0.8, 64, 64, 4, 0, scores_prompt=True) == plan(0.8, 64, 64, 4, 0)  # from r8 up: the same
     # a sliding model, below r4: int8 while its tokens could hold 90% of the global layers' tokens,
     # else int4, twice the tokens for its pool of layers (Gemma 3's multi-key needles at 4K)
@@ -159,7 +168,8 @@ def test_a_prompt_scoring_policy_keeps_int4_alone_only_on_a_sliding_model(memory
         b = sliding.budget._tokens(n)
         coarse = memory < r4 and b + min(511, b) < 0.9 * n
         assert sliding.budget.coarser(n) == coarse and sliding.budget.storage_for(n, sliding.storage).kv_bits == (
-            4 if coarse else 8)
+            4 if coarse else 8
+        )
         if coarse:  # the int4 plan's tokens: the same bytes, solved per layer
             b4 = sliding.budget.tokens(n)
             assert (b4 + min(511, b4)) * r4 <= memory * (n + 511) < (b4 + 1 + min(511, b4 + 1)) * r4
@@ -222,15 +232,20 @@ def test_a_sliding_model_plans_its_budget_in_bytes():
         assert plan(0.3, 8, 8, 4, 2, group=8, kind=kind).storage.label == "int8+int4"  # without sliding layers
 
 
-@pytest.mark.parametrize("bits, label", [((4, None), "int4"), ((8, None), "int8"), ((16, None), "fp16"),
-                                         ((8, 4), "int8+int4")])
+@pytest.mark.parametrize(
+    "bits, label", [((4, None), "int4"), ((8, None), "int8"), ((16, None), "fp16"), ((8, 4), "int8+int4")]
+)
 def test_a_memory_budget_is_spent_at_the_bits_the_caller_names(bits, label):
     from kvevict.memory import PROMPT_HEAD_BYTES, plan
 
     model = tiny_model("llama-mha")  # head_dim 16, groups of 8
     kv_bits, evicted_bits = bits
-    cache = _feed(model, kvevict.make_cache(model, "h2o", memory=0.2, group=8, kv_bits=kv_bits,
-                                            evicted_bits=evicted_bits), torch.randint(0, 128, (1, 1500)), steps=0)
+    cache = _feed(
+        model,
+        kvevict.make_cache(model, "h2o", memory=0.2, group=8, kv_bits=kv_bits, evicted_bits=evicted_bits),
+        torch.randint(0, 128, (1, 1500)),
+        steps=0,
+    )
     layer = cache.layers[0]
     assert layer.storage.label == label
     # the bytes of the memory budget, whatever the bits: up to a slot of rounding per layer and head

@@ -18,8 +18,9 @@ from kvevict.tier import Tier
 @pytest.mark.parametrize("bits", [None, 16, 8, 4, 2])
 def test_every_store_is_a_slot_store(bits):
     rect = make_store(2, 2, 4, 32, 32, torch.float32, "cpu", bits, 32)
-    paged = PagedStore(Pools(), 2, 2, 32, 32, torch.float16 if bits == 16 else torch.float32, torch.float32, "cpu",
-                       bits, 32)
+    paged = PagedStore(
+        Pools(), 2, 2, 32, 32, torch.float16 if bits == 16 else torch.float32, torch.float32, "cpu", bits, 32
+    )
     assert isinstance(rect, SlotStore) and isinstance(paged, SlotStore)
 
 
@@ -41,6 +42,7 @@ def test_every_policy_reads_declared_statistics_and_their_bytes_follow_the_decla
 
 def test_a_policy_naming_an_undeclared_statistic_fails_where_it_is_defined():
     with pytest.raises(ValueError, match="unknown statistic 'entropy'.*kvevict.stats"):
+
         @dataclass
         class Entropy(Policy):
             stats = ("entropy",)

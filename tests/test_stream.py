@@ -5,9 +5,9 @@ import math
 
 import pytest
 import torch
-
 from benchmarks.bench import main
 from benchmarks.cachebench.stream import STOCK, StreamSettings, new_stream_cache, run_stream
+
 from conftest import tiny_model
 from kvevict.storage import stat_bytes
 
@@ -43,10 +43,13 @@ def test_window_ppl_is_exp_of_the_mean_nll_of_its_tokens():
     assert rows[1]["ppl"] == pytest.approx(math.exp(nll[32:].mean().item()), rel=1e-4)
 
 
-@pytest.mark.parametrize("argv, msg", [
-    (["--stream-window", "500"], "must be a multiple of the block (512)"),
-    (["--stream-tokens", "0"], "stream tokens must be a positive int"),
-])
+@pytest.mark.parametrize(
+    "argv, msg",
+    [
+        (["--stream-window", "500"], "must be a multiple of the block (512)"),
+        (["--stream-tokens", "0"], "stream tokens must be a positive int"),
+    ],
+)
 def test_bad_stream_settings_are_one_line(argv, msg, tmp_path, capsys):
     assert main(["--stream", "--out", str(tmp_path)] + argv) == 2
     assert msg in capsys.readouterr().err

@@ -6,8 +6,8 @@ import os
 
 import pytest
 import torch
-
 from benchmarks.threads import table
+
 from kvevict.cli import main
 from kvevict.commands._common import default_threads, setup_threads
 
@@ -37,8 +37,15 @@ def test_bad_threads_is_one_line(tmp_path, capsys):
 
 
 def test_table_gives_ratios_against_the_first_count():
-    res = {"cores": 2, "context": 512, "rounds": 3, "steps": 5, "rows": [
-        {"busy": 1, "threads": 1, "step_s": 0.05, "vs_first": 1.0},
-        {"busy": 1, "threads": 2, "step_s": 1.5, "vs_first": 30.0}]}
+    res = {
+        "cores": 2,
+        "context": 512,
+        "rounds": 3,
+        "steps": 5,
+        "rows": [
+            {"busy": 1, "threads": 1, "step_s": 0.05, "vs_first": 1.0},
+            {"busy": 1, "threads": 2, "step_s": 1.5, "vs_first": 30.0},
+        ],
+    }
     md = table(res, "python benchmarks/threads.py")
     assert "| 1 | 2 | 1500.0 | 30.00x |" in md and "vs 1 thread(s)" in md

@@ -8,8 +8,10 @@ import string
 from pathlib import Path
 
 SPECIALS = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def char_tokenizer():
@@ -22,8 +24,14 @@ def char_tokenizer():
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>",
-                                   eos_token="<|im_end|>", bos_token=None, padding_side="left")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        eos_token="<|im_end|>",
+        bos_token=None,
+        padding_side="left",
+    )
     fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
     fast.chat_template = TEMPLATE
     return fast

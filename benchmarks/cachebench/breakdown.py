@@ -48,8 +48,12 @@ def instrument(timers: ExclusiveTimers) -> None:
             timers.wrap(attention, fn, "attention", f"attention.{fn}")
     for fn, label in (("update", "cache write"), ("segments", "attention"), ("absorb", "score bookkeeping")):
         timers.wrap(cache.EvictingLayer, fn, label, f"cache.EvictingLayer.{fn}")
-    for fn, label in (("_replace_one", "eviction"), ("_replace_many", "eviction"), ("candidates", "eviction"),
-                      ("_write", "cache write")):
+    for fn, label in (
+        ("_replace_one", "eviction"),
+        ("_replace_many", "eviction"),
+        ("candidates", "eviction"),
+        ("_write", "cache write"),
+    ):
         timers.wrap(tier.Tier, fn, label, f"tier.Tier.{fn}")
     for cls in {Policy, *POLICIES.values()}:
         for fn in ("priority", "score", "protected"):
@@ -79,8 +83,15 @@ def wall_breakdown(model, spec: CacheSpec, base, batch: int, steps: int) -> dict
     for label, s in per_label.items():
         parts[CATEGORIES.get(label, label)] += s
     parts[MODEL] = max(0.0, total - sum(parts.values()))
-    return {"cache": spec.label, "batch": batch, "step_s": total, "parts_s": dict(parts),
-            "shares": {k: v / total for k, v in parts.items()}, "wrapped": wrapped, "not_found": missing}
+    return {
+        "cache": spec.label,
+        "batch": batch,
+        "step_s": total,
+        "parts_s": dict(parts),
+        "shares": {k: v / total for k, v in parts.items()},
+        "wrapped": wrapped,
+        "not_found": missing,
+    }
 
 
 @torch.no_grad()
@@ -105,8 +116,12 @@ def op_hotspots(model, spec: CacheSpec, base, batch: int, steps: int = 2, top: i
         total += ev.cpu_time_total
         charged[f"{_owner(ev)} -> {ev.name}"] += ev.cpu_time_total
     rows = sorted(charged.items(), key=lambda kv: -kv[1])[:top]
-    return {"cache": spec.label, "batch": batch, "op_us_per_step": total / steps,
-            "top": [{"where": k, "us_per_step": v / steps, "share": v / total if total else 0.0} for k, v in rows]}
+    return {
+        "cache": spec.label,
+        "batch": batch,
+        "op_us_per_step": total / steps,
+        "top": [{"where": k, "us_per_step": v / steps, "share": v / total if total else 0.0} for k, v in rows],
+    }
 
 
 def _owner(ev) -> str:
@@ -127,8 +142,10 @@ def run_breakdown(model, bases, context: int, batch: int, specs: list[CacheSpec]
     for spec in specs:
         base = bases.get(spec, context)
         walls.append(wall_breakdown(model, spec, base, batch, steps))
-        log(f"  breakdown {spec.label:>16}: {walls[-1]['step_s'] * 1e3:7.1f} ms/step  "
-            + ", ".join(f"{k.split(' ')[0]} {v:.0%}" for k, v in walls[-1]["shares"].items()))
+        log(
+            f"  breakdown {spec.label:>16}: {walls[-1]['step_s'] * 1e3:7.1f} ms/step  "
+            + ", ".join(f"{k.split(' ')[0]} {v:.0%}" for k, v in walls[-1]["shares"].items())
+        )
         if spec.kind != STOCK:
             spots.append(op_hotspots(model, spec, base, batch))
     return {"context": context, "batch": batch, "wall": walls, "hotspots": spots}

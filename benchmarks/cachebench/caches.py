@@ -58,8 +58,10 @@ class CacheSpec:
         if spec.memory and spec.policy is None and isinstance(spec.budget, float):
             return cls(MEMORY, spec.budget)
         if spec.memory or spec.question or not isinstance(spec.budget, float):
-            raise ValueError(f"cannot benchmark the cache {label!r}: write stock, kvevict-full[/STORAGE], "
-                             "POLICY[/STORAGE]@FRACTION (h2o/int4@0.2) or memory=FRACTION.")
+            raise ValueError(
+                f"cannot benchmark the cache {label!r}: write stock, kvevict-full[/STORAGE], "
+                "POLICY[/STORAGE]@FRACTION (h2o/int4@0.2) or memory=FRACTION."
+            )
         kind = spec.policy + ("" if spec.storage is None else "/" + (spec.storage.label or "fp"))
         return cls(kind, spec.budget)
 
@@ -86,6 +88,7 @@ class CacheSpec:
 def available_policies(requested: list[str]) -> tuple[list[str], list[str]]:
     """The requested policies that exist in ``kvevict.POLICIES`` now, and a note per missing one."""
     from kvevict import POLICIES
+
     have, notes = [], []
     for name in requested:
         if Spec.parse(name).policy in POLICIES:  # a policy, maybe with its storage: h2o/int4
@@ -112,6 +115,7 @@ def prefill(model, spec: CacheSpec, context: int, decode_tokens: int, seed: int 
     from transformers import DynamicCache
 
     from kvevict.cache import make_cache
+
     gen = torch.Generator().manual_seed(seed)
     cfg = model.config
     if spec.kind == STOCK:

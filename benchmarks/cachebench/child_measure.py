@@ -24,8 +24,9 @@ def peak_rss_bytes() -> int:
 def kv_bytes(cache) -> int:
     if hasattr(cache, "kv_bytes"):
         return cache.kv_bytes()
-    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers
-               if getattr(layer, "is_initialized", True))
+    return sum(
+        layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if getattr(layer, "is_initialized", True)
+    )
 
 
 def cache_kwarg(model) -> str:
@@ -36,8 +37,9 @@ def cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def prefill_then_decode(model, cache, context: int, steps: int, seed: int, rss_loaded: int,
-                        around_prefill=contextlib.nullcontext) -> dict:
+def prefill_then_decode(
+    model, cache, context: int, steps: int, seed: int, rss_loaded: int, around_prefill=contextlib.nullcontext
+) -> dict:
     """Prefill ``context`` synthetic tokens (last-position logits only, as ``generate`` asks), then
     ``steps`` greedy decode steps; times, peak RSS and the K/V bytes held after the prefill."""
     import torch
@@ -58,6 +60,12 @@ def prefill_then_decode(model, cache, context: int, steps: int, seed: int, rss_l
             out = model(nxt, **kw, use_cache=True)
             nxt = out.logits[:, -1:].argmax(-1)
         decode_s = (time.perf_counter() - t0) / max(1, steps)
-    return {"prefill_s": prefill_s, "decode_step_s": decode_s, "rss_loaded_bytes": rss_loaded,
-            "peak_rss_prefill_bytes": peak_after_prefill, "peak_rss_bytes": peak_rss_bytes(),
-            "kv_bytes_after_prefill": kv, "threads": torch.get_num_threads()}
+    return {
+        "prefill_s": prefill_s,
+        "decode_step_s": decode_s,
+        "rss_loaded_bytes": rss_loaded,
+        "peak_rss_prefill_bytes": peak_after_prefill,
+        "peak_rss_bytes": peak_rss_bytes(),
+        "kv_bytes_after_prefill": kv,
+        "threads": torch.get_num_threads(),
+    }

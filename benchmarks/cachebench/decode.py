@@ -54,8 +54,9 @@ def time_decode(model, spec: CacheSpec, base, batch: int, steps: int, token: int
     return times, held
 
 
-def run_interleaved(model, bases: BaseCaches, points: list[tuple[int, int, CacheSpec]], repeats: int, steps: int,
-                    log=print) -> list[dict]:
+def run_interleaved(
+    model, bases: BaseCaches, points: list[tuple[int, int, CacheSpec]], repeats: int, steps: int, log=print
+) -> list[dict]:
     """Time every (context, batch, spec) point ``repeats`` times, round-robin, rotating the order
     inside each (context, batch) group every round. Returns one record per point."""
     groups: dict[tuple[int, int], list[CacheSpec]] = {}
@@ -78,12 +79,20 @@ def run_interleaved(model, bases: BaseCaches, points: list[tuple[int, int, Cache
     for (c, b, spec), per_round in rounds.items():
         medians = [statistics.median(t) for t in per_round]  # the mean of the two middle values when even
         every = [x for t in per_round for x in t]
-        out.append({
-            "context": c, "batch": b, "cache": spec.label, "kind": spec.kind, "budget": spec.budget,
-            "kept_tokens": spec.kept_tokens(c), "state_bytes": held[(c, b, spec)],
-            "step_s": summary(every), "round_median_step_s": medians,
-            "tokens_per_s": b / summary(every)["median"],
-        })
+        out.append(
+            {
+                "context": c,
+                "batch": b,
+                "cache": spec.label,
+                "kind": spec.kind,
+                "budget": spec.budget,
+                "kept_tokens": spec.kept_tokens(c),
+                "state_bytes": held[(c, b, spec)],
+                "step_s": summary(every),
+                "round_median_step_s": medians,
+                "tokens_per_s": b / summary(every)["median"],
+            }
+        )
     return out
 
 
@@ -97,4 +106,3 @@ def add_ratios(records: list[dict], baseline: str = "stock") -> None:
             continue
         ratios = [rb / rr for rb, rr in zip(ref["round_median_step_s"], r["round_median_step_s"])]
         r[f"speedup_vs_{baseline}"] = summary(ratios)
-

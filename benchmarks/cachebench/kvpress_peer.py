@@ -35,8 +35,15 @@ def main(job):
     model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32, attn_implementation=attn).eval()
     rss_loaded = rss_bytes()
     press = getattr(kvpress, cls_name)(compression_ratio=job["compression_ratio"])
-    res = prefill_then_decode(model, DynamicCache(), job["context"], job["decode_steps"], job.get("seed", 0),
-                              rss_loaded, around_prefill=lambda: press(model))
+    res = prefill_then_decode(
+        model,
+        DynamicCache(),
+        job["context"],
+        job["decode_steps"],
+        job.get("seed", 0),
+        rss_loaded,
+        around_prefill=lambda: press(model),
+    )
     res["versions"] = {"kvpress": getattr(kvpress, "__version__", "?"), "transformers": transformers.__version__}
     return res
 

@@ -29,16 +29,44 @@ KV_TYPES = ("f16", "q8_0", "q4_0")
 BASELINE = "f16"
 
 
-def bench_argv(binary: Path | str, gguf: Path | str, context: int, threads: int, kv_type: str, n_gen: int = 32,
-               repetitions: int = 1) -> list[str]:
+def bench_argv(
+    binary: Path | str,
+    gguf: Path | str,
+    context: int,
+    threads: int,
+    kv_type: str,
+    n_gen: int = 32,
+    repetitions: int = 1,
+) -> list[str]:
     """The llama-bench command of one point."""
     if kv_type not in KV_TYPES:
         raise ValueError(f"K/V type must be one of {', '.join(KV_TYPES)}, got {kv_type!r}.")
     for name, v in (("context", context), ("threads", threads), ("n_gen", n_gen), ("repetitions", repetitions)):
         if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "context" else 1):
             raise ValueError(f"llama-bench {name} must be a positive integer, got {v!r}.")
-    return [str(binary), "-m", str(gguf), "-p", "0", "-n", str(n_gen), "-d", str(context), "-fa", "on",
-            "-ctk", kv_type, "-ctv", kv_type, "-t", str(threads), "-r", str(repetitions), "-o", "json"]
+    return [
+        str(binary),
+        "-m",
+        str(gguf),
+        "-p",
+        "0",
+        "-n",
+        str(n_gen),
+        "-d",
+        str(context),
+        "-fa",
+        "on",
+        "-ctk",
+        kv_type,
+        "-ctv",
+        kv_type,
+        "-t",
+        str(threads),
+        "-r",
+        str(repetitions),
+        "-o",
+        "json",
+    ]
 
 
 def parse_json(text: str) -> list[dict]:
@@ -48,7 +76,7 @@ def parse_json(text: str) -> list[dict]:
     if start < 0:
         raise ValueError("llama-bench printed no JSON array (was it run with -o json?)")
     try:
-        tests = json.loads(text[start:text.rfind("]") + 1])
+        tests = json.loads(text[start : text.rfind("]") + 1])
     except json.JSONDecodeError as err:
         raise ValueError(f"llama-bench's JSON output does not parse: {err}") from None
     out = []
@@ -59,18 +87,38 @@ def parse_json(text: str) -> list[dict]:
         if missing:
             raise ValueError(f"llama-bench test without {', '.join(missing)}: {sorted(t)}")
         samples = [float(x) for x in t.get("samples_ts") or [t["avg_ts"]]]
-        out.append({"type_k": t["type_k"], "type_v": t["type_v"], "context": int(t["n_depth"]),
-                    "threads": int(t["n_threads"]), "n_gen": int(t["n_gen"]), "tokens_per_s": float(t["avg_ts"]),
-                    "samples_tokens_per_s": samples, "flash_attn": t.get("flash_attn"),
-                    "model_type": t.get("model_type"), "build_commit": t.get("build_commit")})
+        out.append(
+            {
+                "type_k": t["type_k"],
+                "type_v": t["type_v"],
+                "context": int(t["n_depth"]),
+                "threads": int(t["n_threads"]),
+                "n_gen": int(t["n_gen"]),
+                "tokens_per_s": float(t["avg_ts"]),
+                "samples_tokens_per_s": samples,
+                "flash_attn": t.get("flash_attn"),
+                "model_type": t.get("model_type"),
+                "build_commit": t.get("build_commit"),
+            }
+        )
     if not out:
         raise ValueError("llama-bench's JSON holds no decode test (n_gen > 0).")
     return out
 
 
-def run_peer(binary: Path, gguf: Path, contexts: list[int], threads: list[int], repeats: int, n_gen: int = 32,
-             repetitions: int = 3, kv_types: tuple[str, ...] = KV_TYPES, timeout: float = 1800, runner=None,
-             log=print) -> dict:
+def run_peer(
+    binary: Path,
+    gguf: Path,
+    contexts: list[int],
+    threads: list[int],
+    repeats: int,
+    n_gen: int = 32,
+    repetitions: int = 3,
+    kv_types: tuple[str, ...] = KV_TYPES,
+    timeout: float = 1800,
+    runner=None,
+    log=print,
+) -> dict:
     """Every (context, threads, K/V type) point ``repeats`` times in interleaved rounds, each call
     timing ``repetitions`` runs of ``n_gen`` tokens after one fill of the context; returns
     {"records": [...], "ratios": [...], "errors": {...}}. ``runner(argv) -> stdout`` is for tests."""
@@ -87,16 +135,28 @@ def run_peer(binary: Path, gguf: Path, contexts: list[int], threads: list[int], 
                     if key in errors:
                         continue
                     try:
-                        (test,) = [x for x in parse_json(runner(bench_argv(binary, gguf, c, t, kv, n_gen, repetitions)))
-                                   if x["type_k"] == kv]
+                        (test,) = [
+                            x
+                            for x in parse_json(runner(bench_argv(binary, gguf, c, t, kv, n_gen, repetitions)))
+                            if x["type_k"] == kv
+                        ]
                     except (ValueError, RuntimeError) as err:
                         errors[key] = str(err)[:300]
                         log(f"  llama.cpp {key}: FAILED: {errors[key]}")
                         continue
                     tps.setdefault((c, t, kv), []).append(test["tokens_per_s"])
         log(f"  llama.cpp round {r + 1}/{repeats} done in {time.perf_counter() - t0:.0f} s")
-    records = [{"context": c, "threads": t, "kv_type": kv, "tokens_per_s": summary(v), "round_tokens_per_s": v,
-                "step_s": 1.0 / statistics.median(v)} for (c, t, kv), v in sorted(tps.items())]
+    records = [
+        {
+            "context": c,
+            "threads": t,
+            "kv_type": kv,
+            "tokens_per_s": summary(v),
+            "round_tokens_per_s": v,
+            "step_s": 1.0 / statistics.median(v),
+        }
+        for (c, t, kv), v in sorted(tps.items())
+    ]
     return {"records": records, "ratios": step_ratios(records, kv_types), "errors": errors}
 
 
@@ -109,8 +169,9 @@ def step_ratios(records: list[dict], kv_types=KV_TYPES) -> list[dict]:
         base = by.get((c, t, BASELINE))
         if kv == BASELINE or base is None:
             continue
-        out.append({"context": c, "threads": t, "kv_type": kv,
-                    "step_ratio_vs_f16": summary([b / x for b, x in zip(base, v)])})
+        out.append(
+            {"context": c, "threads": t, "kv_type": kv, "step_ratio_vs_f16": summary([b / x for b, x in zip(base, v)])}
+        )
     return out
 
 

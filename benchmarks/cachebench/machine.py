@@ -20,10 +20,20 @@ def load_average() -> list[float]:
 def _git_revision() -> str | None:
     root = Path(__file__).resolve().parents[2]  # the repository: the library and its benchmarks
     try:
-        rev = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=10, check=False).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "src", "benchmarks"],
-                               capture_output=True, text=True, timeout=10, check=False).stdout.strip()
+        rev = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--", "src", "benchmarks"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return f"{rev}{'+uncommitted' if dirty else ''}" if rev else None
@@ -44,9 +54,14 @@ def machine_info() -> dict:
     import transformers
 
     return {
-        "cpu": _cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-        "load_average": load_average(), "python": platform.python_version(), "torch": torch.__version__,
-        "transformers": transformers.__version__, "kvevict_revision": _git_revision(),
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "load_average": load_average(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "kvevict_revision": _git_revision(),
         "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
 

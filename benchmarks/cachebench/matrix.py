@@ -27,8 +27,18 @@ from .machine import load_average, measure_copy_bandwidth
 from .memory_math import floor_seconds
 from .stats import summary
 
-CACHES = ("stock", "h2o@0.2", "h2o/fp16@0.2", "h2o/int8@0.2", "h2o/int4@0.2", "memory=0.2", "memory=0.1",
-          "kvevict-full/fp16", "kvevict-full/int8", "kvevict-full/int4")
+CACHES = (
+    "stock",
+    "h2o@0.2",
+    "h2o/fp16@0.2",
+    "h2o/int8@0.2",
+    "h2o/int4@0.2",
+    "memory=0.2",
+    "memory=0.1",
+    "kvevict-full/fp16",
+    "kvevict-full/int8",
+    "kvevict-full/int4",
+)
 KERNEL_ENV = "KVEVICT_KERNEL"
 # every-token storage pairs compared with llama.cpp's q8_0/f16 and q4_0/f16
 PEER_PAIRS = {"q8_0": ("kvevict-full/int8", "kvevict-full/fp16"), "q4_0": ("kvevict-full/int4", "kvevict-full/fp16")}
@@ -69,13 +79,21 @@ def chat_bytes(model, specs: list[CacheSpec], prompt: int = 50, new: int = 16, s
         else:
             name, st = spec.storage()
             budget = prompt + new if name == NO_EVICTION else spec.budget  # every token, as in the decode fills
-            cache = make_cache(model, "h2o" if name == NO_EVICTION else name, budget, kv_bits=st.kv_bits,
-                               evicted_bits=st.evicted_bits)
+            cache = make_cache(
+                model, "h2o" if name == NO_EVICTION else name, budget, kv_bits=st.kv_bits, evicted_bits=st.evicted_bits
+            )
         model(ids, cache=cache, use_cache=True, logits_to_keep=1)
         for _ in range(new):
             model(one, cache=cache, use_cache=True)
-        out.append({"cache": spec.label, "prompt": prompt, "new_tokens": new, "state_bytes": state_bytes(cache),
-                    "read_bytes": read_bytes(cache)})
+        out.append(
+            {
+                "cache": spec.label,
+                "prompt": prompt,
+                "new_tokens": new,
+                "state_bytes": state_bytes(cache),
+                "read_bytes": read_bytes(cache),
+            }
+        )
     stock = next(r for r in out if r["cache"] == STOCK)
     for r in out:
         r["vs_stock"] = r["state_bytes"] / stock["state_bytes"]
@@ -86,8 +104,15 @@ def long_bytes(bases, specs: list[CacheSpec], contexts: list[int]) -> list[dict]
     """Bytes each pre-filled batch-1 cache holds at each context, beside the stock cache's."""
     out = []
     for c in contexts:
-        rows = [{"cache": s.label, "context": c, "state_bytes": state_bytes(bases.get(s, c)),
-                 "read_bytes": read_bytes(bases.get(s, c))} for s in specs]
+        rows = [
+            {
+                "cache": s.label,
+                "context": c,
+                "state_bytes": state_bytes(bases.get(s, c)),
+                "read_bytes": read_bytes(bases.get(s, c)),
+            }
+            for s in specs
+        ]
         stock = next(r for r in rows if r["cache"] == STOCK)
         for r in rows:
             r["vs_stock"] = r["state_bytes"] / stock["state_bytes"]
@@ -95,8 +120,19 @@ def long_bytes(bases, specs: list[CacheSpec], contexts: list[int]) -> list[dict]
     return out
 
 
-def run_matrix(model, bases, specs: list[CacheSpec], contexts: list[int], batches: list[int], threads: list[int],
-               repeats: int, steps: int, weight_bytes: int, bandwidth_bytes: int = 256 * 2**20, log=print) -> dict:
+def run_matrix(
+    model,
+    bases,
+    specs: list[CacheSpec],
+    contexts: list[int],
+    batches: list[int],
+    threads: list[int],
+    repeats: int,
+    steps: int,
+    weight_bytes: int,
+    bandwidth_bytes: int = 256 * 2**20,
+    log=print,
+) -> dict:
     before = torch.get_num_threads()
     for c in contexts:  # fill every base cache before timing anything
         for spec in specs:
@@ -120,7 +156,9 @@ def run_matrix(model, bases, specs: list[CacheSpec], contexts: list[int], batche
                         for spec in specs[k:] + specs[:k]:
                             times, held[(t, c, b, spec)] = time_decode(model, spec, bases.get(spec, c), b, steps)
                             rounds.setdefault((t, c, b, spec), []).append(times)
-            log(f"  matrix round {r + 1}/{repeats} done in {time.perf_counter() - t_round:.1f} s, load {load_average()}")
+            log(
+                f"  matrix round {r + 1}/{repeats} done in {time.perf_counter() - t_round:.1f} s, load {load_average()}"
+            )
     finally:
         torch.set_num_threads(before)
     records = []
@@ -129,10 +167,22 @@ def run_matrix(model, bases, specs: list[CacheSpec], contexts: list[int], batche
         step = summary(every)
         kv = b * per_seq[(spec, c)]
         floor = floor_seconds(weight_bytes, kv, bandwidth[t]["best"])
-        records.append({"threads": t, "context": c, "batch": b, "cache": spec.label, "kept_tokens": spec.kept_tokens(c),
-                        "step_s": step, "round_median_step_s": [statistics.median(x) for x in per_round],
-                        "tokens_per_s": b / step["median"], "read_bytes": kv, "state_bytes": held[(t, c, b, spec)],
-                        "floor_s": floor, "x_floor": step["median"] / floor})
+        records.append(
+            {
+                "threads": t,
+                "context": c,
+                "batch": b,
+                "cache": spec.label,
+                "kept_tokens": spec.kept_tokens(c),
+                "step_s": step,
+                "round_median_step_s": [statistics.median(x) for x in per_round],
+                "tokens_per_s": b / step["median"],
+                "read_bytes": kv,
+                "state_bytes": held[(t, c, b, spec)],
+                "floor_s": floor,
+                "x_floor": step["median"] / floor,
+            }
+        )
     add_step_ratios(records)
     return {"records": records, "bandwidth": {str(t): bw for t, bw in bandwidth.items()}, "kernel": kernel_in_use()}
 
@@ -144,8 +194,9 @@ def add_step_ratios(records: list[dict], baseline: str = STOCK) -> None:
     for r in records:
         ref = base.get((r["threads"], r["context"], r["batch"]))
         if ref is not None:
-            r[f"step_vs_{baseline}"] = summary([x / y for x, y in zip(r["round_median_step_s"],
-                                                                    ref["round_median_step_s"])])
+            r[f"step_vs_{baseline}"] = summary(
+                [x / y for x, y in zip(r["round_median_step_s"], ref["round_median_step_s"])]
+            )
 
 
 def pair_ratio(records: list[dict], num: str, den: str, threads: int, context: int, batch: int) -> dict | None:
@@ -167,6 +218,14 @@ def peer_comparison(records: list[dict], llama: dict | None) -> list[dict]:
             ours = pair_ratio(records, num, den, t, c, 1)
             if ours is None and (c, t, kv) not in peer:
                 continue
-            rows.append({"context": c, "threads": t, "pair": f"{num.split('/')[-1]}/{den.split('/')[-1]}",
-                         "kvevict": ours, "llamacpp_pair": f"{kv}/f16", "llamacpp": peer.get((c, t, kv))})
+            rows.append(
+                {
+                    "context": c,
+                    "threads": t,
+                    "pair": f"{num.split('/')[-1]}/{den.split('/')[-1]}",
+                    "kvevict": ours,
+                    "llamacpp_pair": f"{kv}/f16",
+                    "llamacpp": peer.get((c, t, kv)),
+                }
+            )
     return rows

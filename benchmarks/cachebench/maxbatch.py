@@ -23,8 +23,16 @@ def per_sequence_bytes(bases: BaseCaches, spec: CacheSpec, context: int, decode_
     return held
 
 
-def run_maxbatch(model, bases: BaseCaches, context: int, specs: list[CacheSpec], memory_bytes: int, repeats: int,
-                 steps: int, log=print) -> dict:
+def run_maxbatch(
+    model,
+    bases: BaseCaches,
+    context: int,
+    specs: list[CacheSpec],
+    memory_bytes: int,
+    repeats: int,
+    steps: int,
+    log=print,
+) -> dict:
     sizes, notes = {}, []
     for spec in specs:
         per_seq = per_sequence_bytes(bases, spec, context, 1 + steps)
@@ -44,7 +52,8 @@ def run_maxbatch(model, bases: BaseCaches, context: int, specs: list[CacheSpec],
         r["bytes_per_sequence"] = per_seq
         if stock is not None:
             # (b / step) / (b_stock / step_stock), round by round
-            ratios = [(b / x) / (stock["batch"] / s) for s, x in zip(stock["round_median_step_s"], r["round_median_step_s"])]
+            ratios = [
+                (b / x) / (stock["batch"] / s) for s, x in zip(stock["round_median_step_s"], r["round_median_step_s"])
+            ]
             r["throughput_vs_stock"] = summary(ratios)
     return {"context": context, "memory_bytes": memory_bytes, "records": records, "notes": notes}
-

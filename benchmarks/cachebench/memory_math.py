@@ -13,7 +13,9 @@ STREAM convention: bytes read + bytes written per second.
 from __future__ import annotations
 
 
-def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype_bytes: int, v_head_dim: int | None = None) -> int:
+def kv_bytes_per_token(
+    num_layers: int, kv_heads: int, head_dim: int, dtype_bytes: int, v_head_dim: int | None = None
+) -> int:
     """Bytes of keys + values one token occupies across all layers of one sequence."""
     v_dim = head_dim if v_head_dim is None else v_head_dim
     return num_layers * kv_heads * (head_dim + v_dim) * dtype_bytes

@@ -46,7 +46,9 @@ def matrix_steps(records: list[dict], path: Path) -> Path:
     for ax, (t, b) in zip(axes[0], panels):
         sub = [r for r in records if (r["threads"], r["batch"]) == (t, b)]
         for label in dict.fromkeys(r["cache"] for r in sub):
-            pts = sorted((r["context"], r["step_s"]["median"] * 1e3, r["floor_s"] * 1e3) for r in sub if r["cache"] == label)
+            pts = sorted(
+                (r["context"], r["step_s"]["median"] * 1e3, r["floor_s"] * 1e3) for r in sub if r["cache"] == label
+            )
             line = _line(ax, label, [p[0] for p in pts], [p[1] for p in pts])
             ax.plot([p[0] for p in pts], [p[2] for p in pts], linestyle=":", color=line.get_color(), linewidth=0.8)
         _log_axes(ax, f"batch {b}, {t} thread(s)", "ms per decode step (dotted: bandwidth floor)")
@@ -56,8 +58,14 @@ def matrix_steps(records: list[dict], path: Path) -> Path:
 
 def _line(ax, label: str, xs, ys):
     """One cache's curve; the stock cache's drawn thick and black, the baseline every other is read against."""
-    line, = ax.plot(xs, ys, marker="o", label=label, linewidth=2.5 if label == "stock" else 1.2,
-                    color="black" if label == "stock" else None)
+    (line,) = ax.plot(
+        xs,
+        ys,
+        marker="o",
+        label=label,
+        linewidth=2.5 if label == "stock" else 1.2,
+        color="black" if label == "stock" else None,
+    )
     return line
 
 

@@ -19,9 +19,8 @@ from child_measure import prefill_then_decode, rss_bytes  # this script's folder
 
 def main(job: dict) -> dict:
     import torch
-    from transformers import DynamicCache
-
     from loading import load_for_bench  # a sibling, as child_measure
+    from transformers import DynamicCache
 
     torch.set_num_threads(job["threads"])
     model = load_for_bench(job["model"])

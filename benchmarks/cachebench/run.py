@@ -71,18 +71,24 @@ def run_bench(s: Settings, out_dir: Path, command: str = "", log=print) -> dict:
         recs = run_interleaved(model, bases, points, s.repeats, s.steps, log=log)
         add_ratios(recs)
         add_floors(recs, res["weight_bytes"], res["kv_bytes_per_token"], bw)
-        res["decode"] = {"records": recs, "fill_seconds": dict(bases.prefill_seconds),
-                         "method": "caches pre-filled once at batch 1 (see cachebench/caches.py), copied per run; "
-                                   "one untimed warm-up step, then the timed steps"}
+        res["decode"] = {
+            "records": recs,
+            "fill_seconds": dict(bases.prefill_seconds),
+            "method": "caches pre-filled once at batch 1 (see cachebench/caches.py), copied per run; "
+            "one untimed warm-up step, then the timed steps",
+        }
     if "maxbatch" in s.sections:
         log(f"largest batch in {s.kv_memory_gib:g} GiB at context {max(s.contexts)}:")
         specs = [CacheSpec(STOCK)] + [CacheSpec(p, s.target_budget) for p in policies]
-        res["maxbatch"] = run_maxbatch(model, bases, max(s.contexts), specs, int(s.kv_memory_gib * 2**30),
-                                       s.repeats, s.steps, log=log)
+        res["maxbatch"] = run_maxbatch(
+            model, bases, max(s.contexts), specs, int(s.kv_memory_gib * 2**30), s.repeats, s.steps, log=log
+        )
     if "breakdown" in s.sections:
         log(f"decode step breakdown at context {s.target_context}, batch {s.target_batch}:")
         specs = [CacheSpec(STOCK), CacheSpec(NO_EVICTION)] + [CacheSpec(p, s.target_budget) for p in policies]
-        res["breakdown"] = run_breakdown(model, bases, s.target_context, s.target_batch, specs, max(2, s.steps), log=log)
+        res["breakdown"] = run_breakdown(
+            model, bases, s.target_context, s.target_batch, specs, max(2, s.steps), log=log
+        )
     if "matrix" in s.sections:
         res["matrix"] = run_matrix_section(model, bases, s, res["weight_bytes"], log)
     del bases, model
@@ -97,20 +103,40 @@ def run_bench(s: Settings, out_dir: Path, command: str = "", log=print) -> dict:
     jobs, pre_notes = [], []
     if "prefill" in s.sections:
         modes = [m for m in s.prefill_modes if m != "kvevict" or target_policy]
-        jobs += kvevict_jobs(s.model, modes, target_policy or "", s.target_budget, s.prefill_context,
-                             s.prefill_decode_steps, threads, s.seed)
+        jobs += kvevict_jobs(
+            s.model,
+            modes,
+            target_policy or "",
+            s.target_budget,
+            s.prefill_context,
+            s.prefill_decode_steps,
+            threads,
+            s.seed,
+        )
     if "peer" in s.sections:
         py = kvpress_python()
         if py is None:
             pre_notes.append(f"kvpress peer skipped: no kvpress environment found (create it with: {VENV_COMMAND})")
             log(f"  note: {pre_notes[-1]}")
         else:
-            jobs += kvpress_jobs(py, model_folder(s.model), s.peer_presses, s.target_budget, s.prefill_context,
-                                 s.prefill_decode_steps, threads, s.seed)
+            jobs += kvpress_jobs(
+                py,
+                model_folder(s.model),
+                s.peer_presses,
+                s.target_budget,
+                s.prefill_context,
+                s.prefill_decode_steps,
+                threads,
+                s.seed,
+            )
     if jobs:
         log(f"prefill of {s.prefill_context} tokens, one process per run:")
-        res["prefill"] = {"context": s.prefill_context, "decode_steps": s.prefill_decode_steps, "notes": pre_notes,
-                          "records": run_jobs(jobs, s.prefill_repeats, log=log)}
+        res["prefill"] = {
+            "context": s.prefill_context,
+            "decode_steps": s.prefill_decode_steps,
+            "notes": pre_notes,
+            "records": run_jobs(jobs, s.prefill_repeats, log=log),
+        }
     elif pre_notes:
         res["notes"] += pre_notes
 
@@ -128,10 +154,23 @@ def run_matrix_section(model, bases, s: Settings, weight_bytes: int, log) -> dic
 
     specs = parse_caches(s.matrix_caches)
     log(f"decode-step matrix (interleaved; attention kernel: {os.environ.get('KVEVICT_KERNEL') or 'default'}):")
-    out = run_matrix(model, bases, specs, s.matrix_contexts, s.matrix_batches, s.matrix_threads, s.repeats, s.steps,
-                     weight_bytes, 32 * 2**20 if s.quick else 256 * 2**20, log=log)
-    out["bytes_held"] = {"chat": chat_bytes(model, specs, prompt=s.chat_tokens, seed=s.seed),
-                         "long": long_bytes(bases, specs, s.matrix_contexts)}
+    out = run_matrix(
+        model,
+        bases,
+        specs,
+        s.matrix_contexts,
+        s.matrix_batches,
+        s.matrix_threads,
+        s.repeats,
+        s.steps,
+        weight_bytes,
+        32 * 2**20 if s.quick else 256 * 2**20,
+        log=log,
+    )
+    out["bytes_held"] = {
+        "chat": chat_bytes(model, specs, prompt=s.chat_tokens, seed=s.seed),
+        "long": long_bytes(bases, specs, s.matrix_contexts),
+    }
     return out
 
 
@@ -152,8 +191,16 @@ def run_llamacpp_section(s: Settings, log) -> dict:
         log(f"  note: {note}")
         return {"note": note}
     log(f"llama.cpp peer ({binary.name}, {gguf.name}), interleaved rounds:")
-    out = run_peer(binary, gguf, s.llama_contexts, s.llama_threads, s.llama_repeats, n_gen=s.llama_gen,
-                   repetitions=s.llama_reps, log=log)
+    out = run_peer(
+        binary,
+        gguf,
+        s.llama_contexts,
+        s.llama_threads,
+        s.llama_repeats,
+        n_gen=s.llama_gen,
+        repetitions=s.llama_reps,
+        log=log,
+    )
     out.update(binary=binary.name, gguf=gguf.name)
     return out
 

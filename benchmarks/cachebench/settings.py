@@ -67,19 +67,43 @@ def quick_settings(**overrides) -> Settings:
     """Tiny grid for a smoke run: under 2 minutes on 2 cores with the real model."""
     # one thread: with two, torch stalls whenever another process holds a core (a smoke run
     # must stay under 2 minutes on a shared machine)
-    base = {"contexts": [64, 128], "batches": [1, 2], "budgets": [0.25], "repeats": 2, "steps": 2,
-            "kv_memory_gib": 0.01, "prefill_context": 128, "prefill_decode_steps": 2, "peer_presses": ["knorm"],
-            "threads": 1, "quick": True, "matrix_contexts": [64, 128], "matrix_batches": [1, 2], "matrix_threads": [1],
-            "chat_tokens": 20, "llama_contexts": [128], "llama_threads": [1], "llama_repeats": 1, "llama_gen": 4,
-            "llama_reps": 1}
+    base = {
+        "contexts": [64, 128],
+        "batches": [1, 2],
+        "budgets": [0.25],
+        "repeats": 2,
+        "steps": 2,
+        "kv_memory_gib": 0.01,
+        "prefill_context": 128,
+        "prefill_decode_steps": 2,
+        "peer_presses": ["knorm"],
+        "threads": 1,
+        "quick": True,
+        "matrix_contexts": [64, 128],
+        "matrix_batches": [1, 2],
+        "matrix_threads": [1],
+        "chat_tokens": 20,
+        "llama_contexts": [128],
+        "llama_threads": [1],
+        "llama_repeats": 1,
+        "llama_gen": 4,
+        "llama_reps": 1,
+    }
     base.update({k: v for k, v in overrides.items() if v is not None})
     return Settings(**base)
 
 
 def check(s: Settings) -> None:
     """Clear errors for settings that cannot run."""
-    for name in ("contexts", "batches", "matrix_contexts", "matrix_batches", "matrix_threads", "llama_contexts",
-                 "llama_threads"):
+    for name in (
+        "contexts",
+        "batches",
+        "matrix_contexts",
+        "matrix_batches",
+        "matrix_threads",
+        "llama_contexts",
+        "llama_threads",
+    ):
         vals = getattr(s, name)
         if not vals or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in vals):
             flag = name.replace("_", "-")

@@ -18,5 +18,11 @@ def quantile(xs: list[float], q: float) -> float:
 
 def summary(xs: list[float]) -> dict:
     """{'median', 'min', 'max', 'q1', 'q3', 'n'} of the samples."""
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs),
-            "q1": quantile(xs, 0.25), "q3": quantile(xs, 0.75), "n": len(xs)}
+    return {
+        "median": statistics.median(xs),
+        "min": min(xs),
+        "max": max(xs),
+        "q1": quantile(xs, 0.25),
+        "q3": quantile(xs, 0.75),
+        "n": len(xs),
+    }

@@ -79,8 +79,9 @@ def new_stream_cache(model, name: str, budget: int):
 
 
 @torch.no_grad()
-def run_stream(model, ids: torch.Tensor, cache, block: int, window: int, limit: int | None = None,
-               log=None) -> list[dict]:
+def run_stream(
+    model, ids: torch.Tensor, cache, block: int, window: int, limit: int | None = None, log=None
+) -> list[dict]:
     """Feed ``ids`` (1, n) through ``cache`` in ``block``-token forwards (up to ``limit`` tokens);
     one record per ``window`` tokens: end, ppl, kv_bytes, rss_bytes, seconds (since the start)."""
     n = ids.shape[1] if limit is None else min(limit, ids.shape[1])
@@ -88,16 +89,25 @@ def run_stream(model, ids: torch.Tensor, cache, block: int, window: int, limit: 
     for s in range(0, n - 1, block):
         e = min(n - 1, s + block)
         logits = model(ids[:, s:e], cache=cache, use_cache=True).logits[0].float()
-        nll = torch.nn.functional.cross_entropy(logits, ids[0, s + 1:e + 1], reduction="sum")
+        nll = torch.nn.functional.cross_entropy(logits, ids[0, s + 1 : e + 1], reduction="sum")
         nll_sum, count = nll_sum + nll.item(), count + (e - s)
         if e % window == 0 or e == n - 1:
-            rows.append({"end": e, "ppl": math.exp(nll_sum / count), "kv_bytes": kv_bytes(cache),
-                         "rss_bytes": rss_bytes(), "seconds": time.perf_counter() - start})
+            rows.append(
+                {
+                    "end": e,
+                    "ppl": math.exp(nll_sum / count),
+                    "kv_bytes": kv_bytes(cache),
+                    "rss_bytes": rss_bytes(),
+                    "seconds": time.perf_counter() - start,
+                }
+            )
             nll_sum, count = 0.0, 0
             if log:
                 r = rows[-1]
-                log(f"  {e:>7} tokens  ppl {r['ppl']:8.2f}  KV {r['kv_bytes'] / 2**20:7.1f} MiB  "
-                    f"RSS {r['rss_bytes'] / 2**20:7.0f} MiB  {r['seconds']:6.0f} s")
+                log(
+                    f"  {e:>7} tokens  ppl {r['ppl']:8.2f}  KV {r['kv_bytes'] / 2**20:7.1f} MiB  "
+                    f"RSS {r['rss_bytes'] / 2**20:7.0f} MiB  {r['seconds']:6.0f} s"
+                )
     return rows
 
 
@@ -133,18 +143,25 @@ def run_stream_bench(settings: StreamSettings, out: Path, command: str = "", log
 def stream_table(res: dict) -> str:
     """Markdown: per cache, ppl at a few points along the stream, and KV / RSS at its first and last window."""
     s = res["settings"]
-    lines = [f"# Stream: {s['tokens']} tokens through {s['model']} (context {res['context_length']}), "
-             f"budget {s['budget']}, {s['block']}-token blocks, {s['threads']} thread(s)", "",
-             f"`{res['command']}`", "",
-             "| cache | tokens | ppl first window | ppl median window | ppl last window | KV first / last MiB "
-             "| RSS first / last MiB | seconds |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Stream: {s['tokens']} tokens through {s['model']} (context {res['context_length']}), "
+        f"budget {s['budget']}, {s['block']}-token blocks, {s['threads']} thread(s)",
+        "",
+        f"`{res['command']}`",
+        "",
+        "| cache | tokens | ppl first window | ppl median window | ppl last window | KV first / last MiB "
+        "| RSS first / last MiB | seconds |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for name, rows in res["runs"].items():
         label = name if name == STOCK else f"{name} (compact, budget {s['budget']})"
         mid = statistics.median(r["ppl"] for r in rows)
-        lines.append(f"| {label} | {rows[-1]['end'] + 1} | {rows[0]['ppl']:.1f} | {mid:.1f} | {rows[-1]['ppl']:.1f} "
-                     f"| {rows[0]['kv_bytes'] / 2**20:.1f} / {rows[-1]['kv_bytes'] / 2**20:.1f} "
-                     f"| {rows[0]['rss_bytes'] / 2**20:.0f} / {rows[-1]['rss_bytes'] / 2**20:.0f} "
-                     f"| {rows[-1]['seconds']:.0f} |")
+        lines.append(
+            f"| {label} | {rows[-1]['end'] + 1} | {rows[0]['ppl']:.1f} | {mid:.1f} | {rows[-1]['ppl']:.1f} "
+            f"| {rows[0]['kv_bytes'] / 2**20:.1f} / {rows[-1]['kv_bytes'] / 2**20:.1f} "
+            f"| {rows[0]['rss_bytes'] / 2**20:.0f} / {rows[-1]['rss_bytes'] / 2**20:.0f} "
+            f"| {rows[-1]['seconds']:.0f} |"
+        )
     return "\n".join(lines) + "\n"
 
 

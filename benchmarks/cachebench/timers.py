@@ -36,6 +36,7 @@ class ExclusiveTimers:
                 timers.calls[label] += 1
                 if timers._stack:
                     timers._stack[-1] += dt
+
         return timed
 
     def wrap(self, owner, attr: str, label: str, where: str | None = None) -> bool:

@@ -1,19 +1,29 @@
 """kvevict: generate with any transformers decoder under a fixed KV-cache budget.
 
-    model, tok = kvevict.load_model("smollm2-135m")
-    cache = kvevict.make_cache(model, memory=0.2)   # a fifth of the full cache's bytes
-    model.generate(**inputs, cache=cache)
+model, tok = kvevict.load_model("smollm2-135m")
+cache = kvevict.make_cache(model, memory=0.2)   # a fifth of the full cache's bytes
+model.generate(**inputs, cache=cache)
 """
 
 from .attention import ATTN_NAME, register
 from .cache import EvictingCache, make_cache
 from .layer import EvictingLayer
-from .prefill import prefill
 from .models import load_model
 from .policies import POLICIES, Policy, make_policy
+from .prefill import prefill
 
 register()
 
-__all__ = ["ATTN_NAME", "EvictingCache", "EvictingLayer", "POLICIES", "Policy", "load_model",
-           "make_cache", "make_policy", "prefill", "register"]
+__all__ = [
+    "ATTN_NAME",
+    "EvictingCache",
+    "EvictingLayer",
+    "POLICIES",
+    "Policy",
+    "load_model",
+    "make_cache",
+    "make_policy",
+    "prefill",
+    "register",
+]
 __version__ = "0.1.0"

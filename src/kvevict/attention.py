@@ -30,13 +30,12 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from .stats import FUSED_CANNOT, NOT_FROM_PG
 from .input_checks import check_mask_length, check_positions_follow
 from .kernels import decode_attention, resolve_backend
+from .stats import FUSED_CANNOT, NOT_FROM_PG
 from .storage.interface import Piece
 
 ATTN_NAME = "kvevict"
-
 
 
 def fused_backend(query) -> str:
@@ -65,8 +64,9 @@ class PaddingInfo:
         return torch.nn.functional.pad(padding, (0, n - padding.shape[-1]), value=True)
 
 
-def kvevict_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
-                 attention_mask=None, **kwargs):
+def kvevict_mask(
+    batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None, **kwargs
+):
     """Mask function for ``AttentionMaskInterface``: keep the 2-D padding mask, build nothing."""
     if attention_mask is not None and attention_mask.dim() == 2:
         check_mask_length(attention_mask.shape[-1], kv_offset + kv_length - q_length, q_length)
@@ -129,7 +129,7 @@ def _generic_segments(key, value, q_len, info: PaddingInfo | None) -> _Segments:
     if info is not None and info.padding is not None:
         pad = info.real_upto(kv_offset + n)
         pos = (pad.long().cumsum(1) - 1).clamp(min=0)[:, kv_offset:]
-        valid = pad[:, kv_offset: kv_offset + n]
+        valid = pad[:, kv_offset : kv_offset + n]
     else:
         pos = torch.arange(kv_offset, kv_offset + n, device=key.device).view(1, -1)
     np_ = n - q_len
@@ -138,14 +138,16 @@ def _generic_segments(key, value, q_len, info: PaddingInfo | None) -> _Segments:
         pieces=[Piece(np_, lambda: k_past, lambda: v_past)] if np_ else [],
         pos_past=pos[:, None, :np_],
         valid_past=None if valid is None else valid[:, None, :np_],
-        k_new=key[:, :, np_:], v_new=value[:, :, np_:],
+        k_new=key[:, :, np_:],
+        v_new=value[:, :, np_:],
         pos_new=pos[:, np_:],
         valid_new=None if valid is None else valid[:, np_:],
     )
 
 
-def kvevict_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                      sliding_window=None, softcap=None, **kwargs):
+def kvevict_attention(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, softcap=None, **kwargs
+):
     """SDPA-equivalent attention over (past slots + new tokens), collecting per-key statistics."""
     layer = take_handoff(key)  # first, so that a rejected call leaves no stale hand-off behind
     if dropout and module.training:
@@ -192,8 +194,11 @@ def attend(query, seg: _Segments, scale, window, softcap, wanted=(), observe=0, 
     dev = query.device
     qs = (query * scale).view(b, hkv, g, q, d)  # scaling the few query rows beats scaling every score
     kn_t = seg.k_new.transpose(-1, -2)
-    stats = {name: torch.zeros(b, hkv, n_all, dtype=torch.float32, device=dev)
-             for name in wanted if name not in ("last", "blocks")}
+    stats = {
+        name: torch.zeros(b, hkv, n_all, dtype=torch.float32, device=dev)
+        for name in wanted
+        if name not in ("last", "blocks")
+    }
     if "knorm" in stats:  # written once: zero for stored keys, so the cache's running sum keeps it
         stats["knorm"][..., n_past:] = _knorm_new(seg)
     if "blocks" in wanted:
@@ -226,24 +231,24 @@ def attend(query, seg: _Segments, scale, window, softcap, wanted=(), observe=0, 
         if hide_past is not None:
             s5[..., :n_past].masked_fill_(hide_past, float("-inf"))
         if hide_new is not None:
-            s5[..., n_past: n_past + e].masked_fill_(hide_new, float("-inf"))
+            s5[..., n_past : n_past + e].masked_fill_(hide_new, float("-inf"))
         if later is not None:  # causality only bites on the chunk's own diagonal block
-            s5[..., n_past + s: n_past + e].masked_fill_(later, float("-inf"))
+            s5[..., n_past + s : n_past + e].masked_fill_(later, float("-inf"))
         probs = torch.softmax(scores, dim=-1).view(b, hkv, g, c, n_past + e + extra)
         if seg.valid_new is not None:  # padding queries (fully masked rows give NaN) count for nothing
             probs = torch.where(seg.valid_new[:, None, None, s:e, None], probs, 0.0)
         pc = probs.to(query.dtype).view(b, hkv, g * c, n_past + e + extra)
-        o = torch.matmul(pc[..., n_past: n_past + e], seg.v_new[:, :, :e])
+        o = torch.matmul(pc[..., n_past : n_past + e], seg.v_new[:, :, :e])
         if seg.summary is not None:
             o += pc[..., -1:] * seg.summary[1]
             probs = probs[..., :-1]  # the statistics are the kept keys'
         off = 0
         for p in seg.pieces:
-            o += torch.matmul(pc[..., off: off + p.n], p.values())
+            o += torch.matmul(pc[..., off : off + p.n], p.values())
             off += p.n
         out[:, :, :, s:e] = o.view(b, hkv, g, c, d)
         if "max" in stats and e > q - observe:
-            m = probs[:, :, :, max(s, q - observe) - s:].amax(dim=(2, 3))
+            m = probs[:, :, :, max(s, q - observe) - s :].amax(dim=(2, 3))
             torch.maximum(stats["max"][..., : m.shape[-1]], m, out=stats["max"][..., : m.shape[-1]])
         if wanted == ("sum",):  # H2O: one pass over the chunk, summed over heads and queries at once
             stats["sum"][..., : n_past + e] += probs.sum(dim=(2, 3))
@@ -277,14 +282,26 @@ def _attend_fused(query, seg: _Segments, scale, window, softcap, wanted, observe
     if hide_past is not None:  # (b|1, hkv|1, 1, 1, n_past) -> (b, hkv|1, n_past)
         mask = (~hide_past).reshape(hide_past.shape[0], hide_past.shape[1], n_past).expand(b, -1, -1)
     # a policy that collects nothing from probabilities (kvzip, recency, knorm) needs no pg: out only, as SDPA computes
-    out, pg = decode_attention(query, seg.runs, seg.k_new, seg.v_new, mask, scale, softcap, summary=seg.summary,
-                               pg=bool(set(wanted) - NOT_FROM_PG))
+    out, pg = decode_attention(
+        query,
+        seg.runs,
+        seg.k_new,
+        seg.v_new,
+        mask,
+        scale,
+        softcap,
+        summary=seg.summary,
+        pg=bool(set(wanted) - NOT_FROM_PG),
+    )
     if seg.valid_new is not None:  # a padding query counts for nothing (attend: its probabilities are 0)
         real = seg.valid_new[:, -1].view(b, 1, 1)
         out = out * real.view(b, 1, 1, 1)
         pg = None if pg is None else pg * real
-    stats = {name: torch.zeros(b, hkv, n_past + 1, dtype=torch.float32, device=query.device)
-             for name in wanted if name != "last" and wanted != ("sum",)}
+    stats = {
+        name: torch.zeros(b, hkv, n_past + 1, dtype=torch.float32, device=query.device)
+        for name in wanted
+        if name != "last" and wanted != ("sum",)
+    }
     if "knorm" in stats:
         stats["knorm"][..., n_past:] = _knorm_new(seg)
     if wanted == ("sum",):  # H2O: pg is the statistic itself (a fresh tensor)
@@ -309,18 +326,25 @@ def _expected_attention(qs, seg: _Segments, w: int):
     weighted by the number of real queries of this forward (decode: one query, var = 0: its
     attention exactly)."""
     b, hkv, g, q, d = qs.shape
-    last = qs[:, :, :, q - min(w, q):].float()
+    last = qs[:, :, :, q - min(w, q) :].float()
     if seg.valid_new is not None:
         last = last[:, :, :, -1:]  # padded batches: the last query is real in every row
     mu, var = last.mean(3), last.var(3, unbiased=False)  # (b, hkv, g, d)
-    z = torch.cat([_expected_logits(mu, var, p.keys()) for p in seg.pieces]
-                  + [_expected_logits(mu, var, seg.k_new)], dim=-1)  # (b, hkv, g, n): piece by piece
+    z = torch.cat(
+        [_expected_logits(mu, var, p.keys()) for p in seg.pieces] + [_expected_logits(mu, var, seg.k_new)], dim=-1
+    )  # (b, hkv, g, n): piece by piece
     if seg.valid_past is not None or seg.valid_new is not None:
         n_past = z.shape[-1] - q
-        vp = (seg.valid_past if seg.valid_past is not None
-              else torch.ones(1, 1, n_past, dtype=torch.bool, device=qs.device))
-        vn = (seg.valid_new[:, None] if seg.valid_new is not None
-              else torch.ones(1, 1, q, dtype=torch.bool, device=qs.device))
+        vp = (
+            seg.valid_past
+            if seg.valid_past is not None
+            else torch.ones(1, 1, n_past, dtype=torch.bool, device=qs.device)
+        )
+        vn = (
+            seg.valid_new[:, None]
+            if seg.valid_new is not None
+            else torch.ones(1, 1, q, dtype=torch.bool, device=qs.device)
+        )
         valid = torch.cat([vp.expand(b, hkv, -1), vn.expand(b, hkv, -1)], -1)
         z = z.masked_fill(~valid[:, :, None], float("-inf"))
     m = q if seg.valid_new is None else seg.valid_new.sum(1).view(b, 1, 1).float()
@@ -401,8 +425,9 @@ _RECORD = "kvevict_record"
 _recorded: dict = {}
 
 
-def _record_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                      sliding_window=None, softcap=None, **kwargs):
+def _record_attention(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, softcap=None, **kwargs
+):
     """Full-cache attention that keeps, per layer, the statistics asked of ``record_attention_stats``."""
     seg = _generic_segments(key, value, query.shape[2], attention_mask)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -411,8 +436,7 @@ def _record_attention(module, query, key, value, attention_mask, scaling=None, d
     return out, None
 
 
-def record_attention_stats(model, input_ids, wanted: tuple, attention_mask=None, cache=None,
-                           **params) -> list:
+def record_attention_stats(model, input_ids, wanted: tuple, attention_mask=None, cache=None, **params) -> list:
     """One full-cache forward over ``input_ids``; per layer, the dict of the ``wanted`` statistics
     (see ``attend``) over every key, in input order. With ``cache`` (a ``DynamicCache``)
     the forward continues that cache, which keeps the new tokens: the keys are the cache's, then
@@ -423,8 +447,7 @@ def record_attention_stats(model, input_ids, wanted: tuple, attention_mask=None,
     _recorded.update(wanted=tuple(wanted), params=params)
     model.set_attn_implementation(_RECORD)
     try:
-        model(input_ids, attention_mask=attention_mask, cache=cache,
-              use_cache=cache is not None, logits_to_keep=1)
+        model(input_ids, attention_mask=attention_mask, cache=cache, use_cache=cache is not None, logits_to_keep=1)
     finally:
         model.set_attn_implementation(ATTN_NAME)
     n_layers = len([k for k in _recorded if isinstance(k, int)])

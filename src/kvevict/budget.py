@@ -4,7 +4,6 @@ the prompt; a policy may give each layer its own (PyramidKV)."""
 from __future__ import annotations
 
 import math
-
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -23,7 +22,9 @@ def resolve_budget(budget, prompt_len: int) -> int:
 
 def check_budget(budget) -> None:
     if isinstance(budget, bool) or not isinstance(budget, (int, float)):
-        raise ValueError(f"budget must be an int (tokens) or a float in (0, 1] (fraction of the prompt), got {budget!r}.")
+        raise ValueError(
+            f"budget must be an int (tokens) or a float in (0, 1] (fraction of the prompt), got {budget!r}."
+        )
     if isinstance(budget, float) and not 0.0 < budget <= 1.0:
         raise ValueError(
             f"a float budget is a fraction of the prompt length and must be in (0, 1], got {budget}; "

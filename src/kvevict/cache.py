@@ -32,13 +32,25 @@ class EvictingCache(Cache):
 
     max_positions: int | None = None  # make_cache sets the model's, unless compact; None once warned
 
-    def __init__(self, policy: Policy, budget, num_layers: int, inv_freq=None, storage: Storage | None = None,
-                 windows: list | None = None, pools=None):
+    def __init__(
+        self,
+        policy: Policy,
+        budget,
+        num_layers: int,
+        inv_freq=None,
+        storage: Storage | None = None,
+        windows: list | None = None,
+        pools=None,
+    ):
         windows = windows or [None] * num_layers
         budgets = layer_budgets(policy, budget, num_layers, windows)
         self.storage = storage or Storage()
-        super().__init__(layers=[EvictingLayer(policy, b, i, inv_freq, self.storage, w, pools)
-                                 for i, (b, w) in enumerate(zip(budgets, windows))])
+        super().__init__(
+            layers=[
+                EvictingLayer(policy, b, i, inv_freq, self.storage, w, pools)
+                for i, (b, w) in enumerate(zip(budgets, windows))
+            ]
+        )
         self.policy = policy
 
     def set_prompt_length(self, n: int) -> None:
@@ -82,8 +94,7 @@ class EvictingCache(Cache):
     def can_append(self, other: "EvictingCache") -> bool:
         """Whether ``append_rows(other)`` can merge the two: both filled, same storage and model;
         any budgets, and any policies that can share a forward (``rows.shareable``)."""
-        return len(self.layers) == len(other.layers) and all(
-            a.can_append(b) for a, b in zip(self.layers, other.layers))
+        return len(self.layers) == len(other.layers) and all(a.can_append(b) for a, b in zip(self.layers, other.layers))
 
     def append_rows(self, other: "EvictingCache") -> None:
         """Append ``other``'s sequences to this cache's batch (continuous batching); ``other`` is used up."""
@@ -119,9 +130,23 @@ class EvictingCache(Cache):
         return self.layers[0].budget
 
 
-def make_cache(model, policy=None, budget=None, recent=None, compact=False, kv_bits=None, group=None,
-               evicted_bits=None, evicted_budget=None, memory=None, question=None, plan=None, pages=None,
-               keys=None, **policy_params) -> EvictingCache:
+def make_cache(
+    model,
+    policy=None,
+    budget=None,
+    recent=None,
+    compact=False,
+    kv_bits=None,
+    group=None,
+    evicted_bits=None,
+    evicted_budget=None,
+    memory=None,
+    question=None,
+    plan=None,
+    pages=None,
+    keys=None,
+    **policy_params,
+) -> EvictingCache:
     """A cache for ``model.generate(..., cache=cache)`` that keeps at most ``budget``
     tokens per layer and KV head, evicting with ``policy``.
 
@@ -164,8 +189,10 @@ def make_cache(model, policy=None, budget=None, recent=None, compact=False, kv_b
         policy, budget, memory, kv_bits, evicted_bits = _from_spec(policy, budget, memory, kv_bits, evicted_bits)
     budget = DEFAULT_BUDGET if budget is None and memory is None else budget
     if pages is not None and not isinstance(pages, Pools):  # before the model's attention is switched
-        raise ValueError(f"pages must be a kvevict.storage.Pools (shared by the caches whose rows may be batched "
-                         f"together) or None; got {type(pages).__name__}.")
+        raise ValueError(
+            f"pages must be a kvevict.storage.Pools (shared by the caches whose rows may be batched "
+            f"together) or None; got {type(pages).__name__}."
+        )
     if recent is not None:
         if isinstance(recent, bool) or not isinstance(recent, int):
             raise ValueError(f"recent must be an int number of tokens, got {recent!r}.")
@@ -178,8 +205,10 @@ def make_cache(model, policy=None, budget=None, recent=None, compact=False, kv_b
             raise ValueError(f"question must be an int number of prompt tokens >= 0, got {question!r}.")
         pol = dataclasses.replace(pol, question=question)
     if compact and pol.adaptive:
-        raise ValueError("adaptive budgets cannot be combined with compact positions (each head's kept "
-                         "tokens would need their own ranks); use one or the other.")
+        raise ValueError(
+            "adaptive budgets cannot be combined with compact positions (each head's kept "
+            "tokens would need their own ranks); use one or the other."
+        )
     head_dim = head_dim_of(model)
     if group is None:  # 32 channels per zero/step, or what divides a smaller head
         group = math.gcd(DEFAULT_GROUP, head_dim) if head_dim else DEFAULT_GROUP
@@ -189,11 +218,14 @@ def make_cache(model, policy=None, budget=None, recent=None, compact=False, kv_b
         storage, known = p.storage, getattr(pol, "prompt_tokens", None)
         if known and hasattr(p.budget, "storage_for"):  # a recorded prompt (kvzip): its storage now
             storage = p.budget.storage_for(known, storage)
-        budget, kv_bits, evicted_bits, evicted_budget = (p.budget, storage.kv_bits, storage.evicted_bits,
-                                                          storage.evicted_budget)
+        budget, kv_bits, evicted_bits, evicted_budget = (
+            p.budget,
+            storage.kv_bits,
+            storage.evicted_bits,
+            storage.evicted_budget,
+        )
     check_budget(budget)
-    storage = Storage(kv_bits=kv_bits, group=group, evicted_bits=evicted_bits, evicted_budget=evicted_budget,
-                      keys=keys)
+    storage = Storage(kv_bits=kv_bits, group=group, evicted_bits=evicted_bits, evicted_budget=evicted_budget, keys=keys)
     num_layers = check_hookable(model)
     if head_dim is not None:  # fail now, not inside the first forward
         for bits in (storage.kv_bits, storage.evicted_bits):
@@ -206,14 +238,16 @@ def make_cache(model, policy=None, budget=None, recent=None, compact=False, kv_b
             except ValueError as err:
                 if len(set(per_layer)) == 1:
                     raise
-                raise ValueError(f"{err} ({pol.name} gives the layers budgets from {min(per_layer)} "
-                                 f"to {max(per_layer)} tokens.)") from None
+                raise ValueError(
+                    f"{err} ({pol.name} gives the layers budgets from {min(per_layer)} to {max(per_layer)} tokens.)"
+                ) from None
     register()
     model.set_attn_implementation(ATTN_NAME)
     if model.config._attn_implementation != ATTN_NAME:
         raise ValueError(f"{type(model).__name__} refused attn_implementation={ATTN_NAME!r}; kvevict cannot hook it.")
-    cache = EvictingCache(pol, budget, num_layers, rope_inv_freq(model) if compact else None, storage,
-                          layer_windows(model), pages)
+    cache = EvictingCache(
+        pol, budget, num_layers, rope_inv_freq(model) if compact else None, storage, layer_windows(model), pages
+    )
     if not compact:  # compact positions never pass the cache size
         cache.max_positions = max_positions(model)
     return cache
@@ -227,11 +261,15 @@ def _from_spec(text: str, budget, memory, kv_bits, evicted_bits):
     not be given again as an argument."""
     spec = CacheSpec.parse(text)
     if spec.policy == FULL:
-        raise ValueError(f"{text!r} keeps every token: use transformers' DynamicCache for the full cache, or a "
-                         "policy with a budget that covers the sequence (make_cache(model, 'h2o/int4@4096')).")
+        raise ValueError(
+            f"{text!r} keeps every token: use transformers' DynamicCache for the full cache, or a "
+            "policy with a budget that covers the sequence (make_cache(model, 'h2o/int4@4096'))."
+        )
     if spec.question:
-        raise ValueError(f"{text!r}: +q needs the prompt's text to count its question: use kvevict.generate.generate, "
-                         "or pass question=N (the prompt's last N tokens).")
+        raise ValueError(
+            f"{text!r}: +q needs the prompt's text to count its question: use kvevict.generate.generate, "
+            "or pass question=N (the prompt's last N tokens)."
+        )
     named = spec.cache_kwargs()
     given = {"budget": budget, "memory": memory, "kv_bits": kv_bits, "evicted_bits": evicted_bits}
     twice = sorted(k for k in named if given[k] is not None)

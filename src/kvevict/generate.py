@@ -57,7 +57,8 @@ def plain_text(messages: list[dict]) -> str:
     """A chat as a base model reads it: the contents of the messages, separated by blank lines (a
     last assistant message is the start of the answer, which the model goes on with)."""
     if not isinstance(messages, (list, tuple)) or not all(
-            isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
+        isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages
+    ):
         raise ValueError("messages must be a list of {'role': ..., 'content': str} dicts (or the prompt as text).")
     return "\n\n".join(m["content"] for m in messages)
 
@@ -69,8 +70,10 @@ def question_tokens(tokenizer, prompt) -> int:
     text = msgs[-1]["content"]
     cut = text.rstrip().rfind("\n\n")
     if cut < 0:
-        raise ValueError("cannot tell the question from the prompt (no blank line before its last paragraph); "
-                         "pass question=N, the number of its last tokens to protect.")
+        raise ValueError(
+            "cannot tell the question from the prompt (no blank line before its last paragraph); "
+            "pass question=N, the number of its last tokens to protect."
+        )
     full = encode_chat(tokenizer, prompt)[0]
     msgs[-1]["content"] = text[:cut]
     head = encode_chat(tokenizer, msgs if not isinstance(prompt, str) else text[:cut])[0]
@@ -117,19 +120,37 @@ def dynamic_kv_bytes(cache: DynamicCache) -> int:
 
 def stock_kv_bytes16(cache: DynamicCache) -> int:
     """The stock cache's keys and values at 16 bits (the denominator of every ratio, kvevict.stock)."""
-    return sum((layer.keys.numel() + layer.values.numel()) * STOCK_BYTES
-               for layer in cache.layers if layer.is_initialized)
+    return sum(
+        (layer.keys.numel() + layer.values.numel()) * STOCK_BYTES for layer in cache.layers if layer.is_initialized
+    )
 
 
 def _greedy(model, tokenizer, ids, cache, max_new_tokens) -> torch.Tensor:
     """Prompt + greedy continuation token ids, one sequence."""
-    return model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, do_sample=False,
-                          max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+    return model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        cache=cache,
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+    )
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prompt, policy=None, budget=None, max_new_tokens=64, prefill_mode="full",
-             stride=None, memory=None, question=None, **policy_params) -> Result:
+def generate(
+    model,
+    tokenizer,
+    prompt,
+    policy=None,
+    budget=None,
+    max_new_tokens=64,
+    prefill_mode="full",
+    stride=None,
+    memory=None,
+    question=None,
+    **policy_params,
+) -> Result:
     """Greedy generation of one prompt (chat messages or raw text) under ``policy`` and ``budget``;
     ``policy="full"`` runs the stock transformers DynamicCache with SDPA as the reference. ``policy``
     may be a cache spec (``kvevict.spec``: ``snapkv+q/int8@0.2``, ``kvzip-pool@memory=0.1``) or a
@@ -153,15 +174,18 @@ def generate(model, tokenizer, prompt, policy=None, budget=None, max_new_tokens=
     budget = DEFAULT_BUDGET if budget is None else budget
     share = _share(memory)
     if policy is None:
-        policy = pick_policy(prompt_known=prefill_mode == "full", memory=memory is not None, model=model,
-                             share=share)
+        policy = pick_policy(prompt_known=prefill_mode == "full", memory=memory is not None, model=model, share=share)
     label = label or (policy if isinstance(policy, str) else getattr(policy, "name", policy))
     if (spec is not None and spec.question) or question is True:
         if isinstance(prompt, torch.Tensor):
             raise ValueError("question=True needs the prompt as text or messages; with token ids pass question=N.")
         question = question_tokens(tokenizer, prompt)
-    elif (question is None and memory is not None and not isinstance(prompt, torch.Tensor)
-          and _observes(policy, model, share)):
+    elif (
+        question is None
+        and memory is not None
+        and not isinstance(prompt, torch.Tensor)
+        and _observes(policy, model, share)
+    ):
         question = _question_or_none(tokenizer, prompt)  # the default observes the question where it can tell it
     ids = encode_chat(tokenizer, prompt) if not isinstance(prompt, torch.Tensor) else prompt
     if ids.shape[-1] == 0:
@@ -221,16 +245,24 @@ def generate(model, tokenizer, prompt, policy=None, budget=None, max_new_tokens=
         prefill(model, cache, ids, mode=prefill_mode, stride=stride)
     out = _greedy(model, tokenizer, ids, cache, max_new_tokens)
     seconds = time.perf_counter() - start + record_seconds
-    new = out[0, ids.shape[1]:]
+    new = out[0, ids.shape[1] :]
     if policy == FULL:  # the stock cache itself: its bytes, and the same tensors in 16 bits
         held = own = dynamic_kv_bytes(cache)
         full = stock_kv_bytes16(cache)
     else:
         held, full, own = cache.kv_bytes(), cache.full_kv_bytes(), cache.full_kv_bytes(dtype_bytes=None)
-    return Result(policy=label, budget=None if policy == FULL else budget,
-                  text=tokenizer.decode(new, skip_special_tokens=True).strip(), prompt_tokens=ids.shape[1],
-                  new_tokens=len(new), kv_bytes=held, full_kv_bytes=full, seconds=seconds,
-                  storage="" if policy == FULL else _storage_label(cache), model_kv_bytes=own)
+    return Result(
+        policy=label,
+        budget=None if policy == FULL else budget,
+        text=tokenizer.decode(new, skip_special_tokens=True).strip(),
+        prompt_tokens=ids.shape[1],
+        new_tokens=len(new),
+        kv_bytes=held,
+        full_kv_bytes=full,
+        seconds=seconds,
+        storage="" if policy == FULL else _storage_label(cache),
+        model_kv_bytes=own,
+    )
 
 
 def _storage_label(cache) -> str:
@@ -238,8 +270,11 @@ def _storage_label(cache) -> str:
     seen a layer and KV head keeps, on average over the layers and KV heads (a pooled budget, as
     kvzip-pool's, gives layers and heads unequal shares)."""
     layers = [layer for layer in cache.layers if layer.is_initialized]
-    kept = sum(int(t.valid[..., : t.filled].sum()) / (t.valid.shape[0] * layer.dims[0])
-               for layer in layers for t in layer.tiers) / max(1, len(layers))
+    kept = sum(
+        int(t.valid[..., : t.filled].sum()) / (t.valid.shape[0] * layer.dims[0])
+        for layer in layers
+        for t in layer.tiers
+    ) / max(1, len(layers))
     seen = layers[0].seen if layers else 0
     label = layers[0].storage.label if layers else cache.storage.label  # a short prompt's may differ
     return f"{label or 'model dtype'}, {round(kept)} of {seen} tokens"

@@ -15,17 +15,21 @@ from pathlib import Path
 from types import FrameType
 from typing import cast
 
-_NEW_CACHE = ("To continue the same sequence, pass all of it (the previous ids, e.g. generate's output, then "
-              "the new tokens) with a mask as long; for a new prompt make a new cache (make_cache) or call "
-              "cache.reset() first.")
+_NEW_CACHE = (
+    "To continue the same sequence, pass all of it (the previous ids, e.g. generate's output, then "
+    "the new tokens) with a mask as long; for a new prompt make a new cache (make_cache) or call "
+    "cache.reset() first."
+)
 
 
 def no_new_tokens(seen: int) -> str:
     """The message for a forward that brings no token (transformers would fail reshaping 0 elements)."""
     if seen == 0:
         return "the prompt is empty (0 tokens): give a non-empty prompt."
-    return (f"this call gives the model no new token: the cache has already seen {seen} tokens and the input is "
-            f"no longer than that. {_NEW_CACHE}")
+    return (
+        f"this call gives the model no new token: the cache has already seen {seen} tokens and the input is "
+        f"no longer than that. {_NEW_CACHE}"
+    )
 
 
 def check_mask_length(mask_length: int, seen: int, new: int) -> None:
@@ -45,8 +49,10 @@ def check_positions_follow(layer, position_ids, info) -> None:
         return
     first = position_ids[..., 0]
     if bool((first != layer.seen).any()):
-        raise ValueError(f"the new tokens start at position {int(first.min())} but the cache has seen {layer.seen} "
-                         f"tokens: the cache was filled with another sequence. {_NEW_CACHE}")
+        raise ValueError(
+            f"the new tokens start at position {int(first.min())} but the cache has seen {layer.seen} "
+            f"tokens: the cache was filled with another sequence. {_NEW_CACHE}"
+        )
 
 
 def max_positions(model) -> int | None:
@@ -63,7 +69,9 @@ def warn_past_positions(positions: int, limit: int) -> None:
     warnings.warn(
         f"kvevict: this sequence needs {positions} positions, more than the model's {limit} "
         "(config.max_position_embeddings), past which its output degrades; use compact positions "
-        "(make_cache(compact=True), --compact) or a shorter prompt.", stacklevel=_user_level())
+        "(make_cache(compact=True), --compact) or a shorter prompt.",
+        stacklevel=_user_level(),
+    )
 
 
 def _user_level() -> int:

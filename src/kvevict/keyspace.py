@@ -36,7 +36,7 @@ def _hadamard_cpu(d: int) -> torch.Tensor:
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return torch.block_diag(*([h / n ** 0.5] * (d // n)))
+    return torch.block_diag(*([h / n**0.5] * (d // n)))
 
 
 def hadamard(d: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -58,7 +58,7 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
         a, b = y[:, :, 0], y[:, :, 1]
         y = torch.stack((a + b, a - b), dim=2).view(-1, n)
         h *= 2
-    return (y.view(x.shape) * n ** -0.5).to(x.dtype)
+    return (y.view(x.shape) * n**-0.5).to(x.dtype)
 
 
 class KeySpace:

@@ -37,8 +37,16 @@ class EvictingLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, policy: Policy, budget, layer_idx: int, inv_freq=None, storage: "Storage | None" = None,
-                 window: int | None = None, pools=None):
+    def __init__(
+        self,
+        policy: Policy,
+        budget,
+        layer_idx: int,
+        inv_freq=None,
+        storage: "Storage | None" = None,
+        window: int | None = None,
+        pools=None,
+    ):
         super().__init__()
         self.pools = pools  # a kvevict.storage.Pools: each row its own pages of a shared pool (None: rectangles)
         self.policy = policy
@@ -82,8 +90,9 @@ class EvictingLayer(CacheLayerMixin):
             raise ValueError(f"adaptive budgets record a slot's head in one byte: at most 256 KV heads, got {h}.")
         self.prompt_end = None  # (b, 1, 1) real prompt tokens per row, where the question ends
         args = (b, h // self.shared, dk, value_states.shape[-1], self.dtype, self.device, policy.stats)
-        self.tiers = [Tier(self.budget * self.shared, *args, bits=st.kv_bits, group=st.group, heads=self.shared,
-                           pools=self.pools)]
+        self.tiers = [
+            Tier(self.budget * self.shared, *args, bits=st.kv_bits, group=st.group, heads=self.shared, pools=self.pools)
+        ]
         if st.evicted_bits is not None:
             check_group(st.group, dk, st.evicted_bits)
             check_group(st.group, value_states.shape[-1], st.evicted_bits)
@@ -94,8 +103,16 @@ class EvictingLayer(CacheLayerMixin):
             if self.window is not None:  # both tiers together never hold more than the window
                 low = min(low, self.window - 1 - self.budget)
             if low > 0:
-                self.tiers.append(Tier(low * self.shared, *args, bits=st.evicted_bits, group=st.group,
-                                       heads=self.shared, pools=self.pools))
+                self.tiers.append(
+                    Tier(
+                        low * self.shared,
+                        *args,
+                        bits=st.evicted_bits,
+                        group=st.group,
+                        heads=self.shared,
+                        pools=self.pools,
+                    )
+                )
         self.n_real = torch.zeros(b, dtype=torch.long, device=self.device)
         self.rows = Rows(policy, self.budget, b, self.device)  # every row: this policy and budget
         self.summary = self._summary(b, h, dk, value_states.shape[-1])
@@ -110,8 +127,10 @@ class EvictingLayer(CacheLayerMixin):
         if not getattr(self.policy, "merge", False):
             return None
         if self.compact is not None:
-            raise ValueError("merge keeps evicted keys rotated at their own positions; it does not work with "
-                             "compact positions: drop compact=True or merge.")
+            raise ValueError(
+                "merge keeps evicted keys rotated at their own positions; it does not work with "
+                "compact positions: drop compact=True or merge."
+            )
         return None if self.window is not None else Summary(b, h, dk, dv, self.device)
 
     def _windowed(self, budget: int):
@@ -143,8 +162,12 @@ class EvictingLayer(CacheLayerMixin):
         # entries this layer holds during this step: stored slots + the incoming tokens
         self.peak_entries = max(self.peak_entries, held + key_states.shape[2])
         t0 = self.tiers[0]
-        if (len(self.tiers) == 1 and self.shared == 1 and isinstance(t0.store, DenseStore)
-                and t0.store.keys.dtype == self.dtype):
+        if (
+            len(self.tiers) == 1
+            and self.shared == 1
+            and isinstance(t0.store, DenseStore)
+            and t0.store.keys.dtype == self.dtype
+        ):
             self.returned_keys = t0.store.keys[:, :, : t0.filled]
             values = t0.store.values[:, :, : t0.filled]
         else:  # packed, two tiers or shared: attention reads the tiers itself; hand back shape-only stand-ins
@@ -165,9 +188,16 @@ class EvictingLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         prompt_len = self.prompt_len
-        type(self).__init__(self, self.policy, self.budget_spec, self.layer_idx,
-                           None if self.compact is None else self.compact.inv_freq, self.storage,
-                            self.window, self.pools)
+        type(self).__init__(
+            self,
+            self.policy,
+            self.budget_spec,
+            self.layer_idx,
+            None if self.compact is None else self.compact.inv_freq,
+            self.storage,
+            self.window,
+            self.pools,
+        )
         self.prompt_len = prompt_len
 
     def _map_batch(self, fn) -> None:
@@ -206,11 +236,20 @@ class EvictingLayer(CacheLayerMixin):
         self._map_batch(lambda t: t[indices])
 
     def can_append(self, other: "EvictingLayer") -> bool:
-        return (self.is_initialized and other.is_initialized and self.storage == other.storage
-                and self.dims == other.dims and self.dtype == other.dtype and len(self.tiers) == len(other.tiers)
-                and self.shared == other.shared and self.compact is None and other.compact is None
-                and self.pools is other.pools and (self.summary is None) == (other.summary is None)
-                and shareable(self.rows.policies + other.rows.policies))
+        return (
+            self.is_initialized
+            and other.is_initialized
+            and self.storage == other.storage
+            and self.dims == other.dims
+            and self.dtype == other.dtype
+            and len(self.tiers) == len(other.tiers)
+            and self.shared == other.shared
+            and self.compact is None
+            and other.compact is None
+            and self.pools is other.pools
+            and (self.summary is None) == (other.summary is None)
+            and shareable(self.rows.policies + other.rows.policies)
+        )
 
     def append_rows(self, other: "EvictingLayer") -> None:
         """Append ``other``'s sequences (same storage; any policies and budgets ``can_append``
@@ -301,7 +340,7 @@ class EvictingLayer(CacheLayerMixin):
         k_new, v_new = self._new
         valid_new = None
         if info is not None and info.padding is not None:
-            valid_new = info.real_upto(self.seen + q_len)[:, self.seen:]
+            valid_new = info.real_upto(self.seen + q_len)[:, self.seen :]
             self._padded = True
         knorm_new = None
         if self.keyspace is not None:  # stored and attended in the rotated basis (kvevict.keyspace)
@@ -324,9 +363,16 @@ class EvictingLayer(CacheLayerMixin):
             pieces, pos_past = self.compact.apply(pieces, pos_past, valid_past, self.n_real, self.keyspace)
         runs = [t.store.run(t.filled) for t in self.tiers] if q_len == 1 and self.compact is None else None
         return _Segments(
-            pieces=pieces, pos_past=pos_past, valid_past=valid_past if self._padded or self.shared > 1 else None,
-            k_new=k_new, v_new=v_new, pos_new=pos_new, valid_new=valid_new, runs=runs,
-            summary=None if self.summary is None else self.summary.term(k_new.dtype), knorm_new=knorm_new,
+            pieces=pieces,
+            pos_past=pos_past,
+            valid_past=valid_past if self._padded or self.shared > 1 else None,
+            k_new=k_new,
+            v_new=v_new,
+            pos_new=pos_new,
+            valid_new=valid_new,
+            runs=runs,
+            summary=None if self.summary is None else self.summary.term(k_new.dtype),
+            knorm_new=knorm_new,
         )
 
     def absorb(self, stats: dict, valid_new, pos_new) -> None:
@@ -350,12 +396,17 @@ class EvictingLayer(CacheLayerMixin):
         for tier in self.tiers:
             tier.accumulate(stats, offset, decay, m)
             offset += tier.filled
-        ctx = {"newest": (self.n_real - 1).view(-1, 1, 1), "budget": self.budget, "layer_idx": self.layer_idx,
-               "prompt_len": self.prompt_end}
+        ctx = {
+            "newest": (self.n_real - 1).view(-1, 1, 1),
+            "budget": self.budget,
+            "layer_idx": self.layer_idx,
+            "prompt_len": self.prompt_end,
+        }
         self.evicted += max(0, self.tiers[0].filled + m * self.shared - self.budget * self.shared) // self.shared
         merge = self.summary is not None
-        gone = self.tiers[0].insert(self.rows, new, ctx, protected_newcomer=valid_new is None,
-                                    want_evicted=len(self.tiers) > 1 or merge)
+        gone = self.tiers[0].insert(
+            self.rows, new, ctx, protected_newcomer=valid_new is None, want_evicted=len(self.tiers) > 1 or merge
+        )
         if len(self.tiers) > 1:  # what the first tier demotes goes to the second; what leaves that, on
             demoted, gone = gone, None
             # unpadded, every demoted entry is a real token: skip the host sync that checks it

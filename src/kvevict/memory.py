@@ -45,7 +45,9 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "m
 def parse_memory(memory) -> float | int:
     """0.2 or '20%' -> 0.2 (fraction of a 16-bit stock cache's bytes); '64MiB' or 67108864 -> bytes (int)."""
     if isinstance(memory, bool):
-        raise ValueError(f"memory must be a fraction in (0, 1], a percentage or a size such as '64MiB', got {memory!r}.")
+        raise ValueError(
+            f"memory must be a fraction in (0, 1], a percentage or a size such as '64MiB', got {memory!r}."
+        )
     if isinstance(memory, str):
         text = memory.strip().lower().replace(" ", "")
         if text.endswith("%"):
@@ -61,11 +63,15 @@ def parse_memory(memory) -> float | int:
             else:
                 memory = None
         if memory is None:
-            raise ValueError(f"cannot read the memory budget {text!r}: write a fraction (0.2), a percentage (20%) "
-                             "or a size (64MiB, 2GiB).")
+            raise ValueError(
+                f"cannot read the memory budget {text!r}: write a fraction (0.2), a percentage (20%) "
+                "or a size (64MiB, 2GiB)."
+            )
     if isinstance(memory, float):
         if not 0.0 < memory <= 1.0:
-            raise ValueError(f"a fractional memory budget is a share of a 16-bit stock cache's bytes, in (0, 1]; got {memory}.")
+            raise ValueError(
+                f"a fractional memory budget is a share of a 16-bit stock cache's bytes, in (0, 1]; got {memory}."
+            )
         return memory
     if isinstance(memory, int) and memory > 0:
         return memory
@@ -89,6 +95,7 @@ def head_from(policy) -> float:
     """The share of r4 from which ``policy`` streams in three tiers (``HEAD_FROM`` unless measured)."""
     return HEAD_FROM_OF.get(getattr(policy, "name", policy), HEAD_FROM)
 
+
 # a prompt-scoring policy's three tiers: from this share of r4 on (10% of a 16-bit cache at head_dim
 # 64), the int8 tier holding this share of the bytes (docs/results/ruler.md, docs/results/quality-per-byte.md)
 PROMPT_FROM, PROMPT_HEAD_BYTES = 0.34, 0.5
@@ -102,14 +109,18 @@ def storage_kind(kv_bits=None, evicted_bits=None, evicted_budget=None) -> str | 
     (``make_cache(memory=0.2, kv_bits=4)``): "fp16", "int8", "int4", or "int8+int4" for int8 with
     int4 below it; None when no bits are named (the rule decides)."""
     if evicted_budget is not None:
-        raise ValueError("a memory budget sizes both tiers itself: leave evicted_budget out, or give a token "
-                         "budget instead of memory.")
+        raise ValueError(
+            "a memory budget sizes both tiers itself: leave evicted_budget out, or give a token "
+            "budget instead of memory."
+        )
     if kv_bits is None and evicted_bits is None:
         return None
     kind = {(16, None): "fp16", (8, None): "int8", (4, None): "int4", (8, 4): "int8+int4"}.get((kv_bits, evicted_bits))
     if kind is None:
-        raise ValueError(f"a memory budget is spent at kv_bits 16, 8 or 4, or kv_bits=8 with evicted_bits=4; got "
-                         f"kv_bits={kv_bits}, evicted_bits={evicted_bits}. Leave both out to let the plan choose.")
+        raise ValueError(
+            f"a memory budget is spent at kv_bits 16, 8 or 4, or kv_bits=8 with evicted_bits=4; got "
+            f"kv_bits={kv_bits}, evicted_bits={evicted_bits}. Leave both out to let the plan choose."
+        )
     return kind
 
 
@@ -129,8 +140,17 @@ ONE_SHOT_OF: dict[tuple, tuple[str, float]] = {("qwen2", 28, 12, 2, 1536, 151936
 def model_key(model) -> tuple:
     """What ``ONE_SHOT_OF`` knows a model by: its architecture and shapes (not its path or dtype)."""
     config = text_config(model)
-    return tuple(getattr(config, k, None) for k in ("model_type", "num_hidden_layers", "num_attention_heads",
-                                                    "num_key_value_heads", "hidden_size", "vocab_size"))
+    return tuple(
+        getattr(config, k, None)
+        for k in (
+            "model_type",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "hidden_size",
+            "vocab_size",
+        )
+    )
 
 
 def pick_policy(prompt_known: bool, memory: bool = True, model=None, share=None) -> str:
@@ -167,9 +187,18 @@ class PromptShare(float):
     part: int
     coarse: PromptShare | None
 
-    def __new__(cls, value: float, memory: float = 0.0, ratio: float = 1.0, windows: tuple = (), floor: int = 1,
-                short_bits: int | None = 16, pair: tuple | None = None, part: int = 0,
-                coarse: "PromptShare | None" = None):
+    def __new__(
+        cls,
+        value: float,
+        memory: float = 0.0,
+        ratio: float = 1.0,
+        windows: tuple = (),
+        floor: int = 1,
+        short_bits: int | None = 16,
+        pair: tuple | None = None,
+        part: int = 0,
+        coarse: "PromptShare | None" = None,
+    ):
         self = super().__new__(cls, value)
         self.memory, self.ratio, self.windows, self.floor = memory, ratio, tuple(windows), floor
         self.short_bits = short_bits
@@ -178,8 +207,17 @@ class PromptShare(float):
         return self
 
     def __reduce__(self):
-        return PromptShare, (float(self), self.memory, self.ratio, self.windows, self.floor, self.short_bits,
-                             self.pair, self.part, self.coarse)
+        return PromptShare, (
+            float(self),
+            self.memory,
+            self.ratio,
+            self.windows,
+            self.floor,
+            self.short_bits,
+            self.pair,
+            self.part,
+            self.coarse,
+        )
 
     def coarser(self, n: int) -> bool:
         """Whether an n-token prompt takes the int4 plan (``coarse``): the int8 tokens the bytes buy,
@@ -194,8 +232,16 @@ class PromptShare(float):
     def partner(self) -> "PromptShare":
         """A two-tier plan's other share (the int4 tier's for the int8 tier's, and back)."""
         assert self.pair is not None, "partner() is a two-tier plan's (pair set)"
-        return PromptShare(self.pair[1 - self.part], self.memory, self.ratio, self.windows, self.floor,
-                           self.short_bits, self.pair, 1 - self.part)
+        return PromptShare(
+            self.pair[1 - self.part],
+            self.memory,
+            self.ratio,
+            self.windows,
+            self.floor,
+            self.short_bits,
+            self.pair,
+            1 - self.part,
+        )
 
     def floored(self, n: int) -> bool:
         """A two-tier plan whose tokens for an n-token prompt the floor sets: int4 would buy no token
@@ -252,9 +298,21 @@ class Plan:
     storage: Storage
 
 
-def plan(memory, head_dim_k: int, head_dim_v: int, dtype_bytes: int, stats_bytes: int, layers_heads: int = 1,
-         group: int = DEFAULT_GROUP, slot_extra: int = 0, windows=None, floor: int = MIN_TOKENS,
-         scores_prompt: bool = False, kind: str | None = None, head_from: float = HEAD_FROM) -> Plan:
+def plan(
+    memory,
+    head_dim_k: int,
+    head_dim_v: int,
+    dtype_bytes: int,
+    stats_bytes: int,
+    layers_heads: int = 1,
+    group: int = DEFAULT_GROUP,
+    slot_extra: int = 0,
+    windows=None,
+    floor: int = MIN_TOKENS,
+    scores_prompt: bool = False,
+    kind: str | None = None,
+    head_from: float = HEAD_FROM,
+) -> Plan:
     """The storage and token budget for ``memory`` (see the module's rule), as a share of a 16-bit
     stock cache whatever ``dtype_bytes`` (the model's, for storage kept in it). ``stats_bytes``: a
     slot's statistics (``storage.stat_bytes(policy.stats)``). ``layers_heads``:
@@ -274,20 +332,26 @@ def plan(memory, head_dim_k: int, head_dim_v: int, dtype_bytes: int, stats_bytes
     sliding = any(w is not None for w in windows)
 
     def slot(bits) -> float:
-        return Storage(kv_bits=bits, group=group).slot_bytes(head_dim_k, head_dim_v, dtype_bytes, stats_bytes) + slot_extra
+        return (
+            Storage(kv_bits=bits, group=group).slot_bytes(head_dim_k, head_dim_v, dtype_bytes, stats_bytes) + slot_extra
+        )
 
     if isinstance(memory, int):  # bytes per sequence: as many int4 tokens as fit (or the bits named)
         if kind == "int8+int4":
-            raise ValueError("two tiers are planned for a fractional memory budget (0.2, '20%'); with bytes per "
-                             "sequence give one kv_bits.")
+            raise ValueError(
+                "two tiers are planned for a fractional memory budget (0.2, '20%'); with bytes per "
+                "sequence give one kv_bits."
+            )
         bits: int | None = {"fp16": 16, "int8": 8}.get(kind or "", 4)
         if sliding:  # a sliding layer never holds more than its window: the rest goes to the others
             tokens = _fill(memory / (layers_heads // len(windows) * slot(bits)), windows)
         else:
             tokens = int(memory // (layers_heads * slot(bits)))
         if tokens < 1:
-            raise ValueError(f"{memory} bytes hold less than one {bits}-bit token per layer and KV head "
-                             f"({layers_heads * slot(bits):.0f} bytes); give more memory.")
+            raise ValueError(
+                f"{memory} bytes hold less than one {bits}-bit token per layer and KV head "
+                f"({layers_heads * slot(bits):.0f} bytes); give more memory."
+            )
         return Plan(tokens, Storage(kv_bits=bits, group=group))
     ratio = {bits: slot(bits) / full for bits in (16, 8, 4)}
 
@@ -298,13 +362,20 @@ def plan(memory, head_dim_k: int, head_dim_v: int, dtype_bytes: int, stats_bytes
 
     if kind is None and scores_prompt and sliding and memory < ratio[4]:  # int8, or int4 for a long prompt
         value = memory / ratio[8]
-        return Plan(PromptShare(min(1.0, value), memory, ratio[8], windows, floor, short,
-                                coarse=share(memory / ratio[4], 4)), Storage(kv_bits=8, group=group))
+        return Plan(
+            PromptShare(min(1.0, value), memory, ratio[8], windows, floor, short, coarse=share(memory / ratio[4], 4)),
+            Storage(kv_bits=8, group=group),
+        )
     if kind is None and scores_prompt:  # three tiers where measured, else evict at int8 (module's rule)
         kind = "int8+int4" if PROMPT_FROM * ratio[4] <= memory < ratio[4] else "int8"  # a sliding model: above
     if kind is None:
-        kind = ("int8" if memory >= ratio[8] else "int8+int4" if memory >= ratio[4]
-                or (memory >= head_from * ratio[4] and not sliding) else "int4")
+        kind = (
+            "int8"
+            if memory >= ratio[8]
+            else "int8+int4"
+            if memory >= ratio[4] or (memory >= head_from * ratio[4] and not sliding)
+            else "int4"
+        )
     if kind == "int8+int4" and memory >= ratio[8]:  # int8 for every token fits: no int4 tier
         kind = "int8"
     if kind == "int8+int4" and memory < ratio[4] and sliding:  # three tiers are not solved per layer
@@ -324,8 +395,9 @@ def plan(memory, head_dim_k: int, head_dim_v: int, dtype_bytes: int, stats_bytes
     return Plan(share(memory / ratio[bits], bits), Storage(kv_bits=bits, group=group))
 
 
-def plan_for_model(model, memory, policy, group: int = DEFAULT_GROUP, floor: int = MIN_TOKENS,
-                   plan_file=None, kind: str | None = None) -> Plan:
+def plan_for_model(
+    model, memory, policy, group: int = DEFAULT_GROUP, floor: int = MIN_TOKENS, plan_file=None, kind: str | None = None
+) -> Plan:
     """``plan`` with the model's shape: head dimension, dtype, layers x KV heads, sliding windows,
     the policy's statistics. ``plan_file``: a plan ``kvevict calibrate`` wrote (a path), None for
     the model's own calibrated plan when it has one (``kvevict.plans.default_path``), False for
@@ -335,12 +407,26 @@ def plan_for_model(model, memory, policy, group: int = DEFAULT_GROUP, floor: int
     d = head_dim_of(model)
     if d is None:
         raise ValueError(f"cannot find the head dimension of {type(model).__name__} to plan a memory budget.")
-    layers_heads = config.num_hidden_layers * (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    layers_heads = config.num_hidden_layers * (
+        getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    )
     head_id = 1 if getattr(policy, "adaptive", False) else 0  # a pooled slot says whose head it is (Tier.head)
     kind = kind or _calibrated_kind(model, memory, policy, plan_file)
-    return plan(memory, d, d, model.dtype.itemsize, stat_bytes(policy.stats), layers_heads, group, head_id,
-                sliding_windows(config), floor,
-                scores_prompt=bool(getattr(policy, "needs_prompt", False)), kind=kind, head_from=head_from(policy))
+    return plan(
+        memory,
+        d,
+        d,
+        model.dtype.itemsize,
+        stat_bytes(policy.stats),
+        layers_heads,
+        group,
+        head_id,
+        sliding_windows(config),
+        floor,
+        scores_prompt=bool(getattr(policy, "needs_prompt", False)),
+        kind=kind,
+        head_from=head_from(policy),
+    )
 
 
 def _calibrated_kind(model, memory, policy, plan_file) -> str | None:

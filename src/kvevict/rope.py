@@ -19,15 +19,20 @@ from .storage.interface import Piece
 def rope_inv_freq(model) -> torch.Tensor:
     """The model's RoPE frequencies theta (head_dim / 2,), or a clear error if it has none."""
     for module in model.modules():
-        per_kind = {n[: -len("_inv_freq")]: b for n, b in module.named_buffers(recurse=False)
-                    if n.endswith("_inv_freq") and not n.endswith("original_inv_freq")}
+        per_kind = {
+            n[: -len("_inv_freq")]: b
+            for n, b in module.named_buffers(recurse=False)
+            if n.endswith("_inv_freq") and not n.endswith("original_inv_freq")
+        }
         kinds = sorted(per_kind)
         freqs = list(per_kind.values())
         if any(f.shape != freqs[0].shape or not torch.equal(f, freqs[0]) for f in freqs[1:]):
             # Gemma 3: local and global layers rotate with different bases
-            raise ValueError(f"{type(model).__name__} rotates its {' and '.join(kinds)} layers with different RoPE "
-                             "frequencies; compact positions re-rotate keys with one, so they are not supported "
-                             "for it (drop compact=True; its context is config.max_position_embeddings).")
+            raise ValueError(
+                f"{type(model).__name__} rotates its {' and '.join(kinds)} layers with different RoPE "
+                "frequencies; compact positions re-rotate keys with one, so they are not supported "
+                "for it (drop compact=True; its context is config.max_position_embeddings)."
+            )
         freq = freqs[0] if freqs else getattr(module, "inv_freq", None)
         if isinstance(freq, torch.Tensor) and freq.dim() == 1:
             return freq.detach().float().clone()
@@ -85,6 +90,6 @@ class CompactPositions:
 
         out, o = [], 0
         for p in pieces:
-            out.append(piece(p, delta[..., o: o + p.n]))
+            out.append(piece(p, delta[..., o : o + p.n]))
             o += p.n
         return out, compact

@@ -50,15 +50,22 @@ def shareable(policies: list[Policy]) -> bool:
 
 def rows_of(c: Candidates, rows: torch.Tensor, cols: torch.Tensor | None = None) -> Candidates:
     """The candidates of batch ``rows`` only (and of candidate columns ``cols``, if given)."""
+
     def take(t):
         if t is None:
             return None
         t = t.index_select(0, rows)
         return t if cols is None else t.index_select(2, cols)
 
-    return replace(c, stats={n: take(t) for n, t in c.stats.items()}, pos=take(c.pos), valid=take(c.valid),
-                   head=take(c.head), newest=c.newest.index_select(0, rows),
-                   prompt_len=None if c.prompt_len is None else c.prompt_len.index_select(0, rows))
+    return replace(
+        c,
+        stats={n: take(t) for n, t in c.stats.items()},
+        pos=take(c.pos),
+        valid=take(c.valid),
+        head=take(c.head),
+        newest=c.newest.index_select(0, rows),
+        prompt_len=None if c.prompt_len is None else c.prompt_len.index_select(0, rows),
+    )
 
 
 def stat_names(policies: list[Policy]) -> tuple[str, ...]:
@@ -111,7 +118,9 @@ class Rows:
                 kinds = [self._kinds_of[r] for r in rows]
                 sub = self._sub_groups[tuple(rows)] = [
                     (p, b, torch.tensor([j for j, k in enumerate(kinds) if k == i], device=c.pos.device))
-                    for i, (p, b) in enumerate(self.kinds) if i in kinds]
+                    for i, (p, b) in enumerate(self.kinds)
+                    if i in kinds
+                ]
             groups = sub
         if len(groups) == 1:
             policy, budget, _ = groups[0]

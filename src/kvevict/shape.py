@@ -14,7 +14,9 @@ def check_hookable(model) -> int:
     name = type(model).__name__
     config = text_config(model)
     if getattr(model.config, "is_encoder_decoder", False):
-        raise ValueError(f"{name} is an encoder-decoder model; kvevict evicts the self-attention cache of decoder-only models.")
+        raise ValueError(
+            f"{name} is an encoder-decoder model; kvevict evicts the self-attention cache of decoder-only models."
+        )
     can_set = getattr(model, "_can_set_attn_implementation", None)
     if not getattr(model, "_supports_attention_backend", False) or can_set is None or not can_set():
         raise ValueError(

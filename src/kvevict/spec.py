@@ -33,9 +33,11 @@ MEMORY = "memory="
 _LEGACY_MEMORY = "mem"  # eval grids: "mem", "mem-NAME", "mem-NAME/BITS" (budget = a memory share)
 _LEGACY = {"stock": FULL, "none": FULL}
 
-GRAMMAR = ("POLICY[+q][/STORAGE][@BUDGET], full[/STORAGE] or memory=SHARE: e.g. h2o@0.2, snapkv+q/int8@512, "
-           "kvzip-pool@memory=0.2, memory=0.1, full/int4 (STORAGE: fp, fp16, int8, int4, int2 or KEPT+EVICTED "
-           "such as int8+int4; BUDGET: tokens, a share of the prompt in (0, 1], or memory=SHARE / memory=64MiB)")
+GRAMMAR = (
+    "POLICY[+q][/STORAGE][@BUDGET], full[/STORAGE] or memory=SHARE: e.g. h2o@0.2, snapkv+q/int8@512, "
+    "kvzip-pool@memory=0.2, memory=0.1, full/int4 (STORAGE: fp, fp16, int8, int4, int2 or KEPT+EVICTED "
+    "such as int8+int4; BUDGET: tokens, a share of the prompt in (0, 1], or memory=SHARE / memory=64MiB)"
+)
 
 
 @dataclass(frozen=True)
@@ -55,8 +57,10 @@ class CacheSpec:
         if self.policy is None and not self.memory:
             raise ValueError(f"a cache with no policy named is a memory budget's: write it as {MEMORY}SHARE.")
         if self.policy == FULL and (self.question or self.budget is not None or self.memory):
-            raise ValueError("the full cache keeps every token: it takes no budget and no +q "
-                             "(write full, or full/STORAGE for every token stored as STORAGE).")
+            raise ValueError(
+                "the full cache keeps every token: it takes no budget and no +q "
+                "(write full, or full/STORAGE for every token stored as STORAGE)."
+            )
 
     # -- reading and writing --------------------------------------------------------------------
     @classmethod
@@ -114,9 +118,9 @@ def _parse(raw: str) -> CacheSpec:
     if raw == "memory":
         return CacheSpec(None, memory=True)
     if raw.startswith(MEMORY):
-        return CacheSpec(None, budget=_memory_size(raw[len(MEMORY):]), memory=True)
+        return CacheSpec(None, budget=_memory_size(raw[len(MEMORY) :]), memory=True)
     if raw == _LEGACY_MEMORY or raw.startswith(_LEGACY_MEMORY + "-") and not raw.startswith("memory"):
-        name = raw[len(_LEGACY_MEMORY) + 1:]
+        name = raw[len(_LEGACY_MEMORY) + 1 :]
         inner = _parse(name) if name else CacheSpec(None, memory=True)
         return replace(inner, memory=True)
     head, at, budget = raw.partition("@")
@@ -146,14 +150,16 @@ def _parse(raw: str) -> CacheSpec:
     if budget == "memory":
         return CacheSpec(name, st, question, memory=True)
     if budget.startswith(MEMORY):
-        return CacheSpec(name, st, question, _memory_size(budget[len(MEMORY):]), memory=True)
+        return CacheSpec(name, st, question, _memory_size(budget[len(MEMORY) :]), memory=True)
     return CacheSpec(name, st, question, _token_budget(budget))
 
 
 def _check_policy(name: str) -> None:
     if policy_class(name) is None:
-        raise ValueError(f"unknown policy {name!r}; known policies: {', '.join(sorted(POLICIES))}, each also as ada-NAME "
-                         "(head-adaptive budgets) and merge-NAME (evicted tokens merged)")
+        raise ValueError(
+            f"unknown policy {name!r}; known policies: {', '.join(sorted(POLICIES))}, each also as ada-NAME "
+            "(head-adaptive budgets) and merge-NAME (evicted tokens merged)"
+        )
 
 
 def _token_budget(text: str) -> int | float:

@@ -38,21 +38,38 @@ class Stat:
     from_pg: bool = True
 
 
-STATS: dict[str, Stat] = {s.name: s for s in (
-    Stat("sum", "sum_t p_t(i): the attention key i received (H2O, MAS, RoCo)", torch.float16),
-    Stat("sq", "sum_t p_t(i)^2 (RoCo's standard deviation)", torch.float32),
-    Stat("last", "p_T(i): the newest query's attention (TOVA)", torch.float16, fold="set"),
-    Stat("obs", "sum over the last `observe` queries of p_t(i) (SnapKV's window)", torch.float16),
-    Stat("hits", "count of queries with p_t(i) >= G / n_t, above uniform (A2SF / AQAS)", torch.float32),
-    Stat("hits_ema", "the hits, each weighted gamma^(its age) (Scissorhands' history)", torch.float32, fold="decay"),
-    Stat("knorm", "||k_i||, the key's norm as the model made it (knorm)", torch.float16, from_pg=False),
-    Stat("max", "max over heads and the last `observe` queries of p_t(i) (KVzip's reconstruction)",
-         torch.float16, fused=False),
-    Stat("expected", "the attention a Gaussian fit of the recent queries expects (expected attention)",
-         torch.float32, fused=False),
-    Stat("blocks", "sum_t p_t(i) per block of query positions (the oracle's record of the future)",
-         torch.float32, fused=False),
-)}
+STATS: dict[str, Stat] = {
+    s.name: s
+    for s in (
+        Stat("sum", "sum_t p_t(i): the attention key i received (H2O, MAS, RoCo)", torch.float16),
+        Stat("sq", "sum_t p_t(i)^2 (RoCo's standard deviation)", torch.float32),
+        Stat("last", "p_T(i): the newest query's attention (TOVA)", torch.float16, fold="set"),
+        Stat("obs", "sum over the last `observe` queries of p_t(i) (SnapKV's window)", torch.float16),
+        Stat("hits", "count of queries with p_t(i) >= G / n_t, above uniform (A2SF / AQAS)", torch.float32),
+        Stat(
+            "hits_ema", "the hits, each weighted gamma^(its age) (Scissorhands' history)", torch.float32, fold="decay"
+        ),
+        Stat("knorm", "||k_i||, the key's norm as the model made it (knorm)", torch.float16, from_pg=False),
+        Stat(
+            "max",
+            "max over heads and the last `observe` queries of p_t(i) (KVzip's reconstruction)",
+            torch.float16,
+            fused=False,
+        ),
+        Stat(
+            "expected",
+            "the attention a Gaussian fit of the recent queries expects (expected attention)",
+            torch.float32,
+            fused=False,
+        ),
+        Stat(
+            "blocks",
+            "sum_t p_t(i) per block of query positions (the oracle's record of the future)",
+            torch.float32,
+            fused=False,
+        ),
+    )
+}
 
 FUSED_CANNOT = frozenset(n for n, s in STATS.items() if not s.fused)
 NOT_FROM_PG = frozenset(n for n, s in STATS.items() if not s.from_pg)
@@ -60,8 +77,10 @@ NOT_FROM_PG = frozenset(n for n, s in STATS.items() if not s.from_pg)
 
 def stat(name: str) -> Stat:
     if name not in STATS:
-        raise ValueError(f"unknown statistic {name!r}; kvevict.stats declares {', '.join(STATS)} "
-                         "(a new one is declared there, then computed in kvevict.attention).")
+        raise ValueError(
+            f"unknown statistic {name!r}; kvevict.stats declares {', '.join(STATS)} "
+            "(a new one is declared there, then computed in kvevict.attention)."
+        )
     return STATS[name]
 
 

@@ -42,9 +42,23 @@ _META = ("pos",)
 # 2 bytes a slot, a sixth of the bookkeeping of an int4 slot at head_dim 64
 POS16_MAX = torch.iinfo(torch.int16).max
 
+
 class Tier:
-    def __init__(self, budget: int, b, h, dk, dv, dtype, device, stats: tuple, bits=None, group: int = 32,
-                 heads: int = 1, pools=None):
+    def __init__(
+        self,
+        budget: int,
+        b,
+        h,
+        dk,
+        dv,
+        dtype,
+        device,
+        stats: tuple,
+        bits=None,
+        group: int = 32,
+        heads: int = 1,
+        pools=None,
+    ):
         self.budget, self.filled, self.heads = budget, 0, heads
         self.capacity = 0  # slots allocated: pages, grown on demand up to ``budget``
         # slots each row has used: a row writes its next tokens at its own fill, so rows that joined
@@ -61,8 +75,9 @@ class Tier:
         if pools is None:  # one rectangle: every row as wide as the widest
             self.store = make_store(b, h, 0, dk, dv, dtype, device, bits, group)
         else:  # each row its own pages of a shared pool (kvevict.storage.paged)
-            self.store = PagedStore(pools, b, h, dk, dv, torch.float16 if bits == 16 else dtype, dtype, device, bits,
-                                    group)
+            self.store = PagedStore(
+                pools, b, h, dk, dv, torch.float16 if bits == 16 else dtype, dtype, device, bits, group
+            )
         # per-slot bookkeeping, by name: a (b, h, capacity) tensor, or a PagedField on ``pools``
         self._meta = {"pos": self._field(b, torch.int16, -1)}
         if heads > 1:  # shared by the heads: whose each slot is
@@ -154,12 +169,12 @@ class Tier:
         f = self.filled
         for name in self._stats:
             st = self.meta(name)
-            got = stats[name][..., offset: offset + f]
+            got = stats[name][..., offset : offset + f]
             fold = STATS[name].fold
             if fold == "set":
                 st[..., :f] = got
             elif fold == "decay":  # older values fade: a history of about 1 / (1 - gamma) steps
-                st[..., :f].mul_(decay ** m).add_(got)
+                st[..., :f].mul_(decay**m).add_(got)
             else:
                 st[..., :f] += got
             if st.dtype == torch.float16:  # a sum past float16's range stays the largest, not inf
@@ -169,9 +184,17 @@ class Tier:
     def candidates(self, new: dict | None, newest, budget: int, layer_idx: int, prompt_len=None) -> Candidates:
         """All slots (empty ones invalid) followed by the new entries; the slots alone if ``new`` is None."""
         cat = {n: self.meta(n) if new is None else torch.cat([self.meta(n), new[n]], dim=-1) for n in self.names()}
-        return Candidates(stats={n: cat[n].float() for n in self._stats}, pos=cat["pos"].long(), valid=cat["pos"] >= 0,
-                          newest=newest, budget=budget, layer_idx=layer_idx, head=cat.get("head"),
-                          heads=self.heads, prompt_len=prompt_len)
+        return Candidates(
+            stats={n: cat[n].float() for n in self._stats},
+            pos=cat["pos"].long(),
+            valid=cat["pos"] >= 0,
+            newest=newest,
+            budget=budget,
+            layer_idx=layer_idx,
+            head=cat.get("head"),
+            heads=self.heads,
+            prompt_len=prompt_len,
+        )
 
     def insert(self, policy: Rows, new: dict, ctx: dict, protected_newcomer: bool, want_evicted: bool):
         """Store ``new`` entries (keys "k", "v" and the metadata, each (b, h, m, ...); "pos" -1 for
@@ -222,7 +245,9 @@ class Tier:
         if bool(real.all()):
             return None, every
         counts = real.sum(-1).tolist()
-        width = max(self.capacity, page_slots(max(min(c, f + a) for f, c, a in zip(self.fills, caps, counts)), self.budget))
+        width = max(
+            self.capacity, page_slots(max(min(c, f + a) for f, c, a in zip(self.fills, caps, counts)), self.budget)
+        )
         if any(f + a > c or f + m > width for f, c, a in zip(self.fills, caps, counts)):
             return None, every
         return real, counts
@@ -258,8 +283,9 @@ class Tier:
         for cap, idx, rows in self._cap_groups:
             key = (cap, self.capacity, n)
             if key not in self._cols:  # a pure function of its key: built once per batch change, not per step
-                self._cols[key] = torch.cat([torch.arange(min(cap, self.capacity)),
-                                             torch.arange(self.capacity, n)]).to(c.pos.device)
+                self._cols[key] = torch.cat([torch.arange(min(cap, self.capacity)), torch.arange(self.capacity, n)]).to(
+                    c.pos.device
+                )
             cols = self._cols[key]
             part = torch.full((len(rows), *c.pos.shape[1:]), float("inf"), device=c.pos.device)
             part[:, :, cols] = policy.priority(rows_of(c, idx, cols), rows)
@@ -390,8 +416,11 @@ class Tier:
             return
         caps = self._caps_host = self.caps.tolist()  # one host read per batch change, none per step
         self._cols = {}
-        self._cap_groups = [(cap, torch.tensor(rows, device=self.caps.device), rows) for cap in sorted(set(caps))
-                            for rows in [[i for i, c in enumerate(caps) if c == cap]]]
+        self._cap_groups = [
+            (cap, torch.tensor(rows, device=self.caps.device), rows)
+            for cap in sorted(set(caps))
+            for rows in [[i for i, c in enumerate(caps) if c == cap]]
+        ]
 
     def _resize(self, n: int) -> None:
         """Reallocate every per-slot tensor to ``n`` slots (cut, or padded with empty slots)."""

@@ -31,34 +31,67 @@ def number_list(text: str, flag: str, kind=float) -> list:
 def add_model_args(p, policy=True, prefill=True):
     """--model, --threads; with ``policy`` --policy/--budget/--recent, and with ``prefill`` too the
     per-run options (--prefill, --stride, --compact, --param) that only single runs honour."""
-    p.add_argument("--model", default="smollm2-135m",
-                   help="known name (smollm2-135m, gemma3-270m, qwen2.5-coder-1.5b) or local HF folder")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
-                   help="the model's weights and activations (bfloat16: about 2x faster prefill on a CPU with "
-                        "AVX-512 BF16 or AMX)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads (default: $OMP_NUM_THREADS, else half the cores; all cores stall "
-                        "when another process is busy)")
+    p.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="known name (smollm2-135m, gemma3-270m, qwen2.5-coder-1.5b) or local HF folder",
+    )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=sorted(DTYPES),
+        help="the model's weights and activations (bfloat16: about 2x faster prefill on a CPU with "
+        "AVX-512 BF16 or AMX)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default: $OMP_NUM_THREADS, else half the cores; all cores stall "
+        "when another process is busy)",
+    )
     if policy:
         p.add_argument("--policy", default="h2o", help="eviction policy, or 'full' for the stock full cache")
-        p.add_argument("--budget", default=None,
-                       help="tokens kept per layer and KV head (int) or fraction of the prompt (default 0.2)")
+        p.add_argument(
+            "--budget",
+            default=None,
+            help="tokens kept per layer and KV head (int) or fraction of the prompt (default 0.2)",
+        )
         p.add_argument("--recent", type=int, default=None, help="recent window (default: the policy's own)")
     if policy and prefill:
-        p.add_argument("--prefill", default="full", choices=["full", "token", "block"],
-                       help="how the prompt enters the cache (block: chunks of --stride tokens)")
+        p.add_argument(
+            "--prefill",
+            default="full",
+            choices=["full", "token", "block"],
+            help="how the prompt enters the cache (block: chunks of --stride tokens)",
+        )
         p.add_argument("--stride", type=int, default=None, help="block prefill chunk size in tokens")
-        p.add_argument("--compact", action="store_true",
-                       help="compact positions (StreamingLLM re-rotation): go on past the context length")
-        p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
-                       help="a policy parameter, e.g. --param sinks=4 --param window=32 (repeatable)")
-        p.add_argument("--memory", default=None,
-                       help="a budget in bytes instead of --budget: share of a 16-bit stock cache (0.2, 20%%) "
-                            "or size (64MiB); kvevict picks tokens kept x bits, and the policy unless --policy "
-                            "names one (see docs/guide.md)")
+        p.add_argument(
+            "--compact",
+            action="store_true",
+            help="compact positions (StreamingLLM re-rotation): go on past the context length",
+        )
+        p.add_argument(
+            "--param",
+            action="append",
+            default=[],
+            metavar="NAME=VALUE",
+            help="a policy parameter, e.g. --param sinks=4 --param window=32 (repeatable)",
+        )
+        p.add_argument(
+            "--memory",
+            default=None,
+            help="a budget in bytes instead of --budget: share of a 16-bit stock cache (0.2, 20%%) "
+            "or size (64MiB); kvevict picks tokens kept x bits, and the policy unless --policy "
+            "names one (see docs/guide.md)",
+        )
         p.add_argument("--kv-bits", type=int, default=None, help="store kept tokens in 16, 8, 4 or 2 bits")
-        p.add_argument("--evicted-bits", type=int, default=None,
-                       help="demote evicted tokens to a tier of 16, 8, 4 or 2 bits instead of dropping them")
+        p.add_argument(
+            "--evicted-bits",
+            type=int,
+            default=None,
+            help="demote evicted tokens to a tier of 16, 8, 4 or 2 bits instead of dropping them",
+        )
 
 
 def policy_params(args) -> dict:

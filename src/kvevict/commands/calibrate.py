@@ -9,16 +9,23 @@ HELP = "measure which storage each memory budget should use on this model, and w
 
 
 def add_arguments(p):
-    p.add_argument("--model", default="smollm2-135m",
-                   help="known name (smollm2-135m, gemma3-270m, qwen2.5-coder-1.5b) or a local HF folder")
+    p.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="known name (smollm2-135m, gemma3-270m, qwen2.5-coder-1.5b) or a local HF folder",
+    )
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="the model's dtype (a plan is per dtype)")
     p.add_argument("--memory", default="0.2,0.1,0.05", help="comma-separated memory shares of a 16-bit stock cache")
-    p.add_argument("--policy", help="the streaming policy the plan is for (default: the one memory= picks for streamed text, mas)")
+    p.add_argument(
+        "--policy", help="the streaming policy the plan is for (default: the one memory= picks for streamed text, mas)"
+    )
     # 4 windows of 1,024 tokens: with 2 of 512 SmolLM2's choice at 20% lost to the rule held out
     p.add_argument("--tokens", type=int, default=1024, help="tokens per calibration window")
     p.add_argument("--windows", type=int, default=4, help="calibration windows (and as many held out)")
     p.add_argument("--chunk", type=int, default=32, help="tokens per streaming step")
-    p.add_argument("--out", help="plan file to write (default: the model's plan in kvevict's cache, which memory= reads)")
+    p.add_argument(
+        "--out", help="plan file to write (default: the model's plan in kvevict's cache, which memory= reads)"
+    )
     p.add_argument("--threads", type=int, help="torch threads (default: $OMP_NUM_THREADS, else half the cores)")
 
 

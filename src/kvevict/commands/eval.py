@@ -12,9 +12,19 @@ HELP = "quality under a KV budget: run a task x policy x budget grid (resumable)
 
 def add_arguments(p):
     add_model_args(p, policy=False)
-    p.add_argument("--policies", default="all", help="comma-separated policy names, or 'all' (every registered policy); full is always run. 'mem' / 'mem-NAME' / 'mem-NAME/BITS': the budgets are memory budgets, shares of a 16-bit stock cache, the policy picked by the plan (prompt-scoring where the task knows the prompt first, streaming on ppl) or NAME, spent as the plan says or at BITS (int8, int4, int8+int4)")
-    p.add_argument("--budgets", default="0.1,0.2,0.4,0.6", help="comma-separated fractions of the prompt (or ints: tokens)")
-    p.add_argument("--tasks", default="ppl,passkey", help="comma-separated: ppl, passkey, needle (stated once), vartrack, continuation (perplexity of text after a compressed context), xsum, reconstruct, narrativeqa, piqa, or 'all'; RULER's tasks by name: ruler-niah_single_1, ruler-niah_single_2, ..., ruler-vt, ruler-cwe, ruler-fwe (samples of max_seq_length --lengths)")
+    p.add_argument(
+        "--policies",
+        default="all",
+        help="comma-separated policy names, or 'all' (every registered policy); full is always run. 'mem' / 'mem-NAME' / 'mem-NAME/BITS': the budgets are memory budgets, shares of a 16-bit stock cache, the policy picked by the plan (prompt-scoring where the task knows the prompt first, streaming on ppl) or NAME, spent as the plan says or at BITS (int8, int4, int8+int4)",
+    )
+    p.add_argument(
+        "--budgets", default="0.1,0.2,0.4,0.6", help="comma-separated fractions of the prompt (or ints: tokens)"
+    )
+    p.add_argument(
+        "--tasks",
+        default="ppl,passkey",
+        help="comma-separated: ppl, passkey, needle (stated once), vartrack, continuation (perplexity of text after a compressed context), xsum, reconstruct, narrativeqa, piqa, or 'all'; RULER's tasks by name: ruler-niah_single_1, ruler-niah_single_2, ..., ruler-vt, ruler-cwe, ruler-fwe (samples of max_seq_length --lengths)",
+    )
     p.add_argument("--samples", type=int, default=4, help="samples per task")
     p.add_argument("--out", default="results/eval", help="output folder (records.jsonl, summary.md, PNGs)")
     p.add_argument("--ppl-tokens", type=int, default=1024, help="window length of the ppl task")
@@ -23,9 +33,12 @@ def add_arguments(p):
     p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths of the passkey task")
     p.add_argument("--recon-tokens", type=int, default=160, help="passage length of the reconstruct task (tokens)")
     p.add_argument("--peer", choices=["kvpress"], help="also run kvpress's presses on the same samples (its own venv)")
-    p.add_argument("--peer-presses", default="snapkv,tova,knorm,expected_attention",
-                   help="kvpress presses for --peer: snapkv, tova, knorm, expected_attention, observed_attention, "
-                        "adakv_snapkv, kvzip")
+    p.add_argument(
+        "--peer-presses",
+        default="snapkv,tova,knorm,expected_attention",
+        help="kvpress presses for --peer: snapkv, tova, knorm, expected_attention, observed_attention, "
+        "adakv_snapkv, kvzip",
+    )
     p.add_argument("--summary-only", action="store_true", help="only rewrite summary.md and plots from the records")
 
 
@@ -41,6 +54,7 @@ def parse_args(args):
     if not budgets:
         raise ValueError("give at least one budget, e.g. --budgets 0.1,0.2,0.4.")
     from ..budget import check_budget
+
     for b in budgets:
         check_budget(b)
     tasks = task_names(args.tasks)
@@ -49,8 +63,10 @@ def parse_args(args):
     lengths = number_list(args.lengths, "--lengths", int)
     depths = number_list(args.depths, "--depths")
     if not lengths or min(lengths) < MIN_PASSKEY_LENGTH:
-        raise ValueError(f"--lengths takes prompt lengths of at least {MIN_PASSKEY_LENGTH} tokens "
-                         f"(the needle and question take ~60), got {args.lengths!r}.")
+        raise ValueError(
+            f"--lengths takes prompt lengths of at least {MIN_PASSKEY_LENGTH} tokens "
+            f"(the needle and question take ~60), got {args.lengths!r}."
+        )
     if not depths or any(not 0 <= d <= 1 for d in depths):
         raise ValueError(f"--depths must be in [0, 1], got {args.depths}.")
     if args.ppl_tokens < 16 or args.chunk < 1 or args.recon_tokens < 8:
@@ -90,16 +106,24 @@ def run(args):
     policies, budgets, task_list, lengths, depths = parse_args(args)
     if args.peer == "kvpress":
         from ..eval.peer_kvpress import press_names, run_peer
+
         presses = press_names(args.peer_presses)  # checked before the model loads
     if not args.summary_only:
-
         setup_threads(args)
         model, tok = load_model_args(args)
         tasks = build_tasks(task_list, args, lengths, depths)
         run_grid(model, tok, tasks, policies, budgets, args.samples, args.out, args.model)
         if args.peer == "kvpress":
-            run_peer(args.model, tok, tasks, presses, budgets, args.samples, args.out,
-                     threads=getattr(args, "threads", None) or 1)
+            run_peer(
+                args.model,
+                tok,
+                tasks,
+                presses,
+                budgets,
+                args.samples,
+                args.out,
+                threads=getattr(args, "threads", None) or 1,
+            )
     md = summarize(args.out, args.model)
     print(md)
     return 0

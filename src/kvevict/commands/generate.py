@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from ._common import add_model_args, load_model_args, check_policy_args, cli_budget, mib, policy_params, setup_threads
+from ._common import add_model_args, check_policy_args, cli_budget, load_model_args, mib, policy_params, setup_threads
 
 NAME = "generate"
 HELP = "answer a prompt under a KV budget; print the answer and the KV bytes held vs a 16-bit stock cache"
@@ -42,15 +42,27 @@ def run(args):
     setup_threads(args)
     model, tok = load_model_args(args)
     prompt = text if args.raw else [{"role": "user", "content": text}]
-    res = generate(model, tok, prompt, args.policy, cli_budget(args, "1024"), args.max_new_tokens,
-                   prefill_mode=args.prefill, stride=args.stride, **policy_params(args))
+    res = generate(
+        model,
+        tok,
+        prompt,
+        args.policy,
+        cli_budget(args, "1024"),
+        args.max_new_tokens,
+        prefill_mode=args.prefill,
+        stride=args.stride,
+        **policy_params(args),
+    )
     if args.json:
         print(json.dumps(res.as_dict()))
         return 0
     print(res.text)
     ratio = res.kv_bytes / res.full_kv_bytes if res.full_kv_bytes else 1.0
     stored = f", {res.storage}" if res.storage else ""
-    print(f"\n[{res.policy} budget={res.budget}{stored}] prompt {res.prompt_tokens} tokens, {res.new_tokens} new, "
-          f"{res.seconds:.2f} s; KV held {mib(res.kv_bytes)} vs 16-bit stock cache {mib(res.full_kv_bytes)} "
-          f"({ratio:.0%})", file=sys.stderr)
+    print(
+        f"\n[{res.policy} budget={res.budget}{stored}] prompt {res.prompt_tokens} tokens, {res.new_tokens} new, "
+        f"{res.seconds:.2f} s; KV held {mib(res.kv_bytes)} vs 16-bit stock cache {mib(res.full_kv_bytes)} "
+        f"({ratio:.0%})",
+        file=sys.stderr,
+    )
     return 0

@@ -7,8 +7,10 @@ from pathlib import Path
 from ._common import add_model_args, load_model_args, parse_budget, setup_threads
 
 NAME = "inspect"
-HELP = ("attention observatory: sparsity per layer, power-law accumulated attention, heavy-hitter "
-        "stability, settling attention std; plots + an HTML page of what a policy kept")
+HELP = (
+    "attention observatory: sparsity per layer, power-law accumulated attention, heavy-hitter "
+    "stability, settling attention std; plots + an HTML page of what a policy kept"
+)
 
 
 def add_arguments(p):

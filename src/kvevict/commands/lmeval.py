@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 
 NAME = "lm-eval"
-HELP = ("run lm-evaluation-harness with --model kvevict registered; every lm-eval argument is passed on "
-        "(--model_args pretrained=smollm2-135m,policy=h2o,memory=0.2 --tasks ...)")
+HELP = (
+    "run lm-evaluation-harness with --model kvevict registered; every lm-eval argument is passed on "
+    "(--model_args pretrained=smollm2-135m,policy=h2o,memory=0.2 --tasks ...)"
+)
 PASSTHROUGH = True  # cli.main hands the raw arguments to run_argv: lm-eval parses them itself
 
 

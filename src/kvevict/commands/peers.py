@@ -13,9 +13,12 @@ HELP = "create the peers' environments (kvpress, vLLM CPU, llama.cpp) in a folde
 def add_arguments(p):
     sub = p.add_subparsers(dest="peers_command", required=True)
     s = sub.add_parser("setup", help="create the environments (each step skipped when its output exists)")
-    s.add_argument("--into", default=None,
-                   help="root folder (default $KVEVICT_PEERS, else ~/.cache/kvevict/peers); export "
-                        "KVEVICT_PEERS=DIR afterwards so kvevict finds them")
+    s.add_argument(
+        "--into",
+        default=None,
+        help="root folder (default $KVEVICT_PEERS, else ~/.cache/kvevict/peers); export "
+        "KVEVICT_PEERS=DIR afterwards so kvevict finds them",
+    )
     s.add_argument("--only", default=None, help="comma list of kvpress,vllm,llamacpp (default all)")
     s.add_argument("--jobs", type=int, default=2, help="parallel compile jobs for llama.cpp (default 2)")
     s.add_argument("--cpu-flags", default="avx512", help="llama.cpp CPU flags: avx512 (default) or avx2")

@@ -18,36 +18,77 @@ def add_arguments(p):
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-name", default=None, help="model id clients ask for (default: --model)")
-    p.add_argument("--max-batch", type=int, default=256, help="most sequences running at once (how many fit "
-                   "is --kv-memory's to say: a short chat holds only its own pages)")
-    p.add_argument("--budget-share", type=int, default=16, help="the default budget is the share of "
-                   "--kv-memory that this many sequences (at most --max-batch) can hold at once")
-    p.add_argument("--kv-memory", default="2GiB", metavar="SIZE",
-                   help="K/V bytes the server may hold (e.g. 512MiB, 2GiB); requests that do not fit wait. "
-                        "The default --budget 'auto' gives each sequence kv-memory / min(max-batch, budget-share)")
-    p.add_argument("--min-budget", type=int, default=64,
-                   help="a fractional kv_budget keeps at least this many tokens")
-    p.add_argument("--budget-round", type=int, default=1,
-                   help="round a fractional budget's token count up to a multiple of this, so that prompts of "
-                        "similar length share a batch (1 = exact)")
-    p.add_argument("--kv-bits", default=None,
-                   help="bits per key/value channel of budgeted rows: 16, 8 or 4, or 'none' for the model's "
-                        "dtype (default 8: at the same --kv-memory, more rows and tokens at the same quality)")
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=256,
+        help="most sequences running at once (how many fit "
+        "is --kv-memory's to say: a short chat holds only its own pages)",
+    )
+    p.add_argument(
+        "--budget-share",
+        type=int,
+        default=16,
+        help="the default budget is the share of "
+        "--kv-memory that this many sequences (at most --max-batch) can hold at once",
+    )
+    p.add_argument(
+        "--kv-memory",
+        default="2GiB",
+        metavar="SIZE",
+        help="K/V bytes the server may hold (e.g. 512MiB, 2GiB); requests that do not fit wait. "
+        "The default --budget 'auto' gives each sequence kv-memory / min(max-batch, budget-share)",
+    )
+    p.add_argument("--min-budget", type=int, default=64, help="a fractional kv_budget keeps at least this many tokens")
+    p.add_argument(
+        "--budget-round",
+        type=int,
+        default=1,
+        help="round a fractional budget's token count up to a multiple of this, so that prompts of "
+        "similar length share a batch (1 = exact)",
+    )
+    p.add_argument(
+        "--kv-bits",
+        default=None,
+        help="bits per key/value channel of budgeted rows: 16, 8 or 4, or 'none' for the model's "
+        "dtype (default 8: at the same --kv-memory, more rows and tokens at the same quality)",
+    )
     p.add_argument("--max-tokens", type=int, default=128, help="max_tokens when a request gives none")
     p.add_argument("--max-tokens-limit", type=int, default=4096, help="the most max_tokens a request may ask")
-    p.add_argument("--api-key", default=None, help="every /v1 route asks for 'Authorization: Bearer KEY' "
-                   "(401 otherwise); default $KVEVICT_API_KEY, else none (open). /health stays open")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="every /v1 route asks for 'Authorization: Bearer KEY' "
+        "(401 otherwise); default $KVEVICT_API_KEY, else none (open). /health stays open",
+    )
     p.add_argument("--protect-metrics", action="store_true", help="/metrics asks for the --api-key too")
-    p.add_argument("--max-queue", type=int, default=1024, help="requests that may wait for memory or a "
-                   "slot; past it a request gets 429 with Retry-After")
-    p.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
-                   help="end a request not done this long after it arrived (504; its memory freed). Default: none")
-    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="on SIGTERM: new requests get 503 and those in flight get this long to finish, "
-                        "then the server exits 0")
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=1024,
+        help="requests that may wait for memory or a slot; past it a request gets 429 with Retry-After",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="end a request not done this long after it arrived (504; its memory freed). Default: none",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM: new requests get 503 and those in flight get this long to finish, then the server exits 0",
+    )
     p.add_argument("--replicas", type=int, default=1, help="N > 1: N replicas under Ray Serve (needs kvevict[ray])")
-    p.add_argument("--ray", default=None, metavar="ADDRESS",
-                   help="with --replicas: Ray cluster address or 'auto' (default: start a local Ray)")
+    p.add_argument(
+        "--ray",
+        default=None,
+        metavar="ADDRESS",
+        help="with --replicas: Ray cluster address or 'auto' (default: start a local Ray)",
+    )
 
 
 def settings_from_args(args) -> dict:
@@ -57,8 +98,10 @@ def settings_from_args(args) -> dict:
     budget = None if args.budget == "auto" else parse_budget(args.budget)
     spec = CacheSpec.parse(args.policy)  # NAME[/BITS][@BUDGET]: the rows' default cache
     if spec.memory or spec.question:
-        raise ValueError(f"--policy {args.policy}: the server's memory is --kv-memory and a request has no "
-                         "question to protect; give a policy, its storage and a token budget (h2o/int8@0.2).")
+        raise ValueError(
+            f"--policy {args.policy}: the server's memory is --kv-memory and a request has no "
+            "question to protect; give a policy, its storage and a token budget (h2o/int8@0.2)."
+        )
     if spec.budget is not None:
         if budget is not None:
             raise ValueError(f"--policy {args.policy} names its budget already: drop --budget or the @ part.")
@@ -76,18 +119,38 @@ def settings_from_args(args) -> dict:
     storage = {}  # --kv-bits not given: the server's default (Settings.kv_bits)
     if args.kv_bits is not None:
         if policy == "full":
-            raise ValueError("--kv-bits sets the storage of budgeted rows; --policy full keeps the stock cache "
-                             "in the model's dtype: drop --kv-bits or name a policy.")
+            raise ValueError(
+                "--kv-bits sets the storage of budgeted rows; --policy full keeps the stock cache "
+                "in the model's dtype: drop --kv-bits or name a policy."
+            )
         storage["kv_bits"] = parse_kv_bits(args.kv_bits)
-    for name in ("max_batch", "budget_share", "max_tokens", "max_tokens_limit", "replicas", "budget_round",
-                 "min_budget", "max_queue"):
+    for name in (
+        "max_batch",
+        "budget_share",
+        "max_tokens",
+        "max_tokens_limit",
+        "replicas",
+        "budget_round",
+        "min_budget",
+        "max_queue",
+    ):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
-    return dict(model_id=args.served_name or args.model, policy=policy,
-                budget=budget, recent=args.recent, max_tokens=args.max_tokens,
-                max_tokens_limit=args.max_tokens_limit, max_batch=args.max_batch, budget_share=args.budget_share,
-                kv_memory=parse_bytes(args.kv_memory), min_budget=args.min_budget, budget_round=args.budget_round,
-                **storage, **hosting_from_args(args))
+    return dict(
+        model_id=args.served_name or args.model,
+        policy=policy,
+        budget=budget,
+        recent=args.recent,
+        max_tokens=args.max_tokens,
+        max_tokens_limit=args.max_tokens_limit,
+        max_batch=args.max_batch,
+        budget_share=args.budget_share,
+        kv_memory=parse_bytes(args.kv_memory),
+        min_budget=args.min_budget,
+        budget_round=args.budget_round,
+        **storage,
+        **hosting_from_args(args),
+    )
 
 
 def hosting_from_args(args) -> dict:
@@ -101,8 +164,12 @@ def hosting_from_args(args) -> dict:
         value = getattr(args, name)
         if value is not None and not value > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {value}.")
-    return dict(api_key=key, protect_metrics=args.protect_metrics, max_queue=args.max_queue,
-                request_timeout=args.request_timeout)
+    return dict(
+        api_key=key,
+        protect_metrics=args.protect_metrics,
+        max_queue=args.max_queue,
+        request_timeout=args.request_timeout,
+    )
 
 
 def parse_kv_bits(text: str) -> int | None:
@@ -116,8 +183,19 @@ def parse_kv_bits(text: str) -> int | None:
     return bits
 
 
-UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-         "g": 10**9, "gb": 10**9, "gib": 2**30}
+UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 2**30,
+}
 
 
 def parse_bytes(text: str) -> int:
@@ -144,12 +222,18 @@ def run(args):
     from ..storage import Storage
 
     app, engine = build(args.model, settings, setup_threads(args))
-    print(f"kvevict: serving {settings['model_id']} on http://{args.host}:{args.port}/v1 "
-          f"(default kv_policy={settings['policy']}, kv_budget={engine.settings.budget} tokens, "
-          f"{Storage(kv_bits=engine.settings.kv_bits).label or 'model dtype'} storage, "
-          f"kv_memory={settings['kv_memory']} bytes)", file=sys.stderr)
+    print(
+        f"kvevict: serving {settings['model_id']} on http://{args.host}:{args.port}/v1 "
+        f"(default kv_policy={settings['policy']}, kv_budget={engine.settings.budget} tokens, "
+        f"{Storage(kv_bits=engine.settings.kv_bits).label or 'model dtype'} storage, "
+        f"kv_memory={settings['kv_memory']} bytes)",
+        file=sys.stderr,
+    )
     if not settings["api_key"] and args.host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"kvevict: warning: {args.host} is reachable from other hosts and there is no --api-key: "
-              "anyone who reaches the port can use the model", file=sys.stderr)
+        print(
+            f"kvevict: warning: {args.host} is reachable from other hosts and there is no --api-key: "
+            "anyone who reaches the port can use the model",
+            file=sys.stderr,
+        )
     serve(app, engine, args.host, args.port, args.drain_timeout)
     return 0

@@ -43,12 +43,19 @@ def _items(args):
     if unknown:
         raise ValueError(f"unknown policies {unknown}; known: full, {', '.join(sorted(POLICIES))}.")
     for policy in policies:
-        for budget in ([None] if policy == "full" else budgets):
+        for budget in [None] if policy == "full" else budgets:
             for n in tokens:
                 for depth in depths:
-                    yield {"task": "passkey", "model": args.model, "haystack": args.haystack, "policy": policy,
-                           "budget": budget, "tokens": n, "depth": depth,
-                           "seed": n * 1000 + round(depth * 100)}  # a different key per cell, the same per policy
+                    yield {
+                        "task": "passkey",
+                        "model": args.model,
+                        "haystack": args.haystack,
+                        "policy": policy,
+                        "budget": budget,
+                        "tokens": n,
+                        "depth": depth,
+                        "seed": n * 1000 + round(depth * 100),
+                    }  # a different key per cell, the same per policy
 
 
 def run(args):
@@ -56,24 +63,34 @@ def run(args):
 
     items = list(_items(args))
     spec = executor_spec(args)
-    summary = run_grid(items, "kvevict.distributed.passkey_task:run", args.model, args.out, executor=spec,
-                       workers=args.workers, threads=args.threads)
+    summary = run_grid(
+        items,
+        "kvevict.distributed.passkey_task:run",
+        args.model,
+        args.out,
+        executor=spec,
+        workers=args.workers,
+        threads=args.threads,
+    )
     wanted = {item_key(it) for it in items}
     rows = defaultdict(list)
     for r in read_records(args.out):
         if r.get("grid_key") in wanted:
             rows[(r["policy"], r["budget"])].append(r)
     where = "a local Ray" if spec == "ray:" else ("Ray at " + spec[4:] if spec.startswith("ray:") else spec)
-    print(f"{len(items)} items: {summary.done} run now ({where}), {summary.skipped} already in {args.out}, "
-          f"{len(summary.failed)} failed")
+    print(
+        f"{len(items)} items: {summary.done} run now ({where}), {summary.skipped} already in {args.out}, "
+        f"{len(summary.failed)} failed"
+    )
     print(f"{'policy':<10} {'budget':>7} {'n':>3} {'found':>6} {'of 16-bit stock':>15} {'s/item':>7}")
     for (policy, budget), rs in sorted(rows.items(), key=lambda kv: (kv[0][0] != "full", kv[0][0], str(kv[0][1]))):
         found = sum(r["found"] for r in rs) / len(rs)
         ratio = sum(r["kv_bytes"] for r in rs) / max(1, sum(r["full_kv_bytes"] for r in rs))
         secs = sum(r["seconds"] for r in rs) / len(rs)
-        print(f"{policy:<10} {str(budget if budget is not None else '-'):>7} {len(rs):>3} {found:>6.0%} "
-              f"{ratio:>15.0%} {secs:>7.2f}")
+        print(
+            f"{policy:<10} {str(budget if budget is not None else '-'):>7} {len(rs):>3} {found:>6.0%} "
+            f"{ratio:>15.0%} {secs:>7.2f}"
+        )
     for key, err in list(summary.failed.items())[:3]:
         print(f"failed: {key}\n  {err.splitlines()[0]}")
     return 1 if summary.failed else 0
-

@@ -25,8 +25,9 @@ def fetch() -> Path:
             res = subprocess.run(["apt-get", "download", PACKAGE], cwd=tmp, capture_output=True, text=True)
             debs = list(Path(tmp).glob("*.deb"))
             if res.returncode != 0 or not debs:
-                raise RuntimeError(f"could not download the Debian package {PACKAGE} (run apt-get update?):\n"
-                                   f"{res.stderr.strip()}")
+                raise RuntimeError(
+                    f"could not download the Debian package {PACKAGE} (run apt-get update?):\n{res.stderr.strip()}"
+                )
             subprocess.run(["dpkg-deb", "-x", str(debs[0]), str(dest)], check=True)
     return data
 
@@ -44,7 +45,7 @@ def read_lazyload(rdx: Path, rdb: Path) -> dict[str, object]:
     raw = Path(rdb).read_bytes()
     out = {}
     for name, (off, length) in index["variables"].items():
-        chunk = raw[int(off): int(off) + int(length)]
+        chunk = raw[int(off) : int(off) + int(length)]
         size = struct.unpack(">I", chunk[:4])[0]
         blob = zlib.decompress(chunk[4:])
         if len(blob) != size:

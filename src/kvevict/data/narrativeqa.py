@@ -21,8 +21,7 @@ def parse(rows: list[dict]) -> list[QAItem]:
         answers = r.get("answer") or []
         answers = [answers] if isinstance(answers, str) else [a for a in answers if a.strip()]
         if r.get("passage", "").strip() and r.get("question", "").strip() and answers:
-            out.append(QAItem(id=str(i), passage=r["passage"].strip(), question=r["question"].strip(),
-                              answers=answers))
+            out.append(QAItem(id=str(i), passage=r["passage"].strip(), question=r["question"].strip(), answers=answers))
     return out
 
 

@@ -10,13 +10,22 @@ from functools import lru_cache
 from .passkey import PasskeyPrompt, insert_at
 
 HAYSTACKS = ("essays", "wikipedia")
-SUBJECTS = ["the north gate", "the archive room", "the server rack", "the blue locker", "the east tunnel",
-            "the backup vault", "the radio mast", "the pump station"]
+SUBJECTS = [
+    "the north gate",
+    "the archive room",
+    "the server rack",
+    "the blue locker",
+    "the east tunnel",
+    "the backup vault",
+    "the radio mast",
+    "the pump station",
+]
 
 
 @lru_cache(maxsize=1)
 def _wikipedia_text() -> str:
     from .wikipedia import wikipedia
+
     return "\n\n".join(a.text for a in wikipedia())
 
 
@@ -25,13 +34,14 @@ def haystack(kind: str, tokenizer, n_tokens: int, start: int = 0) -> str:
     technical articles), starting at the ``start``-th piece, cut at a sentence end."""
     if kind == "essays":
         from .essays import haystack as essay_haystack
+
         return essay_haystack(tokenizer, n_tokens, start)
     if kind != "wikipedia":
         raise ValueError(f"unknown haystack {kind!r}; known: {', '.join(HAYSTACKS)}.")
     text = _wikipedia_text()
     at = (start * 7919 * 61) % max(1, len(text) - n_tokens * 8)  # a different stretch per start
     at = text.find(". ", at) + 2
-    ids = tokenizer(text[at: at + n_tokens * 8], add_special_tokens=False)["input_ids"][:n_tokens]
+    ids = tokenizer(text[at : at + n_tokens * 8], add_special_tokens=False)["input_ids"][:n_tokens]
     cut = tokenizer.decode(ids)
     end = cut.rfind(". ")
     return cut[: end + 1] if end > 0 else cut
@@ -45,6 +55,7 @@ def needle_once_prompt(text: str, depth: float, seed: int = 0) -> PasskeyPrompt:
     rng = random.Random(seed)
     subject, code = rng.choice(SUBJECTS), str(rng.randint(10000, 99999))
     body = insert_at(text, depth, f" The access code for {subject} is {code}. ")
-    question = (f"Read the following text.\n\n{body}\n\n"
-                f"What is the access code for {subject}? Answer with the number only.")
+    question = (
+        f"Read the following text.\n\n{body}\n\nWhat is the access code for {subject}? Answer with the number only."
+    )
     return PasskeyPrompt(messages=[{"role": "user", "content": question}], answer=code)

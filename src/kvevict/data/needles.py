@@ -36,7 +36,13 @@ def multikey_prompt(haystack: str, depth: float, n_keys: int = 4, seed: int = 0)
     # insert deepest first so earlier insertions do not shift the later depths
     for d, lab, val in sorted(zip(depths, labels, values), key=lambda x: -x[0]):
         text = insert_at(text, d, f" The special magic number for {lab} is {val}. ")
-    question = (f"Some special magic numbers are hidden in the following text. Remember them.\n\n{text}\n\n"
-                f"What is the special magic number for {labels[0]}? Answer with the number only.")
-    return NeedlePrompt(messages=[{"role": "user", "content": question}], answer=values[0], depth=depth,
-                        lead=f"The special magic number for {labels[0]} is")
+    question = (
+        f"Some special magic numbers are hidden in the following text. Remember them.\n\n{text}\n\n"
+        f"What is the special magic number for {labels[0]}? Answer with the number only."
+    )
+    return NeedlePrompt(
+        messages=[{"role": "user", "content": question}],
+        answer=values[0],
+        depth=depth,
+        lead=f"The special magic number for {labels[0]} is",
+    )

@@ -39,6 +39,8 @@ def passkey_prompt(haystack: str, depth: float, seed: int = 0) -> PasskeyPrompt:
         raise ValueError(f"depth must be in [0, 1], got {depth}.")
     key = str(random.Random(seed).randint(10000, 99999))
     text = insert_at(haystack, depth, f" The pass key is {key}. Remember it. {key} is the pass key. ")
-    question = ("There is a pass key hidden in the following text. Find it and remember it.\n\n"
-                f"{text}\n\nWhat is the pass key? Answer with the number only.")
+    question = (
+        "There is a pass key hidden in the following text. Find it and remember it.\n\n"
+        f"{text}\n\nWhat is the pass key? Answer with the number only."
+    )
     return PasskeyPrompt(messages=[{"role": "user", "content": question}], answer=key)

@@ -31,8 +31,11 @@ def parse(rows: list[dict]) -> list[PIQAItem]:
         answer = _OPTION.match(r.get("answer", "") or "")
         if set(opts) != {"A", "B"} or answer is None:
             continue  # unlabelled (the test split) or malformed
-        out.append(PIQAItem(id=str(i), goal=r["question"].strip(), options=[opts["A"], opts["B"]],
-                            label="AB".index(answer.group(1))))
+        out.append(
+            PIQAItem(
+                id=str(i), goal=r["question"].strip(), options=[opts["A"], opts["B"]], label="AB".index(answer.group(1))
+            )
+        )
     return out
 
 

@@ -84,14 +84,21 @@ def ruler_samples(task: str, tokenizer, max_seq_length: int, n: int, seed: int =
     if task in OTHER_TASKS:
         return _other_samples(task, tokenizer, max_seq_length, n, seed)
     punkt_ready()  # before lm-eval's module asks nltk for punkt_tab (it tries to download it)
-    from lm_eval.tasks.ruler.prepare_niah import generate_samples
     from lm_eval.tasks.ruler.niah_utils import TEMPLATE
+    from lm_eval.tasks.ruler.prepare_niah import generate_samples
 
     random.seed(seed)  # the generator draws needles and depths from the global random state
     params = TASKS[task]
-    return generate_samples(_haystack(params["type_haystack"]), TOKENIZER=tokenizer, max_seq_length=max_seq_length,
-                            template=TEMPLATE, num_samples=n, tokens_to_generate=TOKENS_TO_GENERATE,
-                            random_seed=seed, **params)
+    return generate_samples(
+        _haystack(params["type_haystack"]),
+        TOKENIZER=tokenizer,
+        max_seq_length=max_seq_length,
+        template=TEMPLATE,
+        num_samples=n,
+        tokens_to_generate=TOKENS_TO_GENERATE,
+        random_seed=seed,
+        **params,
+    )
 
 
 def _other_samples(task: str, tokenizer, max_seq_length: int, n: int, seed: int) -> list[dict]:
@@ -101,7 +108,6 @@ def _other_samples(task: str, tokenizer, max_seq_length: int, n: int, seed: int)
     import io
 
     import numpy as np
-
     from lm_eval.tasks.ruler import cwe_utils, fwe_utils, vt_utils
 
     def seed_all():
@@ -114,10 +120,12 @@ def _other_samples(task: str, tokenizer, max_seq_length: int, n: int, seed: int)
         _check_room(task, tokenizer, max_seq_length)
         seed_all()
         if task == "vt":  # its few-shot example first, as get_dataset makes it
-            example = vt_utils.sys_vartrack_w_noise_random(tokenizer=tokenizer, num_samples=1, max_seq_length=500,
-                                                           incremental=5)[0]
-            return vt_utils.sys_vartrack_w_noise_random(tokenizer=tokenizer, num_samples=n,
-                                                        max_seq_length=max_seq_length, icl_example=example)
+            example = vt_utils.sys_vartrack_w_noise_random(
+                tokenizer=tokenizer, num_samples=1, max_seq_length=500, incremental=5
+            )[0]
+            return vt_utils.sys_vartrack_w_noise_random(
+                tokenizer=tokenizer, num_samples=n, max_seq_length=max_seq_length, icl_example=example
+            )
         if task == "cwe":
             return cwe_utils.sys_word_pair_random(num_samples=n, max_seq_length=max_seq_length, tokenizer=tokenizer)
         return fwe_utils.sys_kwext(tokenizer=tokenizer, max_seq_length=max_seq_length, num_samples=n)
@@ -133,15 +141,19 @@ def _check_room(task: str, tokenizer, max_seq_length: int) -> None:
         example = len(tokenizer(vt_utils.generate_input_output(5, 1, 4, is_icl=True)[0]).input_ids)
         smallest = len(tokenizer(vt_utils.generate_input_output(10, 1, 4)[0]).input_ids) + example
         if example + OTHER_TASKS[task] > 500:
-            raise ValueError(f"ruler-vt cannot be made with this tokenizer: lm-eval's few-shot example must fit 500 "
-                             f"tokens and its smallest takes {example}.")
+            raise ValueError(
+                f"ruler-vt cannot be made with this tokenizer: lm-eval's few-shot example must fit 500 "
+                f"tokens and its smallest takes {example}."
+            )
     elif task == "cwe":
         smallest = len(tokenizer(cwe_utils.generate_input_output(10, max_seq_length)[1]).input_ids)
     else:
         return
     if smallest + OTHER_TASKS[task] > max_seq_length:
-        raise ValueError(f"ruler-{task}'s smallest sample takes {smallest + OTHER_TASKS[task]} tokens with this "
-                         f"tokenizer (answer included), more than --lengths {max_seq_length}: ask for a longer length.")
+        raise ValueError(
+            f"ruler-{task}'s smallest sample takes {smallest + OTHER_TASKS[task]} tokens with this "
+            f"tokenizer (answer included), more than --lengths {max_seq_length}: ask for a longer length."
+        )
 
 
 def string_match_all(prediction: str, answers) -> float:

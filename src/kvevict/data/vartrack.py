@@ -30,7 +30,7 @@ def vartrack_prompt(filler: str, n_hops: int = 4, n_chains: int = 2, seed: int =
         raise ValueError(f"n_hops and n_chains must be >= 1, got {n_hops} and {n_chains}.")
     rng = random.Random(seed)
     names = _names(rng, n_hops * n_chains)
-    chains = [names[c * n_hops:(c + 1) * n_hops] for c in range(n_chains)]
+    chains = [names[c * n_hops : (c + 1) * n_hops] for c in range(n_chains)]
     values = [str(v) for v in rng.sample(range(10000, 99999), n_chains)]
     stmts = []
     for hop in range(n_hops):  # hop by hop, the chains interleaved, so every statement follows its source
@@ -48,9 +48,11 @@ def vartrack_prompt(filler: str, n_hops: int = 4, n_chains: int = 2, seed: int =
         if sent:
             out.append(sent)
     out += stmts[si:]
-    question = ("Memorize and track the chain of variable assignments hidden in the following text.\n\n"
-                + " ".join(out)
-                + f"\n\nQuestion: Find all variables that are assigned the value {values[0]} in the text above. "
-                "Answer: According to the chain(s) of variable assignment in the text above, the variables "
-                f"assigned the value {values[0]} are:")
+    question = (
+        "Memorize and track the chain of variable assignments hidden in the following text.\n\n"
+        + " ".join(out)
+        + f"\n\nQuestion: Find all variables that are assigned the value {values[0]} in the text above. "
+        "Answer: According to the chain(s) of variable assignment in the text above, the variables "
+        f"assigned the value {values[0]} are:"
+    )
     return VarTrackPrompt(messages=[{"role": "user", "content": question}], answers=chains[0])

@@ -15,8 +15,11 @@ class XSumItem:
 
 
 def parse(rows: list[dict]) -> list[XSumItem]:
-    return [XSumItem(id=str(r["id"]), document=r["document"].strip(), summary=r["summary"].strip())
-            for r in rows if r.get("document", "").strip() and r.get("summary", "").strip()]
+    return [
+        XSumItem(id=str(r["id"]), document=r["document"].strip(), summary=r["summary"].strip())
+        for r in rows
+        if r.get("document", "").strip() and r.get("summary", "").strip()
+    ]
 
 
 def xsum(path=None) -> list[XSumItem]:

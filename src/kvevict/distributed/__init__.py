@@ -11,5 +11,13 @@ See grid.py for the contract.
 from .executors import InlineExecutor, LocalExecutor, RayExecutor, make_executor
 from .grid import GridSummary, item_key, read_records, run_grid
 
-__all__ = ["GridSummary", "InlineExecutor", "LocalExecutor", "RayExecutor", "item_key", "make_executor",
-           "read_records", "run_grid"]
+__all__ = [
+    "GridSummary",
+    "InlineExecutor",
+    "LocalExecutor",
+    "RayExecutor",
+    "item_key",
+    "make_executor",
+    "read_records",
+    "run_grid",
+]

@@ -4,11 +4,19 @@ from __future__ import annotations
 
 
 def add_executor_args(p) -> None:
-    p.add_argument("--ray", default=None, metavar="ADDRESS",
-                   help="run the grid on a Ray cluster: 'auto' (the running one), 'local' (start one here) "
-                        "or an address such as ray://head:10001 (needs kvevict[ray])")
-    p.add_argument("--workers", type=int, default=None,
-                   help="worker processes / Ray actors, each holding one model (default: 1 local, 1 per CPU on Ray)")
+    p.add_argument(
+        "--ray",
+        default=None,
+        metavar="ADDRESS",
+        help="run the grid on a Ray cluster: 'auto' (the running one), 'local' (start one here) "
+        "or an address such as ray://head:10001 (needs kvevict[ray])",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="worker processes / Ray actors, each holding one model (default: 1 local, 1 per CPU on Ray)",
+    )
     p.add_argument("--inline", action="store_true", help="run in this process (no worker processes)")
 
 

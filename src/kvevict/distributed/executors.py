@@ -13,8 +13,10 @@ import os
 
 from .worker import ModelHolder, init_process, run_in_process
 
-WORKER_DIED = ("{where} died (most often while loading the model: out of memory, or a folder that is not "
-               "a model); run with --inline to see the error in this process.")
+WORKER_DIED = (
+    "{where} died (most often while loading the model: out of memory, or a folder that is not "
+    "a model); run with --inline to see the error in this process."
+)
 
 
 class InlineExecutor:
@@ -37,8 +39,12 @@ class LocalExecutor:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}.")
         threads = threads or max(1, (os.cpu_count() or 1) // workers)  # workers share the cores
-        self.pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                        initializer=init_process, initargs=(model_name, threads))
+        self.pool = ProcessPoolExecutor(
+            workers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=init_process,
+            initargs=(model_name, threads),
+        )
 
     def map(self, fn_path, keyed_items):
         from concurrent.futures import as_completed
@@ -56,8 +62,14 @@ class LocalExecutor:
 
 
 class RayExecutor:
-    def __init__(self, model_name: str | None, workers: int | None = None, threads: int | None = None,
-                 address: str | None = None, num_cpus: int | None = None):
+    def __init__(
+        self,
+        model_name: str | None,
+        workers: int | None = None,
+        threads: int | None = None,
+        address: str | None = None,
+        num_cpus: int | None = None,
+    ):
         from .ray_init import ensure_ray
 
         self.started = ensure_ray(address, num_cpus)
@@ -97,8 +109,9 @@ class RayExecutor:
             self.ray.shutdown()
 
 
-def make_executor(spec: str | None, model_name: str | None, workers: int | None = None,
-                  threads: int | None = None, preloaded=None):
+def make_executor(
+    spec: str | None, model_name: str | None, workers: int | None = None, threads: int | None = None, preloaded=None
+):
     """spec: "inline", "local" (default) or "ray[:ADDRESS]" ("ray:auto", "ray:ray://head:10001")."""
     spec = spec or "local"
     if model_name is not None and spec != "inline":

@@ -57,8 +57,16 @@ def read_records(out) -> list[dict]:
     return records
 
 
-def run_grid(items, fn: str, model: str | None, out, executor="local", workers: int | None = None,
-             threads: int | None = None, progress=True) -> GridSummary:
+def run_grid(
+    items,
+    fn: str,
+    model: str | None,
+    out,
+    executor="local",
+    workers: int | None = None,
+    threads: int | None = None,
+    progress=True,
+) -> GridSummary:
     """Run the items not yet in ``out`` through ``executor`` ("inline", "local", "ray[:ADDRESS]" or
     an executor object from kvevict.distributed.executors)."""
     from .executors import make_executor

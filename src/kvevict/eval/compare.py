@@ -28,8 +28,9 @@ def paired(records, task: str, a: str, b: str, budget, metric: str, model: str |
     recs = list(records.values()) if isinstance(records, dict) else list(records)
     models = sorted({r["model"] for r in recs if r["task"] == task})
     if model is None and len(models) > 1:
-        raise ValueError(f"the records hold {task} runs of several models ({', '.join(models)}); "
-                         "say which with --model.")
+        raise ValueError(
+            f"the records hold {task} runs of several models ({', '.join(models)}); say which with --model."
+        )
     if model is not None:
         if model not in models:
             raise ValueError(f"no {task} records of model {model!r}; the folder has: {', '.join(models) or 'none'}.")
@@ -91,8 +92,10 @@ def main(argv=None) -> int:
         elif ci.n == 1:
             print(f"{args.task} {args.metric} {a} - {b} @ {args.budget}: {ci.mean:+.4g} n=1")
         else:
-            print(f"{args.task} {args.metric} {a} - {b} @ {args.budget}: {ci.mean:+.4g} "
-                  f"[{ci.lo:+.4g}, {ci.hi:+.4g}] n={ci.n}")
+            print(
+                f"{args.task} {args.metric} {a} - {b} @ {args.budget}: {ci.mean:+.4g} "
+                f"[{ci.lo:+.4g}, {ci.hi:+.4g}] n={ci.n}"
+            )
     return 0
 
 

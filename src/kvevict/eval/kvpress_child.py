@@ -45,10 +45,25 @@ def main(job):
             with press(model):
                 model(ids[:, :-1], past_key_values=cache, use_cache=True, logits_to_keep=1)
             kept = cache.get_seq_length()
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, do_sample=False,
-                                 max_new_tokens=s["max_new"], pad_token_id=job.get("pad_token_id", 0))
-        print(json.dumps({"id": s["id"], "new_ids": out[0, ids.shape[1]:].tolist(), "kv_tokens": kept,
-                          "seconds": round(time.perf_counter() - t0, 3)}), flush=True)
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                past_key_values=cache,
+                do_sample=False,
+                max_new_tokens=s["max_new"],
+                pad_token_id=job.get("pad_token_id", 0),
+            )
+        print(
+            json.dumps(
+                {
+                    "id": s["id"],
+                    "new_ids": out[0, ids.shape[1] :].tolist(),
+                    "kv_tokens": kept,
+                    "seconds": round(time.perf_counter() - t0, 3),
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

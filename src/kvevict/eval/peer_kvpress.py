@@ -24,8 +24,9 @@ def press_names(requested: str) -> list[str]:
     items = [p.strip().lower() for p in requested.split(",") if p.strip()]
     bad = [p for p in items if p not in PRESSES]
     if bad or not items:
-        raise ValueError(f"unknown kvpress press {', '.join(map(repr, bad)) or '(none given)'}; "
-                         f"known: {', '.join(PRESSES)}.")
+        raise ValueError(
+            f"unknown kvpress press {', '.join(map(repr, bad)) or '(none given)'}; known: {', '.join(PRESSES)}."
+        )
     return items
 
 
@@ -54,22 +55,44 @@ def run_peer(model_name, tokenizer, tasks, presses, budgets, n_samples, out_dir,
                     if not isinstance(budget, float):
                         raise ValueError("--peer kvpress takes fractional budgets (kvpress compresses by ratio).")
                     policy = f"kvpress-{press}"
-                    todo = [s for s in samples
-                            if records.record_key(task.name, policy, budget, s.id, model_name) not in done]
+                    todo = [
+                        s
+                        for s in samples
+                        if records.record_key(task.name, policy, budget, s.id, model_name) not in done
+                    ]
                     if not todo:
                         continue
                     by_id = {s.id: s for s in todo}
-                    job = {"model_dir": str(model_dir), "press": press, "compression_ratio": round(1.0 - budget, 6),
-                           "threads": threads, "pad_token_id": tokenizer.pad_token_id or 0,
-                           "samples": [{"id": s.id, "ids": encode_chat(tokenizer, s.data["messages"])[0].tolist(),
-                                        "max_new": task.max_new(s, tokenizer)} for s in todo]}
+                    job = {
+                        "model_dir": str(model_dir),
+                        "press": press,
+                        "compression_ratio": round(1.0 - budget, 6),
+                        "threads": threads,
+                        "pad_token_id": tokenizer.pad_token_id or 0,
+                        "samples": [
+                            {
+                                "id": s.id,
+                                "ids": encode_chat(tokenizer, s.data["messages"])[0].tolist(),
+                                "max_new": task.max_new(s, tokenizer),
+                            }
+                            for s in todo
+                        ],
+                    }
                     log(f"[kvpress {press}@{budget:g}] {task.name}: {len(todo)} samples")
                     for line in _stream(py, job, log):
                         s = by_id[line["id"]]
                         text = tokenizer.decode(line["new_ids"], skip_special_tokens=True).strip()
-                        rec = {"model": model_name, "task": task.name, "policy": policy, "budget": budget,
-                               "sample": s.id, "scores": task.score(s, text, None), "output": text,
-                               "kv_tokens": line["kv_tokens"], "seconds": line["seconds"]}
+                        rec = {
+                            "model": model_name,
+                            "task": task.name,
+                            "policy": policy,
+                            "budget": budget,
+                            "sample": s.id,
+                            "scores": task.score(s, text, None),
+                            "output": text,
+                            "kv_tokens": line["kv_tokens"],
+                            "seconds": line["seconds"],
+                        }
                         writer.write(rec)
                         done[records.record_key(rec)] = rec
                         written += 1
@@ -82,8 +105,14 @@ def run_peer(model_name, tokenizer, tasks, presses, budgets, n_samples, out_dir,
 def _stream(py, job, log):
     # stderr to a file: a pipe nobody reads while stdout streams would fill and block the child
     with tempfile.TemporaryFile(mode="w+") as errf:
-        proc = subprocess.Popen([str(py), str(CHILD)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=errf, text=True, env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
+        proc = subprocess.Popen(
+            [str(py), str(CHILD)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=errf,
+            text=True,
+            env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"},
+        )
         proc.stdin.write(json.dumps(job))
         proc.stdin.close()
         for line in proc.stdout:

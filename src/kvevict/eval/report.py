@@ -7,8 +7,8 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from . import records
 from ..plotting import pyplot
+from . import records
 from .caches import FULL
 from .stats import Interval, aggregate, mean_ci
 from .tasks import TASKS
@@ -33,10 +33,14 @@ def summarize(out_dir, model_name: str | None = None) -> str:
     """Write summary.md and one PNG per task into ``out_dir``; return the markdown."""
     recs = [r for r in records.load(out_dir).values() if model_name is None or r["model"] == model_name]
     table = collect(recs)
-    lines = [f"# kvevict eval summary ({len(recs)} records)", "",
-             "Cells: mean [95% CI] over n samples (t interval; Wilson for accuracies/exact match; "
-             "perplexity = exp(mean NLL) with the interval of the mean NLL exponentiated). "
-             "Budgets are fractions of the prompt (ppl: of the window).", ""]
+    lines = [
+        f"# kvevict eval summary ({len(recs)} records)",
+        "",
+        "Cells: mean [95% CI] over n samples (t interval; Wilson for accuracies/exact match; "
+        "perplexity = exp(mean NLL) with the interval of the mean NLL exponentiated). "
+        "Budgets are fractions of the prompt (ppl: of the window).",
+        "",
+    ]
     for task_name, by_metric in table.items():
         task = TASKS.get(task_name)
         kinds = task.metrics if task else {}
@@ -47,8 +51,14 @@ def summarize(out_dir, model_name: str | None = None) -> str:
         if task and task.primary in by_metric:
             primary_kind = kinds.get(task.primary, "mean")
             lines += _paired_table(task.primary, primary_kind, by_metric[task.primary])
-            if plot_paired(task_name, task.primary, primary_kind, by_metric[task.primary], task.higher_is_better,
-                           Path(out_dir) / f"{task_name}-paired.png"):
+            if plot_paired(
+                task_name,
+                task.primary,
+                primary_kind,
+                by_metric[task.primary],
+                task.higher_is_better,
+                Path(out_dir) / f"{task_name}-paired.png",
+            ):
                 lines += [f"![{task_name}: paired difference to the full cache]({task_name}-paired.png)", ""]
         plot_task(task_name, by_metric, kinds, Path(out_dir) / f"{task_name}.png")
         lines += [f"![{task_name}]({task_name}.png)", ""]
@@ -94,8 +104,12 @@ def _paired_table(metric, kind, cells):
     policies = sorted({p for p, _ in diffs})
     budgets = sorted({b for _, b in diffs}, key=_budget_sort)
     label = "NLL" if kind == "exp" else metric
-    out = [f"Paired difference to the full cache ({label}, policy - full, same samples):", "",
-           "| policy | " + " | ".join(str(b) for b in budgets) + " |", "|" + "---|" * (len(budgets) + 1)]
+    out = [
+        f"Paired difference to the full cache ({label}, policy - full, same samples):",
+        "",
+        "| policy | " + " | ".join(str(b) for b in budgets) + " |",
+        "|" + "---|" * (len(budgets) + 1),
+    ]
     for p in policies:
         row = []
         for b in budgets:
@@ -136,14 +150,21 @@ def plot_paired(task_name, metric, kind, cells, higher_is_better, path):
                 continue
             clear = ci.n > 1 and (ci.lo > 0 or ci.hi < 0)
             dark = abs(grid[i][j]) > 0.6 * lim
-            ax.text(j, i, f"{ci.mean:+.2g}\nn={ci.n}", ha="center", va="center", fontsize=7,
-                    color="white" if dark else "black", fontweight="bold" if clear else "normal")
+            ax.text(
+                j,
+                i,
+                f"{ci.mean:+.2g}\nn={ci.n}",
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white" if dark else "black",
+                fontweight="bold" if clear else "normal",
+            )
     ax.set_xticks(range(len(budgets)), [str(b) for b in budgets])
     ax.set_yticks(range(len(policies)), policies)
     ax.set_xlabel("KV budget")
     label = "NLL" if kind == "exp" else metric
-    ax.set_title(f"{task_name}: {label}, policy - full (blue: better, red: worse; bold: 95% CI excludes 0)",
-                 fontsize=8)
+    ax.set_title(f"{task_name}: {label}, policy - full (blue: better, red: worse; bold: 95% CI excludes 0)", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

@@ -18,8 +18,7 @@ def cells_for(policies: list[str], budgets: list) -> list[tuple]:
     return [(FULL, None)] + keep_all + [(p, b) for p in policies if not p.startswith(FULL + "/") for b in budgets]
 
 
-def run_grid(model, tokenizer, tasks, policies, budgets, n_samples: int, out_dir, model_name: str,
-             log=None) -> int:
+def run_grid(model, tokenizer, tasks, policies, budgets, n_samples: int, out_dir, model_name: str, log=None) -> int:
     """Run every missing cell of every sample of every task; return the number of records written.
     A cell that raises (a policy that cannot run at some budget, say) is reported and skipped."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -41,15 +40,23 @@ def run_grid(model, tokenizer, tasks, policies, budgets, n_samples: int, out_dir
                 key = records.record_key(task.name, *cell, sample.id, model_name)
                 if key in done:
                     return
-                rec = {"model": model_name, "task": task.name, "policy": cell[0], "budget": cell[1],
-                       "sample": sample.id, **res}
+                rec = {
+                    "model": model_name,
+                    "task": task.name,
+                    "policy": cell[0],
+                    "budget": cell[1],
+                    "sample": sample.id,
+                    **res,
+                }
                 writer.write(rec)
                 done[key] = rec
                 state["new"] += 1
                 state["have"] += 1
                 eta = (time.perf_counter() - t_task) / state["new"] * (total - state["have"])
-                log(f"  [{task.name}] {sample.id} {cell[0]}@{cell[1]}: {_brief(res)}; "
-                    f"{state['have']}/{total} done, ETA {_fmt(eta)}")
+                log(
+                    f"  [{task.name}] {sample.id} {cell[0]}@{cell[1]}: {_brief(res)}; "
+                    f"{state['have']}/{total} done, ETA {_fmt(eta)}"
+                )
 
             for i, sample in enumerate(samples):
                 todo = [c for c in cells if records.record_key(task.name, *c, sample.id, model_name) not in done]
@@ -59,8 +66,16 @@ def run_grid(model, tokenizer, tasks, policies, budgets, n_samples: int, out_dir
                 ref = done.get(records.record_key(task.name, FULL, None, sample.id, model_name))
                 task.on_cell = lambda cell, res, sample=sample: emit(sample, cell, res)
                 before = state["new"]
-                results = _evaluate(task, model, tokenizer, sample, todo, ref, log, lambda c, s=sample: (
-                    records.record_key(task.name, *c, s.id, model_name) not in done))
+                results = _evaluate(
+                    task,
+                    model,
+                    tokenizer,
+                    sample,
+                    todo,
+                    ref,
+                    log,
+                    lambda c, s=sample: records.record_key(task.name, *c, s.id, model_name) not in done,
+                )
                 for cell, res in results.items():  # tasks that score all cells at once report here
                     emit(sample, cell, res)
                 written += state["new"] - before

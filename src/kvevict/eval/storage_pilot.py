@@ -55,15 +55,17 @@ def run(model, tokenizer, configs: list[tuple[str, dict]], windows: int, tokens:
         ref_cache, ref, nll = DynamicCache(config=model.config), [], {k: [] for k in caches}
         for s in range(0, n - 1, chunk):
             e = min(n - 1, s + chunk)
-            x, y = ids[:, s:e], ids[0, s + 1:e + 1]
+            x, y = ids[:, s:e], ids[0, s + 1 : e + 1]
             ref += metrics.token_nll(model(x, cache=ref_cache).logits[0], y).tolist()
             for k, c in caches.items():
                 nll[k] += metrics.token_nll(model(x, cache=c).logits[0], y).tolist()
         for k, c in caches.items():
             diff = sum(nll[k]) / len(nll[k]) - sum(ref) / len(ref)
             out[k].append((sample.id, diff, c.kv_bytes() / c.full_kv_bytes()))
-            print(f"{sample.id} {k}: NLL - full {diff:+.4f} nats/token, bytes {c.kv_bytes() / c.full_kv_bytes():.1%}",
-                  flush=True)
+            print(
+                f"{sample.id} {k}: NLL - full {diff:+.4f} nats/token, bytes {c.kv_bytes() / c.full_kv_bytes():.1%}",
+                flush=True,
+            )
     return out
 
 
@@ -88,8 +90,10 @@ def main(argv=None) -> int:
     print("\n| config | bytes (of 16-bit stock) | NLL − full, mean over windows | per window |\n|---|---|---|---|")
     for name, vals in res.items():
         mean = sum(v[1] for v in vals) / len(vals)
-        print(f"| {name} | {sum(v[2] for v in vals) / len(vals):.1%} | {mean:+.4f} | "
-              f"{', '.join(f'{v[1]:+.4f}' for v in vals)} |")
+        print(
+            f"| {name} | {sum(v[2] for v in vals) / len(vals):.1%} | {mean:+.4f} | "
+            f"{', '.join(f'{v[1]:+.4f}' for v in vals)} |"
+        )
     return 0
 
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import metrics
 from ..generate import dynamic_kv_bytes, stock_kv_bytes16
+from . import metrics
 from .caches import FULL, new_cache
 
 
@@ -41,7 +41,7 @@ def stream_compare(model, ids: torch.Tensor, cells: list[tuple[str, object]], ch
     scores = {cell: StreamScore() for cell in cells}
     for s in range(0, n - 1, chunk):
         e = min(n - 1, s + chunk)
-        x, y = ids[:, s:e], ids[0, s + 1:e + 1]
+        x, y = ids[:, s:e], ids[0, s + 1 : e + 1]
         ref = model(x, cache=ref_cache).logits[0]
         ref_nll = metrics.token_nll(ref, y)
         for cell in cells:
@@ -74,5 +74,5 @@ def continuation_logprob(model, context: torch.Tensor, continuation: torch.Tenso
         tok = continuation[0, i]
         total += torch.log_softmax(logits.float(), -1)[tok].item()
         if i + 1 < continuation.shape[1]:
-            logits = model(continuation[:, i:i + 1], cache=cache).logits[0, -1]
+            logits = model(continuation[:, i : i + 1], cache=cache).logits[0, -1]
     return total

@@ -27,8 +27,7 @@ from typing import Callable
 from .reference import decode_attention_reference
 from .runs import Run
 
-__all__ = ["Run", "decode_attention", "decode_attention_reference", "register_backend", "resolve_backend",
-           "BACKENDS"]
+__all__ = ["Run", "decode_attention", "decode_attention_reference", "register_backend", "resolve_backend", "BACKENDS"]
 
 log = logging.getLogger("kvevict.kernels")
 ENV = "KVEVICT_KERNEL"
@@ -48,8 +47,15 @@ BACKENDS: dict[str, Backend] = {}
 _logged: set = set()
 
 
-def register_backend(name: str, fn: Callable, available: Callable[[], tuple[bool, str]], device: str,
-                     paged: bool = False, summary: bool = False, outonly: bool = False) -> None:
+def register_backend(
+    name: str,
+    fn: Callable,
+    available: Callable[[], tuple[bool, str]],
+    device: str,
+    paged: bool = False,
+    summary: bool = False,
+    outonly: bool = False,
+) -> None:
     BACKENDS[name] = Backend(fn, available, device, paged, summary, outonly)
 
 
@@ -100,8 +106,10 @@ def resolve_backend(device_type: str = "cpu", backend: str | None = None) -> str
     wanted = (backend or os.environ.get(ENV) or "auto").lower()
     choices = ("auto", "torch", *BACKENDS, *_OPTIONAL)
     if wanted not in choices:
-        raise ValueError(f"kernel backend {wanted!r} is unknown; {ENV} (or backend=) must be one of "
-                         f"{', '.join(dict.fromkeys(choices))}.")
+        raise ValueError(
+            f"kernel backend {wanted!r} is unknown; {ENV} (or backend=) must be one of "
+            f"{', '.join(dict.fromkeys(choices))}."
+        )
     if wanted == "torch":
         _say("torch", logging.INFO, "kvevict decode attention: torch reference (chosen)")
         return "torch"
@@ -121,8 +129,9 @@ def resolve_backend(device_type: str = "cpu", backend: str | None = None) -> str
             return name
         reasons.append(f"{name}: {why}")
     level = logging.WARNING if wanted != "auto" else logging.INFO
-    _say(("fallback", wanted), level,
-         f"kvevict decode attention: torch reference ({ENV}={wanted}: {'; '.join(reasons)})")
+    _say(
+        ("fallback", wanted), level, f"kvevict decode attention: torch reference ({ENV}={wanted}: {'; '.join(reasons)})"
+    )
     return "torch"
 
 
@@ -133,8 +142,11 @@ def decode_attention(q, runs: list, k_new, v_new, mask, scale, softcap=None, bac
     out only (pg None)."""
     name = resolve_backend(q.device.type, backend)
     if name != "torch" and summary is not None and not BACKENDS[name].summary:
-        _say(("summary", name), logging.INFO,
-             f"kvevict decode attention: torch reference for merged caches ({name} has no evicted-mean slot)")
+        _say(
+            ("summary", name),
+            logging.INFO,
+            f"kvevict decode attention: torch reference for merged caches ({name} has no evicted-mean slot)",
+        )
     if name != "torch" and (summary is None or BACKENDS[name].summary):
         if not BACKENDS[name].paged:
             runs = [r.rect() for r in runs]

@@ -37,8 +37,16 @@ def _isa_flags() -> tuple[str, list[str]]:
     check), so the build never uses an instruction this machine lacks."""
     cap = torch.backends.cpu.get_cpu_capability()
     if cap.startswith("AVX512"):
-        return "avx512", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
-                          "-mprefer-vector-width=512"]
+        return "avx512", [
+            "-mavx512f",
+            "-mavx512bw",
+            "-mavx512vl",
+            "-mavx512dq",
+            "-mavx2",
+            "-mfma",
+            "-mf16c",
+            "-mprefer-vector-width=512",
+        ]
     if cap == "AVX2":
         return "avx2", ["-mavx2", "-mfma", "-mf16c"]
     return "generic", []
@@ -53,8 +61,9 @@ def build_dir() -> str:
     return str(cache_dir("torch_extensions"))
 
 
-def build_name(isa: str, flags: list[str], source: str, torch_version: str, torch_path: str, prefix: str,
-               python: str) -> str:
+def build_name(
+    isa: str, flags: list[str], source: str, torch_version: str, torch_path: str, prefix: str, python: str
+) -> str:
     """The module's name and its build folder's: ``kvevict_decode_<isa>_<key>``, the key a short
     hash of everything the build depends on, so a module is only ever loaded where it was built."""
     depends = "\0".join([torch_version, torch_path, prefix, python, isa, " ".join(flags), source])
@@ -66,8 +75,9 @@ def _build() -> tuple[str, str, list[str], str]:
     isa, isa_flags = _isa_flags()
     flags = ["-O3", "-fopenmp", *_REASSOCIATE, *isa_flags]
     source = Path(__file__).with_name("decode_cpu.cpp").read_text()
-    name = build_name(isa, [*flags, *_LDFLAGS], source, torch.__version__, os.path.dirname(torch.__file__),
-                      sys.prefix, sys.version)
+    name = build_name(
+        isa, [*flags, *_LDFLAGS], source, torch.__version__, os.path.dirname(torch.__file__), sys.prefix, sys.version
+    )
     return name, os.path.join(build_dir(), name), flags, source
 
 
@@ -103,13 +113,22 @@ def _compile():
     os.makedirs(folder, exist_ok=True)
     if not _holds_module(folder):
         logging.getLogger("kvevict.kernels").info(
-            "kvevict: building the fused CPU decode kernel once into %s (about a minute)", folder)
+            "kvevict: building the fused CPU decode kernel once into %s (about a minute)", folder
+        )
         # the folder's name is a hash: this says which environment it is for
-        Path(folder, "built_for.txt").write_text(f"torch {torch.__version__} ({os.path.dirname(torch.__file__)})\n"
-                                                 f"python {sys.version.split()[0]} ({sys.prefix})\n{flags}\n")
+        Path(folder, "built_for.txt").write_text(
+            f"torch {torch.__version__} ({os.path.dirname(torch.__file__)})\n"
+            f"python {sys.version.split()[0]} ({sys.prefix})\n{flags}\n"
+        )
     return cpp_extension.load_inline(
-        name=name, cpp_sources=[source], functions=["decode"], extra_cflags=flags, extra_ldflags=_LDFLAGS,
-        build_directory=folder, verbose=False)
+        name=name,
+        cpp_sources=[source],
+        functions=["decode"],
+        extra_cflags=flags,
+        extra_ldflags=_LDFLAGS,
+        build_directory=folder,
+        verbose=False,
+    )
 
 
 def available() -> tuple[bool, str]:
@@ -134,8 +153,7 @@ def decode_attention_cpu(q, runs, k_new, v_new, mask, scale, softcap=None, summa
     b, hq, _, d = q.shape
     hkv, dv = k_new.shape[1], v_new.shape[-1]
     new = Run(32, 0, (k_new,), (v_new,), 1)
-    if (q.device.type != "cpu" or dv != d or hq % hkv or q.dtype not in _DENSE_KIND
-            or k_new.dtype not in _DENSE_KIND):
+    if q.device.type != "cpu" or dv != d or hq % hkv or q.dtype not in _DENSE_KIND or k_new.dtype not in _DENSE_KIND:
         return NotImplemented
     extra, bias, bias_at = [], _NO_BIAS, -1
     if summary is not None:
@@ -167,5 +185,5 @@ def decode_attention_cpu(q, runs, k_new, v_new, mask, scale, softcap=None, summa
     if not pg:
         probs = None
     elif summary is not None:  # the mean slot is no stored slot: its column leaves pg
-        probs = torch.cat([probs[..., :bias_at], probs[..., bias_at + 1:]], dim=-1)
+        probs = torch.cat([probs[..., :bias_at], probs[..., bias_at + 1 :]], dim=-1)
     return out.to(q.dtype).view(b, hq, 1, dv), probs

@@ -58,11 +58,11 @@ def decode_attention_reference(q, runs, k_new, v_new, mask, scale, softcap=None,
     pc = probs.to(dtype)
     out = torch.matmul(pc[..., -1:], v_new.reshape(b, hkv, 1, -1))
     if summary is not None:
-        out = out + pc[..., n_total: n_total + 1] * summary[1].reshape(b, hkv, 1, -1).to(dtype)
+        out = out + pc[..., n_total : n_total + 1] * summary[1].reshape(b, hkv, 1, -1).to(dtype)
         probs = torch.cat([probs[..., :n_total], probs[..., -1:]], dim=-1)
     off = 0
     for r in runs:
         for s, e, values in _chunks(r, r.v, dtype):
-            out = out + torch.matmul(pc[..., off + s: off + e], values)
+            out = out + torch.matmul(pc[..., off + s : off + e], values)
         off += r.n
     return out.reshape(b, hq, 1, -1), probs.sum(2) if pg else None

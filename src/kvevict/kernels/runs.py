@@ -43,7 +43,7 @@ class Run:
         b, cols = table.shape
 
         def lay(t):
-            return t[table].permute(0, 2, 1, 3, 4).reshape(b, t.shape[1], cols * self.page, t.shape[-1])[:, :, :self.n]
+            return t[table].permute(0, 2, 1, 3, 4).reshape(b, t.shape[1], cols * self.page, t.shape[-1])[:, :, : self.n]
 
         return Run(self.bits, self.group, tuple(map(lay, self.k)), tuple(map(lay, self.v)), self.n)
 

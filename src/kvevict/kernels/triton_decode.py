@@ -78,6 +78,7 @@ def register(registry: dict) -> None:
 
 class Launch(NamedTuple):
     """One program launch ``plan`` lays out: ``kernel[grid](*args, **kwargs)``."""
+
     kernel: object
     grid: tuple
     args: tuple
@@ -109,9 +110,30 @@ def unknown_switches(switches: dict, fixed: tuple = ()) -> str | None:
     return f"unknown switch(es) {', '.join(unknown)}: the JSON may name {', '.join(known)}." if unknown else None
 
 
-def plan(q, runs, k_new, v_new, mask, scale, softcap=None, summary=None, *, split=None, warps=None, block=None,
-         factored=True, prefetch=True, lowp=True, magic=True, regs=None, zwords=True, fold=True, vpairs=True,
-         pg=True, trans=None):
+def plan(
+    q,
+    runs,
+    k_new,
+    v_new,
+    mask,
+    scale,
+    softcap=None,
+    summary=None,
+    *,
+    split=None,
+    warps=None,
+    block=None,
+    factored=True,
+    prefetch=True,
+    lowp=True,
+    magic=True,
+    regs=None,
+    zwords=True,
+    fold=True,
+    vpairs=True,
+    pg=True,
+    trans=None,
+):
     """The launches of one decode step's attention, laid out and not made: (out, pg, [``Launch``]),
     out and pg the buffers they fill (``benchmarks/triton_sass.py`` compiles them for a GPU on any
     machine). q (b, hq, 1, d) unscaled; runs: ``kvevict.kernels.runs.Run`` objects (read by field: bits,
@@ -146,8 +168,9 @@ def plan(q, runs, k_new, v_new, mask, scale, softcap=None, summary=None, *, spli
     gp = max(16, _pow2(g))  # tl.dot needs at least 16 rows: the group's heads padded
     d_p, dv_p = max(16, _pow2(d)), max(16, _pow2(dv))
     for name, value, least in (("block", block, 16), ("warps", warps, 1)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least
-                                  or not _pow2_ok(value)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < least or not _pow2_ok(value)
+        ):
             raise ValueError(f"{name} must be a power of two >= {least}, got {value!r}.")
     if regs is not None and (isinstance(regs, bool) or not isinstance(regs, int) or not 24 <= regs <= 248 or regs % 8):
         raise ValueError(f"regs must be a multiple of 8 from 24 to 248 (registers per thread), got {regs!r}.")
@@ -156,8 +179,9 @@ def plan(q, runs, k_new, v_new, mask, scale, softcap=None, summary=None, *, spli
     # at 128, int8 is slower), 32 past head dim 128
     block_n = _block(split, block or (64 if max(d_p, dv_p) <= 128 else 32))
     rows_block = _block(split, block or (128 if max(d_p, dv_p) <= 128 else 32))
-    every = [(r.bits, r.group, r.k, r.v, r.n, getattr(r, "table", None), getattr(r, "page", 0))
-             for r in runs if r.n > 0]
+    every = [
+        (r.bits, r.group, r.k, r.v, r.n, getattr(r, "table", None), getattr(r, "page", 0)) for r in runs if r.n > 0
+    ]
     if trans is None:  # timed in 128-key tiles; the 32-key tiles past head dim 128 stay as they were
         trans = trans_default(q.device) and rows_block >= 64
     split = _split(split, max(block_n, rows_block), b * hkv, max(1, n_total), q.device, 2 if trans else 4)
@@ -183,11 +207,24 @@ def plan(q, runs, k_new, v_new, mask, scale, softcap=None, summary=None, *, spli
         paged = table is not None
         if paged:
             table = table.contiguous()
-        common = dict(HKV=hkv, G=g, D=d, DV=dv, BITS=bits, GROUP=group if bits in PACKED else 1,
-                      HAS_MASK=mask is not None, SOFTCAP=softcap is not None, CDT=cdt, EMU=emu,
-                      PAGED=paged, PAGE=page if paged else 1, PREFETCH=bool(prefetch), SCORES=bool(pg),
-                      **({} if warps is None else {"num_warps": warps}),
-                      **({} if regs is None or emu else {"maxnreg": regs}))
+        common = dict(
+            HKV=hkv,
+            G=g,
+            D=d,
+            DV=dv,
+            BITS=bits,
+            GROUP=group if bits in PACKED else 1,
+            HAS_MASK=mask is not None,
+            SOFTCAP=softcap is not None,
+            CDT=cdt,
+            EMU=emu,
+            PAGED=paged,
+            PAGE=page if paged else 1,
+            PREFETCH=bool(prefetch),
+            SCORES=bool(pg),
+            **({} if warps is None else {"num_warps": warps}),
+            **({} if regs is None or emu else {"maxnreg": regs}),
+        )
         words = None
         if factored and _factored(bits, group, d) and _factored(bits, group, dv):
             gh = _pow2(g)  # rows of the products: NGP groups x GH heads, at least tl.dot's 16
@@ -197,34 +234,119 @@ def plan(q, runs, k_new, v_new, mask, scale, softcap=None, summary=None, *, spli
         if words:
             (kt, vt), zw = words
             magic_ok = bool(magic) and bits in (2, 4) and q.dtype in (torch.bfloat16, torch.float16)
-            kernel, extra = tk._split_rows_kernel, dict(
-                GH=gh, NGP=ngp, U=1 << (8 - bits), BLOCK_N=rows_block if magic_ok else block_n, ZW=zw, MAGIC=magic_ok,
-                # fp16's bias (1024, 8x bf16's) would cost pg ~2e-5 to the cancellation: bf16 only
-                FOLD=bool(fold) and q.dtype == torch.bfloat16, VPAIR=magic_ok and bool(vpairs), TRANS=bool(trans),
-                LCOLS=not trans)
+            kernel, extra = (
+                tk._split_rows_kernel,
+                dict(
+                    GH=gh,
+                    NGP=ngp,
+                    U=1 << (8 - bits),
+                    BLOCK_N=rows_block if magic_ok else block_n,
+                    ZW=zw,
+                    MAGIC=magic_ok,
+                    # fp16's bias (1024, 8x bf16's) would cost pg ~2e-5 to the cancellation: bf16 only
+                    FOLD=bool(fold) and q.dtype == torch.bfloat16,
+                    VPAIR=magic_ok and bool(vpairs),
+                    TRANS=bool(trans),
+                    LCOLS=not trans,
+                ),
+            )
         else:
-            kernel, extra = tk._split_kernel, dict(GP=gp, D_P=d_p, DV_P=dv_p, BLOCK_N=block_n,
-                                                   GROUPED_K=_grouped(bits, group, d),
-                                                   GROUPED_V=_grouped(bits, group, dv),
-                                                   LOWP=bool(lowp) and q.dtype == torch.bfloat16 and not emu)
-        launches.append(Launch(kernel, (b * hkv, ns), (
-            q, q.stride(0), q.stride(1), q.stride(3),
-            *_operand(kt, paged), *_operand(vt, paged),
-            m, *m_strides,
-            scores, m_part, l_part, acc_part,
-            n, key_off, split_off, split, n_splits, nt1, float(scale), float(softcap or 1.0),
-            table if paged else scores, table.stride(0) if paged else 0, _page_rows(kt, vt) if paged else 0,
-        ), {**common, **extra}))
+            kernel, extra = (
+                tk._split_kernel,
+                dict(
+                    GP=gp,
+                    D_P=d_p,
+                    DV_P=dv_p,
+                    BLOCK_N=block_n,
+                    GROUPED_K=_grouped(bits, group, d),
+                    GROUPED_V=_grouped(bits, group, dv),
+                    LOWP=bool(lowp) and q.dtype == torch.bfloat16 and not emu,
+                ),
+            )
+        launches.append(
+            Launch(
+                kernel,
+                (b * hkv, ns),
+                (
+                    q,
+                    q.stride(0),
+                    q.stride(1),
+                    q.stride(3),
+                    *_operand(kt, paged),
+                    *_operand(vt, paged),
+                    m,
+                    *m_strides,
+                    scores,
+                    m_part,
+                    l_part,
+                    acc_part,
+                    n,
+                    key_off,
+                    split_off,
+                    split,
+                    n_splits,
+                    nt1,
+                    float(scale),
+                    float(softcap or 1.0),
+                    table if paged else scores,
+                    table.stride(0) if paged else 0,
+                    _page_rows(kt, vt) if paged else 0,
+                ),
+                {**common, **extra},
+            )
+        )
         key_off += n
         split_off += ns
     block = 256  # keys per _finish program
-    launches.append(Launch(tk._finish, (b * hkv, triton_cdiv(nt1, block) if pg else 1), (
-        q, q.stride(0), q.stride(1), q.stride(3), k_new, k_new.stride(0), k_new.stride(1), k_new.stride(3),
-        v_new, v_new.stride(0), v_new.stride(1), v_new.stride(3), m_part, l_part, acc_part, scores,
-        out, out.stride(0), out.stride(1), out.stride(3), scores if probs is None else probs, n_splits, nt1,
-        float(scale), float(softcap or 1.0), *_summary_args(summary, k_new),
-    ), dict(HKV=hkv, G=g, GP=max(2, _pow2(g)), D=d, D_P=d_p, DV=dv, DV_P=dv_p, BLOCK=block,
-            SOFTCAP=softcap is not None, CDT=cdt, EMU=emu, SUMMARY=summary is not None, PG=bool(pg))))
+    launches.append(
+        Launch(
+            tk._finish,
+            (b * hkv, triton_cdiv(nt1, block) if pg else 1),
+            (
+                q,
+                q.stride(0),
+                q.stride(1),
+                q.stride(3),
+                k_new,
+                k_new.stride(0),
+                k_new.stride(1),
+                k_new.stride(3),
+                v_new,
+                v_new.stride(0),
+                v_new.stride(1),
+                v_new.stride(3),
+                m_part,
+                l_part,
+                acc_part,
+                scores,
+                out,
+                out.stride(0),
+                out.stride(1),
+                out.stride(3),
+                scores if probs is None else probs,
+                n_splits,
+                nt1,
+                float(scale),
+                float(softcap or 1.0),
+                *_summary_args(summary, k_new),
+            ),
+            dict(
+                HKV=hkv,
+                G=g,
+                GP=max(2, _pow2(g)),
+                D=d,
+                D_P=d_p,
+                DV=dv,
+                DV_P=dv_p,
+                BLOCK=block,
+                SOFTCAP=softcap is not None,
+                CDT=cdt,
+                EMU=emu,
+                SUMMARY=summary is not None,
+                PG=bool(pg),
+            ),
+        )
+    )
     return out, probs, launches
 
 
@@ -267,8 +389,10 @@ def _as_words(kt: tuple, vt: tuple, zw: bool):
     """((kt, vt), zw): their codes viewed as int32 words (no copy), and with ``zw`` their zeros and
     steps too (``triton_kernels._per_group``'s ZW; False where their strides or offset are not
     whole words); None where the codes cannot be viewed so."""
+
     def words(t, parts):
         return tuple(x.view(torch.int32) if i in parts else x for i, x in enumerate(t))
+
     try:
         codes = tuple(words(t, (0,)) for t in (kt, vt))
     except RuntimeError:
@@ -370,33 +494,62 @@ def _check(q, runs, k_new, v_new, mask):
                 raise ValueError(f"runs[{i}].{side} must hold {parts} tensor(s) for bits={r.bits}, got {len(t)}.")
             if r.bits in PACKED:
                 if not isinstance(r.group, int) or r.group <= 0 or width % r.group or (width * r.bits) % 8:
-                    raise ValueError(f"runs[{i}].group={r.group!r} must divide the head dimension {width} "
-                                     f"(and {width} * {r.bits} bits must fill whole bytes).")
-                shapes = [(width * r.bits // 8, torch.uint8), (width // r.group, torch.uint8),
-                          (width // r.group, torch.uint8)]
+                    raise ValueError(
+                        f"runs[{i}].group={r.group!r} must divide the head dimension {width} "
+                        f"(and {width} * {r.bits} bits must fill whole bytes)."
+                    )
+                shapes = [
+                    (width * r.bits // 8, torch.uint8),
+                    (width // r.group, torch.uint8),
+                    (width // r.group, torch.uint8),
+                ]
             else:
                 shapes = [(width, torch.float16 if r.bits == 16 else None)]
             table = getattr(r, "table", None)
-            if table is not None and (table.dim() != 2 or table.shape[0] != b or table.dtype != torch.long
-                                      or table.shape[1] * r.page < r.n or table.device != q.device):
-                raise ValueError(f"runs[{i}].table must be int64 ({b}, >= {-(-r.n // max(1, r.page))}) on "
-                                 f"{q.device}, got {table.dtype} {tuple(table.shape)}.")
+            if table is not None and (
+                table.dim() != 2
+                or table.shape[0] != b
+                or table.dtype != torch.long
+                or table.shape[1] * r.page < r.n
+                or table.device != q.device
+            ):
+                raise ValueError(
+                    f"runs[{i}].table must be int64 ({b}, >= {-(-r.n // max(1, r.page))}) on "
+                    f"{q.device}, got {table.dtype} {tuple(table.shape)}."
+                )
             for x, (last, dtype) in zip(t, shapes):
                 rows_ok = x.shape[0] == b and x.shape[2] >= r.n if table is None else x.shape[2] == r.page
-                if (x.dim() != 4 or not rows_ok or x.shape[1] not in (hkv, 1)
-                        or x.shape[3] != last or x.device != q.device):
-                    want = f"({b}, {hkv} or 1, >= {r.n}, {last})" if table is None else \
-                        f"pools (pages, {hkv} or 1, {r.page}, {last})"
-                    raise ValueError(f"runs[{i}].{side} tensors must be {want} on {q.device}, got "
-                                     f"{tuple(x.shape)} on {x.device}.")
+                if (
+                    x.dim() != 4
+                    or not rows_ok
+                    or x.shape[1] not in (hkv, 1)
+                    or x.shape[3] != last
+                    or x.device != q.device
+                ):
+                    want = (
+                        f"({b}, {hkv} or 1, >= {r.n}, {last})"
+                        if table is None
+                        else f"pools (pages, {hkv} or 1, {r.page}, {last})"
+                    )
+                    raise ValueError(
+                        f"runs[{i}].{side} tensors must be {want} on {q.device}, got {tuple(x.shape)} on {x.device}."
+                    )
                 if dtype is not None and x.dtype != dtype:
                     raise ValueError(f"runs[{i}].{side} (bits={r.bits}) must be {dtype}, got {x.dtype}.")
                 if dtype is None and x.dtype not in _DTYPES:
                     raise ValueError(f"runs[{i}].{side} (bits=32) must be a float dtype, got {x.dtype}.")
         n_total += r.n
     if mask is not None:
-        if (mask.dtype != torch.bool or mask.dim() != 3 or mask.shape[0] != b or mask.shape[1] not in (hkv, 1)
-                or mask.shape[2] != n_total or mask.device != q.device):
-            raise ValueError(f"mask must be bool ({b}, {hkv} or 1, {n_total}) on {q.device} over the stored slots, "
-                             f"got {mask.dtype} {tuple(mask.shape)} on {mask.device}.")
+        if (
+            mask.dtype != torch.bool
+            or mask.dim() != 3
+            or mask.shape[0] != b
+            or mask.shape[1] not in (hkv, 1)
+            or mask.shape[2] != n_total
+            or mask.device != q.device
+        ):
+            raise ValueError(
+                f"mask must be bool ({b}, {hkv} or 1, {n_total}) on {q.device} over the stored slots, "
+                f"got {mask.dtype} {tuple(mask.shape)} on {mask.device}."
+            )
     return b, hq, hkv, d, dv, n_total

@@ -73,8 +73,24 @@ def _slots(offs, nm, tab_ptr, tab_row, page_rows, PAGED: tl.constexpr, PAGE: tl.
 
 
 @triton.jit
-def _fetch(c_ptr, z_ptr, s_ptr, sc_n, sc_d, sz_n, sz_d, ss_n, ss_d, rows, nm, cols,
-           BITS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, GROUPED: tl.constexpr):
+def _fetch(
+    c_ptr,
+    z_ptr,
+    s_ptr,
+    sc_n,
+    sc_d,
+    sz_n,
+    sz_d,
+    ss_n,
+    ss_d,
+    rows,
+    nm,
+    cols,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+    GROUPED: tl.constexpr,
+):
     """A tile's stored bytes as loaded, not yet used (``_dequant`` reads them): a dense tile's
     values (its zeros and steps are dummies), or packed codes, zeros and steps. Packed: channel c
     of a token sits in byte c % W at bit (c // W) * BITS, W = D * BITS / 8 (``kvevict.storage.codes.pack``),
@@ -104,8 +120,20 @@ def _fetch(c_ptr, z_ptr, s_ptr, sc_n, sc_d, sz_n, sz_d, ss_n, ss_d, rows, nm, co
 
 
 @triton.jit
-def _dequant(raw, z, s, cols, BITS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, CDT: tl.constexpr,
-             EMU: tl.constexpr, GROUPED: tl.constexpr, BLOCK_N: tl.constexpr, LOWP: tl.constexpr):
+def _dequant(
+    raw,
+    z,
+    s,
+    cols,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+    CDT: tl.constexpr,
+    EMU: tl.constexpr,
+    GROUPED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    LOWP: tl.constexpr,
+):
     """(BLOCK_N, D_P) keys or values from ``_fetch``'s bytes, rounded to the compute dtype CDT (held
     in fp32, or in CDT with LOWP): x_hat = (step / U) * (U code - zero), U = 2^(8 - BITS), exact
     before the one rounding to CDT that ``kvevict.storage.codes.dequantize`` makes too, so both backends see
@@ -136,18 +164,47 @@ def _dequant(raw, z, s, cols, BITS: tl.constexpr, GROUP: tl.constexpr, D: tl.con
 
 
 @triton.jit
-def _at_row(kc, kz, ks, vc, vz, vs, skc_b, skc_h, skz_b, skz_h, sks_b, sks_h, svc_b, svc_h, svz_b, svz_h,
-            svs_b, svs_h, bi, kh):
+def _at_row(
+    kc, kz, ks, vc, vz, vs, skc_b, skc_h, skz_b, skz_h, sks_b, sks_h, svc_b, svc_h, svz_b, svz_h, svs_b, svs_h, bi, kh
+):
     """The six stored tensors' pointers at sequence bi, KV head kh (a pooled run, one head, arrives
     with head strides 0; a paged one with batch strides 0)."""
-    return (kc + bi * skc_b + kh * skc_h, kz + bi * skz_b + kh * skz_h, ks + bi * sks_b + kh * sks_h,
-            vc + bi * svc_b + kh * svc_h, vz + bi * svz_b + kh * svz_h, vs + bi * svs_b + kh * svs_h)
+    return (
+        kc + bi * skc_b + kh * skc_h,
+        kz + bi * skz_b + kh * skz_h,
+        ks + bi * sks_b + kh * sks_h,
+        vc + bi * svc_b + kh * svc_h,
+        vz + bi * svz_b + kh * svz_h,
+        vs + bi * svs_b + kh * svs_h,
+    )
 
 
 @triton.jit
-def _online(s, offs, nm, m_i, l_i, rows, rmask, pid, bi, kh, key_off, nt1, softcap, mask_ptr, sm_b, sm_h, sm_n,
-            score_ptr, G: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, SCORES: tl.constexpr,
-            LCOLS: tl.constexpr = False):
+def _online(
+    s,
+    offs,
+    nm,
+    m_i,
+    l_i,
+    rows,
+    rmask,
+    pid,
+    bi,
+    kh,
+    key_off,
+    nt1,
+    softcap,
+    mask_ptr,
+    sm_b,
+    sm_h,
+    sm_n,
+    score_ptr,
+    G: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    SCORES: tl.constexpr,
+    LCOLS: tl.constexpr = False,
+):
     """One tile's scores s (rows, BLOCK_N) into the online softmax: softcapped, -inf where masked,
     saved for pg (SCORES); returns (p, alpha, the new max, the new normalizer). LCOLS: the
     normalizer kept per (row, key column), l_i (rows, BLOCK_N), summed along the keys once after
@@ -160,8 +217,11 @@ def _online(s, offs, nm, m_i, l_i, rows, rmask, pid, bi, kh, key_off, nt1, softc
         visible = visible & (seen != 0)
     s = tl.where(visible[None, :], s, float("-inf"))
     if SCORES:
-        tl.store(score_ptr + ((pid * G + rows[:, None]) * nt1 + key_off + offs[None, :]), s,
-                 mask=rmask[:, None] & nm[None, :])
+        tl.store(
+            score_ptr + ((pid * G + rows[:, None]) * nt1 + key_off + offs[None, :]),
+            s,
+            mask=rmask[:, None] & nm[None, :],
+        )
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far: no NaN from -inf - -inf
     alpha = tl.exp(m_i - m_ref)
@@ -183,21 +243,80 @@ def _normalizer(l_i, LCOLS: tl.constexpr):
 
 @triton.jit
 def _split_kernel(
-    q_ptr, sq_b, sq_h, sq_d,
-    kc_ptr, kz_ptr, ks_ptr,
-    skc_b, skc_h, skc_n, skc_d, skz_b, skz_h, skz_n, skz_d, sks_b, sks_h, sks_n, sks_d,
-    vc_ptr, vz_ptr, vs_ptr,
-    svc_b, svc_h, svc_n, svc_d, svz_b, svz_h, svz_n, svz_d, svs_b, svs_h, svs_n, svs_d,
-    mask_ptr, sm_b, sm_h, sm_n,
-    score_ptr, m_ptr, l_ptr, acc_ptr,
-    n, key_off, split_off, split, n_splits, nt1, scale, softcap,
-    tab_ptr, tab_b, page_rows,
-    HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-    D: tl.constexpr, D_P: tl.constexpr, DV: tl.constexpr, DV_P: tl.constexpr,
-    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, CDT: tl.constexpr, EMU: tl.constexpr,
-    GROUPED_K: tl.constexpr, GROUPED_V: tl.constexpr, PAGED: tl.constexpr = False, PAGE: tl.constexpr = 1,
-    PREFETCH: tl.constexpr = False, LOWP: tl.constexpr = False, SCORES: tl.constexpr = True,
+    q_ptr,
+    sq_b,
+    sq_h,
+    sq_d,
+    kc_ptr,
+    kz_ptr,
+    ks_ptr,
+    skc_b,
+    skc_h,
+    skc_n,
+    skc_d,
+    skz_b,
+    skz_h,
+    skz_n,
+    skz_d,
+    sks_b,
+    sks_h,
+    sks_n,
+    sks_d,
+    vc_ptr,
+    vz_ptr,
+    vs_ptr,
+    svc_b,
+    svc_h,
+    svc_n,
+    svc_d,
+    svz_b,
+    svz_h,
+    svz_n,
+    svz_d,
+    svs_b,
+    svs_h,
+    svs_n,
+    svs_d,
+    mask_ptr,
+    sm_b,
+    sm_h,
+    sm_n,
+    score_ptr,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    n,
+    key_off,
+    split_off,
+    split,
+    n_splits,
+    nt1,
+    scale,
+    softcap,
+    tab_ptr,
+    tab_b,
+    page_rows,
+    HKV: tl.constexpr,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    D_P: tl.constexpr,
+    DV: tl.constexpr,
+    DV_P: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    CDT: tl.constexpr,
+    EMU: tl.constexpr,
+    GROUPED_K: tl.constexpr,
+    GROUPED_V: tl.constexpr,
+    PAGED: tl.constexpr = False,
+    PAGE: tl.constexpr = 1,
+    PREFETCH: tl.constexpr = False,
+    LOWP: tl.constexpr = False,
+    SCORES: tl.constexpr = True,
 ):
     """One (sequence, KV head, split) of one run: partial m, l, acc and the raw scores. The scaled
     query, the keys, the values and the probabilities are rounded to the compute dtype CDT where
@@ -214,12 +333,34 @@ def _split_kernel(
     dk = tl.arange(0, D_P)
     dv = tl.arange(0, DV_P)
     # the query rows of this KV group, scaled in the compute dtype as the reference does
-    q = tl.load(q_ptr + bi * sq_b + (kh * G + rows[:, None]) * sq_h + dk[None, :] * sq_d,
-                mask=rmask[:, None] & (dk[None, :] < D), other=0.0)
+    q = tl.load(
+        q_ptr + bi * sq_b + (kh * G + rows[:, None]) * sq_h + dk[None, :] * sq_d,
+        mask=rmask[:, None] & (dk[None, :] < D),
+        other=0.0,
+    )
     q = _operand(_rnd(q.to(tl.float32) * scale, CDT, EMU), CDT, EMU)
     kc_ptr, kz_ptr, ks_ptr, vc_ptr, vz_ptr, vs_ptr = _at_row(
-        kc_ptr, kz_ptr, ks_ptr, vc_ptr, vz_ptr, vs_ptr, skc_b, skc_h, skz_b, skz_h, sks_b, sks_h,
-        svc_b, svc_h, svz_b, svz_h, svs_b, svs_h, bi, kh)
+        kc_ptr,
+        kz_ptr,
+        ks_ptr,
+        vc_ptr,
+        vz_ptr,
+        vs_ptr,
+        skc_b,
+        skc_h,
+        skz_b,
+        skz_h,
+        sks_b,
+        sks_h,
+        svc_b,
+        svc_h,
+        svz_b,
+        svz_h,
+        svs_b,
+        svs_h,
+        bi,
+        kh,
+    )
     start = sp * split
     end = tl.minimum(start + split, n)
     m_i = tl.full([GP], float("-inf"), tl.float32)
@@ -229,10 +370,12 @@ def _split_kernel(
         offs = start + tl.arange(0, BLOCK_N)
         nm = offs < end
         slots = _slots(offs, nm, tab_ptr, bi * tab_b, page_rows, PAGED, PAGE)
-        kr, kz, ks = _fetch(kc_ptr, kz_ptr, ks_ptr, skc_n, skc_d, skz_n, skz_d, sks_n, sks_d, slots, nm, dk,
-                            BITS, GROUP, D, GROUPED_K)
-        vr, vz, vs = _fetch(vc_ptr, vz_ptr, vs_ptr, svc_n, svc_d, svz_n, svz_d, svs_n, svs_d, slots, nm, dv,
-                            BITS, GROUP, DV, GROUPED_V)
+        kr, kz, ks = _fetch(
+            kc_ptr, kz_ptr, ks_ptr, skc_n, skc_d, skz_n, skz_d, sks_n, sks_d, slots, nm, dk, BITS, GROUP, D, GROUPED_K
+        )
+        vr, vz, vs = _fetch(
+            vc_ptr, vz_ptr, vs_ptr, svc_n, svc_d, svz_n, svz_d, svs_n, svs_d, slots, nm, dv, BITS, GROUP, DV, GROUPED_V
+        )
     for t in range(start, end, BLOCK_N):
         offs = t + tl.arange(0, BLOCK_N)
         nm = offs < end
@@ -240,21 +383,108 @@ def _split_kernel(
             nxt = offs + BLOCK_N
             nm_next = nxt < end
             slots = _slots(nxt, nm_next, tab_ptr, bi * tab_b, page_rows, PAGED, PAGE)
-            kr_next, kz_next, ks_next = _fetch(kc_ptr, kz_ptr, ks_ptr, skc_n, skc_d, skz_n, skz_d, sks_n, sks_d,
-                                               slots, nm_next, dk, BITS, GROUP, D, GROUPED_K)
-            vr_next, vz_next, vs_next = _fetch(vc_ptr, vz_ptr, vs_ptr, svc_n, svc_d, svz_n, svz_d, svs_n, svs_d,
-                                               slots, nm_next, dv, BITS, GROUP, DV, GROUPED_V)
+            kr_next, kz_next, ks_next = _fetch(
+                kc_ptr,
+                kz_ptr,
+                ks_ptr,
+                skc_n,
+                skc_d,
+                skz_n,
+                skz_d,
+                sks_n,
+                sks_d,
+                slots,
+                nm_next,
+                dk,
+                BITS,
+                GROUP,
+                D,
+                GROUPED_K,
+            )
+            vr_next, vz_next, vs_next = _fetch(
+                vc_ptr,
+                vz_ptr,
+                vs_ptr,
+                svc_n,
+                svc_d,
+                svz_n,
+                svz_d,
+                svs_n,
+                svs_d,
+                slots,
+                nm_next,
+                dv,
+                BITS,
+                GROUP,
+                DV,
+                GROUPED_V,
+            )
         else:
             slots = _slots(offs, nm, tab_ptr, bi * tab_b, page_rows, PAGED, PAGE)
-            kr, kz, ks = _fetch(kc_ptr, kz_ptr, ks_ptr, skc_n, skc_d, skz_n, skz_d, sks_n, sks_d, slots, nm, dk,
-                                BITS, GROUP, D, GROUPED_K)
+            kr, kz, ks = _fetch(
+                kc_ptr,
+                kz_ptr,
+                ks_ptr,
+                skc_n,
+                skc_d,
+                skz_n,
+                skz_d,
+                sks_n,
+                sks_d,
+                slots,
+                nm,
+                dk,
+                BITS,
+                GROUP,
+                D,
+                GROUPED_K,
+            )
         k = _dequant(kr, kz, ks, dk, BITS, GROUP, D, CDT, EMU, GROUPED_K, BLOCK_N, LOWP)
         s = tl.dot(q, tl.trans(_operand(k, CDT, EMU)), input_precision="ieee")  # (GP, BLOCK_N), fp32
-        p, alpha, m_new, l_i = _online(s, offs, nm, m_i, l_i, rows, rmask, pid, bi, kh, key_off, nt1, softcap,
-                                       mask_ptr, sm_b, sm_h, sm_n, score_ptr, G, HAS_MASK, SOFTCAP, SCORES, True)
+        p, alpha, m_new, l_i = _online(
+            s,
+            offs,
+            nm,
+            m_i,
+            l_i,
+            rows,
+            rmask,
+            pid,
+            bi,
+            kh,
+            key_off,
+            nt1,
+            softcap,
+            mask_ptr,
+            sm_b,
+            sm_h,
+            sm_n,
+            score_ptr,
+            G,
+            HAS_MASK,
+            SOFTCAP,
+            SCORES,
+            True,
+        )
         if not PREFETCH:
-            vr, vz, vs = _fetch(vc_ptr, vz_ptr, vs_ptr, svc_n, svc_d, svz_n, svz_d, svs_n, svs_d, slots, nm, dv,
-                                BITS, GROUP, DV, GROUPED_V)
+            vr, vz, vs = _fetch(
+                vc_ptr,
+                vz_ptr,
+                vs_ptr,
+                svc_n,
+                svc_d,
+                svz_n,
+                svz_d,
+                svs_n,
+                svs_d,
+                slots,
+                nm,
+                dv,
+                BITS,
+                GROUP,
+                DV,
+                GROUPED_V,
+            )
         v = _dequant(vr, vz, vs, dv, BITS, GROUP, DV, CDT, EMU, GROUPED_V, BLOCK_N, LOWP)
         pv = tl.dot(_operand(_rnd(p, CDT, EMU), CDT, EMU), _operand(v, CDT, EMU), input_precision="ieee")
         acc = acc * alpha[:, None] + pv
@@ -307,8 +537,23 @@ def _words(c_ptr, sc_n, sc_d, rows, nm, NW: tl.constexpr):
 
 
 @triton.jit
-def _key_words(c_ptr, sc_n, sc_d, slots, nm, t, end, tab_ptr, tab_row, page_rows, NW: tl.constexpr,
-               BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, LANES: tl.constexpr):
+def _key_words(
+    c_ptr,
+    sc_n,
+    sc_d,
+    slots,
+    nm,
+    t,
+    end,
+    tab_ptr,
+    tab_row,
+    page_rows,
+    NW: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGED: tl.constexpr,
+    PAGE: tl.constexpr,
+    LANES: tl.constexpr,
+):
     """The keys' (BLOCK_N, NW) words of the tile at t: ``_words`` at ``slots``, or with LANES
     (TRANS: the keys are a warpgroup MMA's first operand, its rows the tokens) loaded as (8, 4, 2,
     BLOCK_N / 64, NW), row 64 a + 16 b + 8 c + d at [d, b, c, a], so that the coalesced layout
@@ -338,9 +583,14 @@ def _or_magic(x, MASK: tl.constexpr, MAGIC: tl.constexpr, EMU: tl.constexpr):
     immediates do not fit one instruction)."""
     if EMU:
         return (x & MASK) | MAGIC
-    return tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r",
-                                     [x, tl.full([1], MASK, tl.int32), tl.full([1], MAGIC, tl.int32)],
-                                     dtype=tl.int32, is_pure=True, pack=1)
+    return tl.inline_asm_elementwise(
+        "lop3.b32 $0, $1, $2, $3, 0xEA;",
+        "=r,r,r,r",
+        [x, tl.full([1], MASK, tl.int32), tl.full([1], MAGIC, tl.int32)],
+        dtype=tl.int32,
+        is_pure=True,
+        pack=1,
+    )
 
 
 @triton.jit
@@ -359,8 +609,17 @@ def _halves(t, CDT: tl.constexpr, EMU: tl.constexpr):
 
 
 @triton.jit
-def _unpack(words, D: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, MAGIC: tl.constexpr,
-            CDT: tl.constexpr, EMU: tl.constexpr, FOLD: tl.constexpr = False, LANES: tl.constexpr = False):
+def _unpack(
+    words,
+    D: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MAGIC: tl.constexpr,
+    CDT: tl.constexpr,
+    EMU: tl.constexpr,
+    FOLD: tl.constexpr = False,
+    LANES: tl.constexpr = False,
+):
     """(BLOCK_N, D) codes in ``_word_order``: fp32 integers, or with MAGIC (2 or 4 bits, a bf16 /
     fp16 CDT) CDT integers made without an int -> float conversion (a quarter-rate instruction on
     a GPU): two codes at a time, each code's bits or-ed under the exponent of B = 128 (bf16, 0x4300)
@@ -392,15 +651,28 @@ def _unpack(words, D: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, M
 
 
 @triton.jit
-def _word_pairs(c_ptr, sc_n, sc_d, t, end, tab_ptr, tab_row, page_rows, NW: tl.constexpr, BLOCK_N: tl.constexpr,
-                PAGED: tl.constexpr, PAGE: tl.constexpr):
+def _word_pairs(
+    c_ptr,
+    sc_n,
+    sc_d,
+    t,
+    end,
+    tab_ptr,
+    tab_row,
+    page_rows,
+    NW: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGED: tl.constexpr,
+    PAGE: tl.constexpr,
+):
     """(NW, BLOCK_N / 2, 2) int32 words of a tile's packed codes, [w, i, e] word w of token t + 2 i + e
     (``_unpack_pairs``)."""
     offs = t + 2 * tl.arange(0, BLOCK_N // 2)[:, None] + tl.arange(0, 2)[None, :]  # (BLOCK_N / 2, 2)
     nm = offs < end
     rows = _slots(offs, nm, tab_ptr, tab_row, page_rows, PAGED, PAGE)
-    return tl.load(c_ptr + rows[None, :, :] * sc_n + tl.arange(0, NW)[:, None, None] * sc_d, mask=nm[None, :, :],
-                   other=0)
+    return tl.load(
+        c_ptr + rows[None, :, :] * sc_n + tl.arange(0, NW)[:, None, None] * sc_d, mask=nm[None, :, :], other=0
+    )
 
 
 @triton.jit
@@ -411,13 +683,21 @@ def _pick(a, b, sel, EMU: tl.constexpr):
     if EMU:
         return ((a >> ((sel & 3) * 8)) & 0xFF) | (((b >> (((sel >> 8) & 3) * 8)) & 0xFF) << 16)
     else:
-        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel], dtype=tl.int32,
-                                         is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(
+            "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel], dtype=tl.int32, is_pure=True, pack=1
+        )
 
 
 @triton.jit
-def _unpack_pairs(pairs, D: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, CDT: tl.constexpr,
-                  EMU: tl.constexpr, FOLD: tl.constexpr):
+def _unpack_pairs(
+    pairs,
+    D: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CDT: tl.constexpr,
+    EMU: tl.constexpr,
+    FOLD: tl.constexpr,
+):
     """(D, BLOCK_N) codes of ``_word_pairs``' words, channels in ``_word_order`` 0 by tokens: CDT
     numbers made from their bits as ``_unpack``'s MAGIC makes them, but each 32-bit pair holding one
     channel of two neighbouring tokens (byte j of both words side by side, one prmt, then the code's
@@ -442,8 +722,9 @@ def _unpack_pairs(pairs, D: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.conste
 
 
 @triton.jit
-def _per_group(x_ptr, sx_n, sx_d, rows, nm, NG: tl.constexpr, NGP: tl.constexpr, BLOCK_N: tl.constexpr,
-               ZW: tl.constexpr):
+def _per_group(
+    x_ptr, sx_n, sx_d, rows, nm, NG: tl.constexpr, NGP: tl.constexpr, BLOCK_N: tl.constexpr, ZW: tl.constexpr
+):
     """(NGP, BLOCK_N) bytes of a group-wise tensor (zeros or steps); groups past NG read 0. ZW (NG =
     NGP, a multiple of 4; ``x_ptr`` int32, strides in words): a token's bytes loaded as 32-bit
     words, group 4 i + j in byte j of word i (a quarter of the load instructions of bytes)."""
@@ -453,27 +734,88 @@ def _per_group(x_ptr, sx_n, sx_d, rows, nm, NG: tl.constexpr, NGP: tl.constexpr,
         return tl.reshape((w[:, None, :] >> (8 * tl.arange(0, 4))[None, :, None]) & 255, (NG, BLOCK_N))
     else:
         g = tl.arange(0, NGP)
-        return tl.load(x_ptr + rows[None, :] * sx_n + g[:, None] * sx_d, mask=(g < NG)[:, None] & nm[None, :],
-                       other=0)
+        return tl.load(x_ptr + rows[None, :] * sx_n + g[:, None] * sx_d, mask=(g < NG)[:, None] & nm[None, :], other=0)
 
 
 @triton.jit
 def _split_rows_kernel(
-    q_ptr, sq_b, sq_h, sq_d,
-    kc_ptr, kz_ptr, ks_ptr,
-    skc_b, skc_h, skc_n, skc_d, skz_b, skz_h, skz_n, skz_d, sks_b, sks_h, sks_n, sks_d,
-    vc_ptr, vz_ptr, vs_ptr,
-    svc_b, svc_h, svc_n, svc_d, svz_b, svz_h, svz_n, svz_d, svs_b, svs_h, svs_n, svs_d,
-    mask_ptr, sm_b, sm_h, sm_n,
-    score_ptr, m_ptr, l_ptr, acc_ptr,
-    n, key_off, split_off, split, n_splits, nt1, scale, softcap,
-    tab_ptr, tab_b, page_rows,
-    HKV: tl.constexpr, G: tl.constexpr, GH: tl.constexpr, NGP: tl.constexpr,
-    D: tl.constexpr, DV: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, U: tl.constexpr,
-    BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, CDT: tl.constexpr,
-    EMU: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, PREFETCH: tl.constexpr = False,
-    MAGIC: tl.constexpr = False, ZW: tl.constexpr = False, FOLD: tl.constexpr = False, VPAIR: tl.constexpr = False,
-    SCORES: tl.constexpr = True, TRANS: tl.constexpr = False, LCOLS: tl.constexpr = False,
+    q_ptr,
+    sq_b,
+    sq_h,
+    sq_d,
+    kc_ptr,
+    kz_ptr,
+    ks_ptr,
+    skc_b,
+    skc_h,
+    skc_n,
+    skc_d,
+    skz_b,
+    skz_h,
+    skz_n,
+    skz_d,
+    sks_b,
+    sks_h,
+    sks_n,
+    sks_d,
+    vc_ptr,
+    vz_ptr,
+    vs_ptr,
+    svc_b,
+    svc_h,
+    svc_n,
+    svc_d,
+    svz_b,
+    svz_h,
+    svz_n,
+    svz_d,
+    svs_b,
+    svs_h,
+    svs_n,
+    svs_d,
+    mask_ptr,
+    sm_b,
+    sm_h,
+    sm_n,
+    score_ptr,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    n,
+    key_off,
+    split_off,
+    split,
+    n_splits,
+    nt1,
+    scale,
+    softcap,
+    tab_ptr,
+    tab_b,
+    page_rows,
+    HKV: tl.constexpr,
+    G: tl.constexpr,
+    GH: tl.constexpr,
+    NGP: tl.constexpr,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    U: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    CDT: tl.constexpr,
+    EMU: tl.constexpr,
+    PAGED: tl.constexpr,
+    PAGE: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
+    MAGIC: tl.constexpr = False,
+    ZW: tl.constexpr = False,
+    FOLD: tl.constexpr = False,
+    VPAIR: tl.constexpr = False,
+    SCORES: tl.constexpr = True,
+    TRANS: tl.constexpr = False,
+    LCOLS: tl.constexpr = False,
 ):
     """``_split_kernel`` for a packed run read factored (``triton_decode._factored``): with
     x_hat = step_g / U (U code - zero_g) per group g of a token,
@@ -519,14 +861,36 @@ def _split_rows_kernel(
     KL: tl.constexpr = TRANS and MAGIC and BLOCK_N % 64 == 0 and (D * BITS) % 128 == 0  # keys in lanes order
     ck = _word_order(D, BITS, MAGIC, KL)
     cv = _word_order(DV, BITS, MAGIC and not VPAIR)
-    qx = tl.load(q_ptr + bi * sq_b + (kh * G + rh[:, None]) * sq_h + ck[None, :] * sq_d,
-                 mask=((rg < NGK) & (rh < G))[:, None] & ((ck // GROUP)[None, :] == rg[:, None]), other=0.0)
+    qx = tl.load(
+        q_ptr + bi * sq_b + (kh * G + rh[:, None]) * sq_h + ck[None, :] * sq_d,
+        mask=((rg < NGK) & (rh < G))[:, None] & ((ck // GROUP)[None, :] == rg[:, None]),
+        other=0.0,
+    )
     qx = _rnd(qx.to(tl.float32) * scale, CDT, EMU)
     q_sum = tl.reshape(tl.sum(qx, axis=1), (NGP, GH))  # head h's scaled query summed over group g
     qx = _operand(qx, CDT, EMU)
     kc_ptr, kz_ptr, ks_ptr, vc_ptr, vz_ptr, vs_ptr = _at_row(
-        kc_ptr, kz_ptr, ks_ptr, vc_ptr, vz_ptr, vs_ptr, skc_b, skc_h, skz_b, skz_h, sks_b, sks_h,
-        svc_b, svc_h, svz_b, svz_h, svs_b, svs_h, bi, kh)
+        kc_ptr,
+        kz_ptr,
+        ks_ptr,
+        vc_ptr,
+        vz_ptr,
+        vs_ptr,
+        skc_b,
+        skc_h,
+        skz_b,
+        skz_h,
+        sks_b,
+        sks_h,
+        svc_b,
+        svc_h,
+        svz_b,
+        svz_h,
+        svs_b,
+        svs_h,
+        bi,
+        kh,
+    )
     start = sp * split
     end = tl.minimum(start + split, n)
     m_i = tl.full([GH], float("-inf"), tl.float32)
@@ -539,12 +903,15 @@ def _split_rows_kernel(
         offs = start + tl.arange(0, BLOCK_N)
         nm = offs < end
         slots = _slots(offs, nm, tab_ptr, bi * tab_b, page_rows, PAGED, PAGE)
-        kw = _key_words(kc_ptr, skc_n, skc_d, slots, nm, start, end, tab_ptr, bi * tab_b, page_rows, NWK, BLOCK_N,
-                        PAGED, PAGE, KL)
+        kw = _key_words(
+            kc_ptr, skc_n, skc_d, slots, nm, start, end, tab_ptr, bi * tab_b, page_rows, NWK, BLOCK_N, PAGED, PAGE, KL
+        )
         kzr = _per_group(kz_ptr, skz_n, skz_d, slots, nm, NGK, NGP, BLOCK_N, ZW)
         ksr = _per_group(ks_ptr, sks_n, sks_d, slots, nm, NGK, NGP, BLOCK_N, ZW)
         if VPAIR:
-            vw = _word_pairs(vc_ptr, svc_n, svc_d, start, end, tab_ptr, bi * tab_b, page_rows, NWV, BLOCK_N, PAGED, PAGE)
+            vw = _word_pairs(
+                vc_ptr, svc_n, svc_d, start, end, tab_ptr, bi * tab_b, page_rows, NWV, BLOCK_N, PAGED, PAGE
+            )
         else:
             vw = _words(vc_ptr, svc_n, svc_d, slots, nm, NWV)
         vzr = _per_group(vz_ptr, svz_n, svz_d, slots, nm, NGV, NGP, BLOCK_N, ZW)
@@ -556,21 +923,38 @@ def _split_rows_kernel(
             nxt = offs + BLOCK_N
             nm_next = nxt < end
             slots = _slots(nxt, nm_next, tab_ptr, bi * tab_b, page_rows, PAGED, PAGE)
-            kw_next = _key_words(kc_ptr, skc_n, skc_d, slots, nm_next, t + BLOCK_N, end, tab_ptr, bi * tab_b,
-                                 page_rows, NWK, BLOCK_N, PAGED, PAGE, KL)
+            kw_next = _key_words(
+                kc_ptr,
+                skc_n,
+                skc_d,
+                slots,
+                nm_next,
+                t + BLOCK_N,
+                end,
+                tab_ptr,
+                bi * tab_b,
+                page_rows,
+                NWK,
+                BLOCK_N,
+                PAGED,
+                PAGE,
+                KL,
+            )
             kzr_next = _per_group(kz_ptr, skz_n, skz_d, slots, nm_next, NGK, NGP, BLOCK_N, ZW)
             ksr_next = _per_group(ks_ptr, sks_n, sks_d, slots, nm_next, NGK, NGP, BLOCK_N, ZW)
             if VPAIR:
-                vw_next = _word_pairs(vc_ptr, svc_n, svc_d, t + BLOCK_N, end, tab_ptr, bi * tab_b, page_rows, NWV,
-                                      BLOCK_N, PAGED, PAGE)
+                vw_next = _word_pairs(
+                    vc_ptr, svc_n, svc_d, t + BLOCK_N, end, tab_ptr, bi * tab_b, page_rows, NWV, BLOCK_N, PAGED, PAGE
+                )
             else:
                 vw_next = _words(vc_ptr, svc_n, svc_d, slots, nm_next, NWV)
             vzr_next = _per_group(vz_ptr, svz_n, svz_d, slots, nm_next, NGV, NGP, BLOCK_N, ZW)
             vsr_next = _per_group(vs_ptr, svs_n, svs_d, slots, nm_next, NGV, NGP, BLOCK_N, ZW)
         else:
             slots = _slots(offs, nm, tab_ptr, bi * tab_b, page_rows, PAGED, PAGE)
-            kw = _key_words(kc_ptr, skc_n, skc_d, slots, nm, t, end, tab_ptr, bi * tab_b, page_rows, NWK, BLOCK_N,
-                            PAGED, PAGE, KL)
+            kw = _key_words(
+                kc_ptr, skc_n, skc_d, slots, nm, t, end, tab_ptr, bi * tab_b, page_rows, NWK, BLOCK_N, PAGED, PAGE, KL
+            )
             kzr = _per_group(kz_ptr, skz_n, skz_d, slots, nm, NGK, NGP, BLOCK_N, ZW)
             ksr = _per_group(ks_ptr, sks_n, sks_d, slots, nm, NGK, NGP, BLOCK_N, ZW)
         kc = _unpack(kw, D, BITS, BLOCK_N, MAGIC, CDT, EMU, FOLD, KL)
@@ -580,13 +964,39 @@ def _split_rows_kernel(
             qc = tl.dot(qx, tl.trans(_operand(kc, CDT, EMU)), input_precision="ieee")  # (M, BLOCK_N), exact products
         qc = tl.reshape(qc, (NGP, GH, BLOCK_N))
         kst = _step(ksr)[:, None, :]
-        s = tl.sum(kst * qc - (kst * (kzr.to(tl.float32) / U + B)[:, None, :]) * q_sum[:, :, None], axis=0)  # (GH, BLOCK_N)
-        p, alpha, m_new, l_i = _online(s, offs, nm, m_i, l_i, heads, hmask, pid, bi, kh, key_off, nt1, softcap,
-                                       mask_ptr, sm_b, sm_h, sm_n, score_ptr, G, HAS_MASK, SOFTCAP, SCORES, LCOLS)
+        s = tl.sum(
+            kst * qc - (kst * (kzr.to(tl.float32) / U + B)[:, None, :]) * q_sum[:, :, None], axis=0
+        )  # (GH, BLOCK_N)
+        p, alpha, m_new, l_i = _online(
+            s,
+            offs,
+            nm,
+            m_i,
+            l_i,
+            heads,
+            hmask,
+            pid,
+            bi,
+            kh,
+            key_off,
+            nt1,
+            softcap,
+            mask_ptr,
+            sm_b,
+            sm_h,
+            sm_n,
+            score_ptr,
+            G,
+            HAS_MASK,
+            SOFTCAP,
+            SCORES,
+            LCOLS,
+        )
         if not PREFETCH:
             if VPAIR:
-                vw = _word_pairs(vc_ptr, svc_n, svc_d, t, end, tab_ptr, bi * tab_b, page_rows, NWV, BLOCK_N, PAGED,
-                                 PAGE)
+                vw = _word_pairs(
+                    vc_ptr, svc_n, svc_d, t, end, tab_ptr, bi * tab_b, page_rows, NWV, BLOCK_N, PAGED, PAGE
+                )
             else:
                 vw = _words(vc_ptr, svc_n, svc_d, slots, nm, NWV)
             vzr = _per_group(vz_ptr, svz_n, svz_d, slots, nm, NGV, NGP, BLOCK_N, ZW)
@@ -619,12 +1029,49 @@ def _split_rows_kernel(
 
 
 @triton.jit
-def _finish(q_ptr, sq_b, sq_h, sq_d, kn_ptr, skn_b, skn_h, skn_d, vn_ptr, svn_b, svn_h, svn_d,
-            m_ptr, l_ptr, acc_ptr, score_ptr, out_ptr, so_b, so_h, so_d, pg_ptr, n_splits, nt1, scale, softcap,
-            sum_k_ptr, sum_v_ptr, sum_b_ptr,
-            HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
-            DV: tl.constexpr, DV_P: tl.constexpr, BLOCK: tl.constexpr, SOFTCAP: tl.constexpr,
-            CDT: tl.constexpr, EMU: tl.constexpr, SUMMARY: tl.constexpr, PG: tl.constexpr = True):
+def _finish(
+    q_ptr,
+    sq_b,
+    sq_h,
+    sq_d,
+    kn_ptr,
+    skn_b,
+    skn_h,
+    skn_d,
+    vn_ptr,
+    svn_b,
+    svn_h,
+    svn_d,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    score_ptr,
+    out_ptr,
+    so_b,
+    so_h,
+    so_d,
+    pg_ptr,
+    n_splits,
+    nt1,
+    scale,
+    softcap,
+    sum_k_ptr,
+    sum_v_ptr,
+    sum_b_ptr,
+    HKV: tl.constexpr,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    D_P: tl.constexpr,
+    DV: tl.constexpr,
+    DV_P: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    CDT: tl.constexpr,
+    EMU: tl.constexpr,
+    SUMMARY: tl.constexpr,
+    PG: tl.constexpr = True,
+):
     """One (sequence, KV head) and BLOCK of its keys, after the split programs: the new key (always
     visible) joins the splits' partials as one more (m = s_new, l = 1, acc = v_new); M = max_j m_j,
     L = sum_j l_j exp(m_j - M); pg_i = sum_h exp(s_hi - M_h) / L_h over this block's keys (the
@@ -643,8 +1090,11 @@ def _finish(q_ptr, sq_b, sq_h, sq_d, kn_ptr, skn_b, skn_h, skn_d, vn_ptr, svn_b,
     dk = tl.arange(0, D_P)
     dv = tl.arange(0, DV_P)
     # the new key's scores: the scaled query and the key rounded to CDT as the split programs do
-    q = tl.load(q_ptr + bi * sq_b + (kh * G + rows[:, None]) * sq_h + dk[None, :] * sq_d,
-                mask=rmask[:, None] & (dk[None, :] < D), other=0.0)
+    q = tl.load(
+        q_ptr + bi * sq_b + (kh * G + rows[:, None]) * sq_h + dk[None, :] * sq_d,
+        mask=rmask[:, None] & (dk[None, :] < D),
+        other=0.0,
+    )
     q = _rnd(q.to(tl.float32) * scale, CDT, EMU)
     kn = tl.load(kn_ptr + bi * skn_b + kh * skn_h + dk * skn_d, mask=dk < D, other=0.0).to(tl.float32)
     s_new = tl.sum(q * kn[None, :], axis=1)
@@ -671,8 +1121,11 @@ def _finish(q_ptr, sq_b, sq_h, sq_d, kn_ptr, skn_b, skn_h, skn_d, vn_ptr, svn_b,
     if PG:
         keys = blk * BLOCK + tl.arange(0, BLOCK)
         stored = keys < nt1 - 1
-        s = tl.load(score_ptr + (pid * G + rows[:, None]) * nt1 + keys[None, :],
-                    mask=rmask[:, None] & stored[None, :], other=float("-inf"))
+        s = tl.load(
+            score_ptr + (pid * G + rows[:, None]) * nt1 + keys[None, :],
+            mask=rmask[:, None] & stored[None, :],
+            other=float("-inf"),
+        )
         s = tl.where((keys == nt1 - 1)[None, :], s_new[:, None], s)
         p = tl.where(rmask[:, None], tl.exp(s - big_m[:, None]) / big_l[:, None], 0.0)
         tl.store(pg_ptr + pid * nt1 + keys, tl.sum(p, axis=0), mask=keys < nt1)
@@ -689,5 +1142,8 @@ def _finish(q_ptr, sq_b, sq_h, sq_d, kn_ptr, skn_b, skn_h, skn_d, vn_ptr, svn_b,
             a = tl.load(acc_ptr + part[:, None] * DV + dv[None, :], mask=amask, other=0.0)
             o += a * tl.exp(m - big_m)[:, None]
         o = o / big_l[:, None]
-        tl.store(out_ptr + bi * so_b + (kh * G + rows[:, None]) * so_h + dv[None, :] * so_d,
-                 _rnd(o, CDT, EMU).to(CDT), mask=amask)
+        tl.store(
+            out_ptr + bi * so_b + (kh * G + rows[:, None]) * so_h + dv[None, :] * so_d,
+            _rnd(o, CDT, EMU).to(CDT),
+            mask=amask,
+        )

@@ -16,7 +16,9 @@ def register():
         # lm-eval's own models first: lm-eval imports them only into an empty registry
         import lm_eval.models  # noqa: F401
     except ImportError:
-        raise ValueError("the lm-eval integration needs lm-evaluation-harness: pip install 'kvevict[lmeval]'.") from None
+        raise ValueError(
+            "the lm-eval integration needs lm-evaluation-harness: pip install 'kvevict[lmeval]'."
+        ) from None
     from .model import KvevictLM
 
     return KvevictLM

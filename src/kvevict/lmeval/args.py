@@ -74,10 +74,13 @@ def _policy_fields(policy: str) -> tuple:
         return ()
     found = policy_class(policy)
     if found is None:
-        raise ValueError(f"unknown policy {policy!r} in model_args; choose full or one of: "
-                         f"{', '.join(sorted(POLICIES))} (ada-NAME: head-adaptive budgets).")
-    return tuple(f.name for f in dataclasses.fields(found[0])
-                 if f.init and f.name not in found[1] and f.name not in _RECORDED)
+        raise ValueError(
+            f"unknown policy {policy!r} in model_args; choose full or one of: "
+            f"{', '.join(sorted(POLICIES))} (ada-NAME: head-adaptive budgets)."
+        )
+    return tuple(
+        f.name for f in dataclasses.fields(found[0]) if f.init and f.name not in found[1] and f.name not in _RECORDED
+    )
 
 
 def _int(name, value, low=1, none=False):
@@ -101,9 +104,10 @@ def parse_settings(kwargs: dict) -> Settings:
     if policy is not None and policy != "full":  # a cache spec (kvevict.spec): h2o/int4@0.2, kvzip-pool@memory=0.1
         spec = CacheSpec.parse(policy)
         if spec.question or spec.policy == "oracle":
-            raise ValueError(f"policy {policy!r} is not offered through lm-eval (the oracle needs the future, "
-                             "+q needs the prompt's question); choose full or one of: "
-                             + ", ".join(sorted(POLICIES)) + ".")
+            raise ValueError(
+                f"policy {policy!r} is not offered through lm-eval (the oracle needs the future, "
+                "+q needs the prompt's question); choose full or one of: " + ", ".join(sorted(POLICIES)) + "."
+            )
         named = spec.cache_kwargs()
         twice = sorted(k for k in named if kwargs.get(k) is not None)
         if twice:
@@ -114,8 +118,10 @@ def parse_settings(kwargs: dict) -> Settings:
     unknown = sorted(k for k in kwargs if k not in OWN and k not in allowed_policy)
     if unknown:
         extra = f"; parameters of policy {policy!r}: {', '.join(allowed_policy)}" if allowed_policy else ""
-        raise ValueError(f"unknown model_args {', '.join(unknown)} for --model kvevict; allowed: "
-                         f"{', '.join(a for a in OWN if a not in _HARNESS[1:])}{extra}.")
+        raise ValueError(
+            f"unknown model_args {', '.join(unknown)} for --model kvevict; allowed: "
+            f"{', '.join(a for a in OWN if a not in _HARNESS[1:])}{extra}."
+        )
     own = {k: v for k, v in kwargs.items() if k in OWN}
     s = Settings(**own, policy_params={k: v for k, v in kwargs.items() if k in allowed_policy})
     s.policy = policy

@@ -66,7 +66,12 @@ class ByteLog:
         out = {}
         for kind, kv in self.kv.items():
             full = self.full[kind]
-            out[kind] = {"requests": len(kv), "kv_bytes_mean": sum(kv) / len(kv), "kv_bytes_max": max(kv),
-                         "full_kv_bytes_mean": sum(full) / len(full), "full_kv_bytes_max": max(full),
-                         "kv_share": sum(kv) / sum(full) if sum(full) else None}
+            out[kind] = {
+                "requests": len(kv),
+                "kv_bytes_mean": sum(kv) / len(kv),
+                "kv_bytes_max": max(kv),
+                "full_kv_bytes_mean": sum(full) / len(full),
+                "full_kv_bytes_max": max(full),
+                "kv_share": sum(kv) / sum(full) if sum(full) else None,
+            }
         return out

@@ -18,16 +18,23 @@ def size(n: float) -> str:
 def bytes_lines(info: dict) -> list[str]:
     """One line per request type: mean and max bytes held per request against the full cache's."""
     s = info["kvevict"]
-    how = ("" if s["policy"] == "full" else f" memory={s['memory']}" if s.get("memory") is not None
-           else f" budget={s['budget']}")
+    how = (
+        ""
+        if s["policy"] == "full"
+        else f" memory={s['memory']}"
+        if s.get("memory") is not None
+        else f" budget={s['budget']}"
+    )
     named = s["policy"] or "picked by the memory budget"
     lines = [f"kvevict KV cache: policy={named}{how}, threads={s['threads']}"]
     for kind, b in s["bytes"].items():
         share = f"{b['kv_share']:.1%}" if b["kv_share"] is not None else "-"
         ran = "" if s["policy"] or kind not in s.get("policies", {}) else f" [{s['policies'][kind]}]"
-        lines.append(f"  {kind}{ran}: {b['requests']} requests, held mean {size(b['kv_bytes_mean'])} "
-                     f"(max {size(b['kv_bytes_max'])}) vs full cache mean {size(b['full_kv_bytes_mean'])} "
-                     f"(max {size(b['full_kv_bytes_max'])}): {share} of the bytes")
+        lines.append(
+            f"  {kind}{ran}: {b['requests']} requests, held mean {size(b['kv_bytes_mean'])} "
+            f"(max {size(b['kv_bytes_max'])}) vs full cache mean {size(b['full_kv_bytes_mean'])} "
+            f"(max {size(b['full_kv_bytes_max'])}): {share} of the bytes"
+        )
     return lines
 
 

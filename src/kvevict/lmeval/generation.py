@@ -45,8 +45,17 @@ def cut_at_stops(text: str, until: list[str]) -> str:
 
 
 @torch.no_grad()
-def generate_batch(model, tokenizer, cache, prompts: list[list[int]], until: list[str], max_new: int,
-                   gen_kwargs: dict, prefill: str = "full", stride=None) -> list[str]:
+def generate_batch(
+    model,
+    tokenizer,
+    cache,
+    prompts: list[list[int]],
+    until: list[str],
+    max_new: int,
+    gen_kwargs: dict,
+    prefill: str = "full",
+    stride=None,
+) -> list[str]:
     """One continuation per prompt (token ids), cut at the first stop string. The prompts enter the
     cache the ``prefill`` way (``feed_context``), the last chunk and every new token through
     ``generate``, which stops each row at a stop string (``stop_strings``) or EOS."""
@@ -55,7 +64,8 @@ def generate_batch(model, tokenizer, cache, prompts: list[list[int]], until: lis
     if prefill != "full":
         feed_context(model, cache, ids, mask, prefill, stride, keep_last=1)
     stops = {"stop_strings": until, "tokenizer": tokenizer} if until else {}
-    out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=max_new,
-                         pad_token_id=pad, **stops, **gen_kwargs)
-    texts = tokenizer.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)
+    out = model.generate(
+        ids, attention_mask=mask, cache=cache, max_new_tokens=max_new, pad_token_id=pad, **stops, **gen_kwargs
+    )
+    texts = tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
     return [cut_at_stops(t, until) for t in texts]

@@ -86,13 +86,20 @@ class KvevictLM(TemplateLM):
         return self.tokenizer.encode(string, add_special_tokens=bool(add_special_tokens))
 
     def apply_chat_template(self, chat_history, add_generation_prompt=True) -> str:
-        return self.tokenizer.apply_chat_template(chat_history, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.apply_chat_template(
+            chat_history, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
 
     def get_model_info(self) -> dict:
         """lm-eval adds this to its results' ``config``: the settings and the bytes held."""
-        return {"kvevict": {**self.settings.describe(), "threads": self.threads, "bytes": self.bytes.summary(),
-                            "policies": {kind: self.settings.policy_for(kind, self.model) for kind in self.bytes.kv}}}
+        return {
+            "kvevict": {
+                **self.settings.describe(),
+                "threads": self.threads,
+                "bytes": self.bytes.summary(),
+                "policies": {kind: self.settings.policy_for(kind, self.model) for kind in self.bytes.kv},
+            }
+        }
 
     # -- batching ---------------------------------------------------------------------------
     def _batches(self, items: list, length, kind: str):
@@ -100,10 +107,11 @@ class KvevictLM(TemplateLM):
         policy that records its prompt (kvzip)."""
         size = 1 if needs_prompt(self.settings.policy_for(kind, self.model)) else self.settings.batch_size
         order = sorted(range(len(items)), key=lambda i: length(items[i]), reverse=True)
-        return [order[i:i + size] for i in range(0, len(order), size)]
+        return [order[i : i + size] for i in range(0, len(order), size)]
 
-    def _score(self, pairs: list[tuple[list[int], list[int]]], kind: str, step: int, whole_is_prompt: bool,
-               disable_tqdm: bool) -> list[tuple[float, bool]]:
+    def _score(
+        self, pairs: list[tuple[list[int], list[int]]], kind: str, step: int, whole_is_prompt: bool, disable_tqdm: bool
+    ) -> list[tuple[float, bool]]:
         out = [None] * len(pairs)
         pad = self.tokenizer.pad_token_id
         batches = self._batches(pairs, lambda p: (len(p[0]), len(p[1])), kind)  # contexts of a batch: alike lengths
@@ -147,7 +155,7 @@ class KvevictLM(TemplateLM):
         for req in requests:
             context, gen_kwargs = req.args
             until, max_new, kw = split_gen_kwargs(copy.deepcopy(gen_kwargs), DEFAULT_MAX_GEN, eos)
-            ids = self.tok_encode(context)[-max(1, self.max_length - max_new):]
+            ids = self.tok_encode(context)[-max(1, self.max_length - max_new) :]
             items.append((ids, until, max_new, kw))
         out = [None] * len(items)
         groups = {}
@@ -155,8 +163,10 @@ class KvevictLM(TemplateLM):
             groups.setdefault(repr((until, max_new, sorted(kw.items()))), []).append(i)
         batches = []
         for idx in groups.values():
-            batches += [[idx[j] for j in b] for b in self._batches([items[i] for i in idx], lambda it: len(it[0]),
-                                                                   "generate_until")]
+            batches += [
+                [idx[j] for j in b]
+                for b in self._batches([items[i] for i in idx], lambda it: len(it[0]), "generate_until")
+            ]
         s = self.settings
         for batch in tqdm(batches, desc="kvevict generate_until", disable=disable_tqdm):
             prompts = [items[i][0] for i in batch]

@@ -28,8 +28,8 @@ def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     mask = torch.zeros((len(seqs), n), dtype=torch.long)
     for i, s in enumerate(seqs):
         if s:
-            ids[i, n - len(s):] = torch.tensor(s, dtype=torch.long)
-            mask[i, n - len(s):] = 1
+            ids[i, n - len(s) :] = torch.tensor(s, dtype=torch.long)
+            mask[i, n - len(s) :] = 1
     return ids, mask
 
 
@@ -38,8 +38,8 @@ def right_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
     ids = torch.full((len(seqs), n), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), n), dtype=torch.long)
     for i, s in enumerate(seqs):
-        ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
-        mask[i, :len(s)] = 1
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[i, : len(s)] = 1
     return ids, mask
 
 
@@ -64,8 +64,14 @@ def feed_context(model, cache, ids, mask, mode="full", stride=None, prompt_lengt
         e = min(n, s + step)
         if e > n - keep_last:
             break
-        out = model(ids[:, s:e], attention_mask=mask[:, :e], position_ids=pos[:, s:e], cache=cache,
-                    use_cache=True, logits_to_keep=1)
+        out = model(
+            ids[:, s:e],
+            attention_mask=mask[:, :e],
+            position_ids=pos[:, s:e],
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         logits = out.logits[:, -1]
     return logits
 
@@ -94,5 +100,5 @@ def score_continuations(model, cache, last_logits, ctx_mask, conts: list[list[in
         mask = torch.cat([ctx_mask, cmask[:, :e]], dim=1)
         pos = start + torch.arange(s, e)[None]
         out = model(cont[:, s:e], attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
-        take(out.logits, cont[:, s + 1:e + 1], cmask[:, s + 1:e + 1])
+        take(out.logits, cont[:, s + 1 : e + 1], cmask[:, s + 1 : e + 1])
     return [(float(t), bool(g)) for t, g in zip(total, greedy)]

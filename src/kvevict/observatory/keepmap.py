@@ -20,7 +20,7 @@ def kept_share(model, ids: torch.Tensor, policy: str, budget, chunk: int = 64) -
     tokens = budget if isinstance(budget, int) else max(1, math.ceil(budget * n))
     cache = make_cache(model, policy, tokens)
     for s in range(0, n, chunk):
-        model(ids[:, s:s + chunk], cache=cache)
+        model(ids[:, s : s + chunk], cache=cache)
     counts, total = torch.zeros(n), 0
     for layer in cache.layers:
         pos = layer.pos[0][layer.valid[0]]  # kept positions of every KV head of this layer
@@ -39,13 +39,17 @@ def keep_html(tokens: list[str], share: torch.Tensor, title: str) -> str:
     spans = []
     for i, (t, s) in enumerate(zip(tokens, share.tolist())):
         text = html.escape(t).replace("\n", "↵<br>")
-        spans.append(f'<span title="token {i}: kept by {s:.0%} of layer/head caches" '
-                     f'style="background:{_colour(s)}">{text}</span>')
+        spans.append(
+            f'<span title="token {i}: kept by {s:.0%} of layer/head caches" '
+            f'style="background:{_colour(s)}">{text}</span>'
+        )
     kept = share.mean().item()
-    return (f"<!doctype html><meta charset='utf-8'><title>{html.escape(title)}</title>"
-            "<style>body{font:14px/1.7 sans-serif;max-width:60em;margin:2em auto}"
-            "span{border-radius:2px;white-space:pre-wrap}</style>"
-            f"<h1>{html.escape(title)}</h1><p>Each token coloured by the share of (layer, KV head) caches "
-            f"holding it at the end: <span style='background:{_colour(1)}'>kept everywhere</span> "
-            f"… <span style='background:{_colour(0)}'>evicted everywhere</span>. "
-            f"Mean share kept: {kept:.1%}. Hover a token for its share.</p><p>{''.join(spans)}</p>")
+    return (
+        f"<!doctype html><meta charset='utf-8'><title>{html.escape(title)}</title>"
+        "<style>body{font:14px/1.7 sans-serif;max-width:60em;margin:2em auto}"
+        "span{border-radius:2px;white-space:pre-wrap}</style>"
+        f"<h1>{html.escape(title)}</h1><p>Each token coloured by the share of (layer, KV head) caches "
+        f"holding it at the end: <span style='background:{_colour(1)}'>kept everywhere</span> "
+        f"… <span style='background:{_colour(0)}'>evicted everywhere</span>. "
+        f"Mean share kept: {kept:.1%}. Hover a token for its share.</p><p>{''.join(spans)}</p>"
+    )

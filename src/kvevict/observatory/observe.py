@@ -45,8 +45,9 @@ class Recorder:
 _active: Recorder | None = None
 
 
-def observe_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                      sliding_window=None, softcap=None, **kwargs):
+def observe_attention(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, softcap=None, **kwargs
+):
     """Exact causal softmax attention (one unpadded sequence) that also records statistics."""
     rec = _active
     b, hq, q, d = query.shape
@@ -54,7 +55,7 @@ def observe_attention(module, query, key, value, attention_mask, scaling=None, d
     if b != 1 or q != n:
         raise ValueError("the observatory runs one unpadded sequence in a single forward pass.")
     g = hq // hkv
-    scale = scaling if scaling is not None else d ** -0.5
+    scale = scaling if scaling is not None else d**-0.5
     st = rec.layers.setdefault(module.layer_idx, LayerStats()) if rec is not None else None
     if st is not None:
         st.acc = torch.zeros(n)

@@ -33,12 +33,27 @@ TORCH = "torch==2.13.0"
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 SDIST_FILE = "llama_cpp_python-0.3.36.tar.gz"
 LLAMA_TARGETS = ("llama-bench", "llama-batched-bench")
-COMMON_CMAKE = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF",
-                "-DGGML_AMX_BF16=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-                "-DLLAMA_BUILD_SERVER=OFF", "-DBUILD_SHARED_LIBS=OFF"]
+COMMON_CMAKE = [
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_NATIVE=OFF",
+    "-DGGML_AMX_TILE=OFF",
+    "-DGGML_AMX_INT8=OFF",
+    "-DGGML_AMX_BF16=OFF",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_SERVER=OFF",
+    "-DBUILD_SHARED_LIBS=OFF",
+]
 CPU_FLAGS = {
-    "avx512": ["-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_AVX512=ON",
-               "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON"],
+    "avx512": [
+        "-DGGML_AVX=ON",
+        "-DGGML_AVX2=ON",
+        "-DGGML_FMA=ON",
+        "-DGGML_F16C=ON",
+        "-DGGML_AVX512=ON",
+        "-DGGML_AVX512_VNNI=ON",
+        "-DGGML_AVX512_BF16=ON",
+    ],
     "avx2": ["-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON"],
 }
 
@@ -94,7 +109,7 @@ def _unpack(sdist_dir: Path, dest: Path) -> None:
         prefix = f"{top}/vendor/llama.cpp/"
         members = [m for m in tf.getmembers() if m.name.startswith(prefix)]
         for m in members:
-            m.name = m.name[len(prefix):]
+            m.name = m.name[len(prefix) :]
         keep = [m for m in members if m.name]
         if hasattr(tarfile, "data_filter"):  # refuses links out of the folder (Python >= 3.10.12)
             tf.extractall(tmp, members=keep, filter="data")
@@ -111,26 +126,51 @@ def llamacpp_steps(root: Path, jobs: int = 2, cpu_flags: str = "avx512", python:
     top = root / "llama.cpp"
     sdist, src, build = top / "sdist", top / "src", top / "build"
     return [
-        Step("llamacpp", f"download the {LLAMA_CPP_PYTHON} sdist",
-             [python, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python", "-d", str(sdist), LLAMA_CPP_PYTHON],
-             creates=sdist / SDIST_FILE),
+        Step(
+            "llamacpp",
+            f"download the {LLAMA_CPP_PYTHON} sdist",
+            [
+                python,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                "llama-cpp-python",
+                "-d",
+                str(sdist),
+                LLAMA_CPP_PYTHON,
+            ],
+            creates=sdist / SDIST_FILE,
+        ),
         Step("llamacpp", "unpack its vendor/llama.cpp", action=lambda: _unpack(sdist, src), creates=src),
-        Step("llamacpp", "configure", ["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja", *COMMON_CMAKE,
-                                       *CPU_FLAGS[cpu_flags]], creates=build / "build.ninja"),
-        Step("llamacpp", f"build {' and '.join(LLAMA_TARGETS)}",
-             ["cmake", "--build", str(build), "-j", str(jobs), "--target", *LLAMA_TARGETS],
-             creates=root / LAYOUT["llamacpp"][1]),
+        Step(
+            "llamacpp",
+            "configure",
+            ["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja", *COMMON_CMAKE, *CPU_FLAGS[cpu_flags]],
+            creates=build / "build.ninja",
+        ),
+        Step(
+            "llamacpp",
+            f"build {' and '.join(LLAMA_TARGETS)}",
+            ["cmake", "--build", str(build), "-j", str(jobs), "--target", *LLAMA_TARGETS],
+            creates=root / LAYOUT["llamacpp"][1],
+        ),
     ]
 
 
-def plan(root: Path, peers: list[str], jobs: int = 2, cpu_flags: str = "avx512", python: str = sys.executable) -> list[Step]:
+def plan(
+    root: Path, peers: list[str], jobs: int = 2, cpu_flags: str = "avx512", python: str = sys.executable
+) -> list[Step]:
     """Every step that creates ``peers`` under ``root``, in order."""
     steps: list[Step] = []
     for peer in peers:
         if peer == "kvpress":
             steps += _venv(peer, root, python, [[TORCH], KVPRESS])
         elif peer == "vllm":
-            steps += _venv(peer, root, python, [[TORCH], [*VLLM, TORCH]], remove=["torchvision", "torchaudio", "torchcodec"])
+            steps += _venv(
+                peer, root, python, [[TORCH], [*VLLM, TORCH]], remove=["torchvision", "torchaudio", "torchcodec"]
+            )
         elif peer == "llamacpp":
             steps += llamacpp_steps(root, jobs, cpu_flags, python)
     return steps

@@ -23,7 +23,9 @@ LAYOUT = {
     "vllm": ("KVEVICT_VLLM_PYTHON", Path("vllm", "bin", "python")),
     "llamacpp": ("KVEVICT_LLAMA_BENCH", Path("llama.cpp", "build", "bin", "llama-bench")),
 }
-SETUP_HINT = "kvevict peers setup --into DIR --only {peer}, then export KVEVICT_PEERS=DIR (see docs/results/performance.md)"
+SETUP_HINT = (
+    "kvevict peers setup --into DIR --only {peer}, then export KVEVICT_PEERS=DIR (see docs/results/performance.md)"
+)
 
 
 def default_root() -> Path:

@@ -2,7 +2,22 @@
 recent window + sinks, its eviction scope). See base.py for the decomposition."""
 
 from . import (  # noqa: F401  (register)
-    adakv, aqas, expected, h2o, knorm, kvzip, mas, oracle, pyramidkv, random, recency, roco, scissorhands, snapkv, tova)
+    adakv,
+    aqas,
+    expected,
+    h2o,
+    knorm,
+    kvzip,
+    mas,
+    oracle,
+    pyramidkv,
+    random,
+    recency,
+    roco,
+    scissorhands,
+    snapkv,
+    tova,
+)
 from .base import Candidates, Policy
 from .registry import POLICIES, make_policy, policy_class, register
 

@@ -161,12 +161,16 @@ class Policy:
         if isinstance(self.question, bool) or not isinstance(self.question, int) or self.question < 0:
             raise ValueError(f"question must be an int number of prompt tokens >= 0, got {self.question!r}.")
         if self.sinks + recent + self.question > budget:
-            raise ValueError(f"question={self.question} + recent={recent} + sinks={self.sinks} tokens are "
-                             f"protected, more than the budget ({budget}); raise the budget or protect fewer.")
+            raise ValueError(
+                f"question={self.question} + recent={recent} + sinks={self.sinks} tokens are "
+                f"protected, more than the budget ({budget}); raise the budget or protect fewer."
+            )
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"adaptive must be True or False, got {self.adaptive!r}.")
         if isinstance(self.floor, bool) or not isinstance(self.floor, (int, float)) or not 0 <= self.floor <= 1:
             raise ValueError(f"floor must be a share of a head's budget in [0, 1], got {self.floor!r}.")
         if self.adaptive and not self.adaptable:
-            raise ValueError(f"{self.name} cannot take adaptive budgets: its eviction scope ranks each head's "
-                             "tokens among themselves. Use h2o, snapkv, tova, knorm, expected, kvzip, ... instead.")
+            raise ValueError(
+                f"{self.name} cannot take adaptive budgets: its eviction scope ranks each head's "
+                "tokens among themselves. Use h2o, snapkv, tova, knorm, expected, kvzip, ... instead."
+            )

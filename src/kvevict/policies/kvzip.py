@@ -70,22 +70,29 @@ class KVzip(Policy):
 
     def __post_init__(self):
         if self.scores is None:
-            raise ValueError("kvzip scores a prompt before generation: build it with "
-                             "kvevict.policies.kvzip.KVzip.record(model, tokenizer, input_ids), or use "
-                             "kvevict.generate.generate(..., policy='kvzip'); it cannot score a text "
-                             "that streams in (the ppl task).")
+            raise ValueError(
+                "kvzip scores a prompt before generation: build it with "
+                "kvevict.policies.kvzip.KVzip.record(model, tokenizer, input_ids), or use "
+                "kvevict.generate.generate(..., policy='kvzip'); it cannot score a text "
+                "that streams in (the ppl task)."
+            )
         if not 0.0 <= self.generated <= 1.0:
-            raise ValueError(f"generated is the share of the budget the newest generated tokens hold, "
-                             f"in [0, 1]; got {self.generated}.")
+            raise ValueError(
+                f"generated is the share of the budget the newest generated tokens hold, "
+                f"in [0, 1]; got {self.generated}."
+            )
         if not isinstance(self.pool, int) or self.pool < 1 or self.pool % 2 == 0:
-            raise ValueError(f"pool is the odd number of neighbouring positions a key is ranked over (1: its "
-                             f"own score alone); got {self.pool!r}.")
+            raise ValueError(
+                f"pool is the odd number of neighbouring positions a key is ranked over (1: its "
+                f"own score alone); got {self.pool!r}."
+            )
         self.ranked = [max_pool(s, self.pool) for s in self.scores]
 
     @classmethod
     @torch.no_grad()
-    def record(cls, model, tokenizer, input_ids, attention_mask=None, chunk: int = 4096, context=None,
-               **params) -> "KVzip":
+    def record(
+        cls, model, tokenizer, input_ids, attention_mask=None, chunk: int = 4096, context=None, **params
+    ) -> "KVzip":
         """Score ``input_ids`` by reconstruction, as KVzip's chunked scoring does (Kim et al. 2025,
         Sec. 3.3): the context is cached once, then each piece of ``chunk`` tokens is reconstructed
         on top of it, ``[repeat, piece]`` attending to the whole context, and a key's score is its
@@ -103,8 +110,9 @@ class KVzip(Policy):
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("kvzip records unpadded prompts only: give it one prompt per batch.")
         if int(chunk) < 1:
-            raise ValueError(f"kvzip's chunk is the number of context tokens reconstructed per pass (>= 1); "
-                             f"got {chunk}.")
+            raise ValueError(
+                f"kvzip's chunk is the number of context tokens reconstructed per pass (>= 1); got {chunk}."
+            )
 
         n = input_ids.shape[1]
         rep = tokenizer(REPEAT, add_special_tokens=False, return_tensors="pt")["input_ids"].to(input_ids.device)

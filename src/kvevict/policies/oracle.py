@@ -29,9 +29,11 @@ class Oracle(Policy):
 
     def __post_init__(self):
         if self.future is None:
-            raise ValueError("the oracle needs the future: build it with "
-                             "kvevict.policies.oracle.Oracle.record(model, input_ids), or use "
-                             "kvevict.generate.generate(..., policy='oracle') which records it first.")
+            raise ValueError(
+                "the oracle needs the future: build it with "
+                "kvevict.policies.oracle.Oracle.record(model, input_ids), or use "
+                "kvevict.generate.generate(..., policy='oracle') which records it first."
+            )
 
     @classmethod
     @torch.no_grad()

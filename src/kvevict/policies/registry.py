@@ -10,6 +10,7 @@ def register(*names: str):
         for n in names:
             POLICIES[n] = cls
         return cls
+
     return deco
 
 
@@ -25,12 +26,12 @@ def policy_class(name):
         return None
     name = name.lower()
     if name.startswith(MERGE):
-        found = policy_class(name[len(MERGE):])
+        found = policy_class(name[len(MERGE) :])
         return None if found is None else (found[0], {**found[1], "merge": True})
     if name in POLICIES:
         return POLICIES[name], {}
-    if name.startswith(ADAPTIVE) and name[len(ADAPTIVE):] in POLICIES:
-        return POLICIES[name[len(ADAPTIVE):]], {"adaptive": True}
+    if name.startswith(ADAPTIVE) and name[len(ADAPTIVE) :] in POLICIES:
+        return POLICIES[name[len(ADAPTIVE) :]], {"adaptive": True}
     return None
 
 
@@ -45,9 +46,11 @@ def make_policy(policy, **params):
     found = policy_class(policy)
     if found is None:
         known = ", ".join(sorted(POLICIES))
-        raise ValueError(f"unknown policy {policy!r}; known policies: {known} (any of them as ada-NAME "
-                         "for head-adaptive budgets, merge-NAME to keep the evicted tokens as one mean slot "
-                         "per head).")
+        raise ValueError(
+            f"unknown policy {policy!r}; known policies: {known} (any of them as ada-NAME "
+            "for head-adaptive budgets, merge-NAME to keep the evicted tokens as one mean slot "
+            "per head)."
+        )
     cls, implied = found
     params = {**implied, **params}
     try:

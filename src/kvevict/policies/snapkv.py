@@ -56,7 +56,7 @@ def pool(score: torch.Tensor, c: Candidates, kernel: int) -> torch.Tensor:
         lo, hi = max(0, -d), min(n, n - d)  # output i reads neighbour i + d
         if lo >= hi:
             continue
-        same = 1.0 if grp is None else (grp[..., lo + d: hi + d] == grp[..., lo:hi]).float()
-        total[..., lo:hi] += obs[..., lo + d: hi + d] * same
+        same = 1.0 if grp is None else (grp[..., lo + d : hi + d] == grp[..., lo:hi]).float()
+        total[..., lo:hi] += obs[..., lo + d : hi + d] * same
         count[..., lo:hi] += same
     return torch.empty_like(obs).scatter_(-1, order, total / count)

@@ -20,8 +20,9 @@ PREFILL_TOKENS_PER_STEP = 2048  # prompt tokens prefilled between two decode ste
 
 
 class Admission:
-    def __init__(self, settings: Settings, budgeter: Budgeter, pages: Pools, metrics: Metrics, log: deque,
-                 running: list[Running]):
+    def __init__(
+        self, settings: Settings, budgeter: Budgeter, pages: Pools, metrics: Metrics, log: deque, running: list[Running]
+    ):
         self.settings, self.budgeter, self.pages, self.metrics, self.log = settings, budgeter, pages, metrics, log
         self.running = running  # the engine's running batches (the same list, changed by the decoder)
         self.pending: deque[Handle] = deque()
@@ -35,8 +36,9 @@ class Admission:
             timed_out = not h.cancelled.is_set()
             if timed_out:
                 h.push_timeout()
-            self.log.append({"event": "timeout" if timed_out else "cancelled", "id": h.req.id, "t": now,
-                             "queued": True})
+            self.log.append(
+                {"event": "timeout" if timed_out else "cancelled", "id": h.req.id, "t": now, "queued": True}
+            )
             self.metrics.add("kvevict_requests_total", outcome="timeout" if timed_out else "cancelled")
 
     def take(self) -> list[Handle]:
@@ -53,8 +55,12 @@ class Admission:
                 # free pages of some pool stand in the way: every pool gives its free pages back
                 # (between steps, no view of the pages is live), then the request fits
                 self.pages.compact()  # a pool no row used is gone: only the running rows' stay open
-                self.opened = {key for run in self.running for r in run.rows
-                               for key in self.budgeter.opening(*_pools(r.handle.spec))}
+                self.opened = {
+                    key
+                    for run in self.running
+                    for r in run.rows
+                    for key in self.budgeter.opening(*_pools(r.handle.spec))
+                }
                 compacted = True
                 continue
             h = self.pending.popleft()
@@ -98,8 +104,17 @@ class Admission:
             p, budget, recent, _ = h.spec
             n = len(h.req.prompt_ids)
             pol = None if p == "full" else spec_policy(p, recent)
-            key = (p,) if p == "full" else (p, budget, recent, self.budgeter.fits(pol, budget, n),
-                                            n if getattr(pol, "adaptive", False) else None)
+            key = (
+                (p,)
+                if p == "full"
+                else (
+                    p,
+                    budget,
+                    recent,
+                    self.budgeter.fits(pol, budget, n),
+                    n if getattr(pol, "adaptive", False) else None,
+                )
+            )
             key += (scores_prompt(h.req),)  # those prefills keep every position's logits: apart
             groups.setdefault(key, []).append(h)
         return list(groups.values())

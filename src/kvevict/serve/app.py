@@ -34,8 +34,12 @@ def create_app(engine: Engine, stop_engine_on_shutdown: bool = True) -> FastAPI:
     started = int(time.time())
     layout = Layout(engine.tokenizer)
     if engine.settings.api_key:
-        app.add_middleware(KeyGuard, key=engine.settings.api_key, protect_metrics=engine.settings.protect_metrics,
-                           on_reject=lambda: engine.metrics.add("kvevict_requests_total", outcome="unauthorized"))
+        app.add_middleware(
+            KeyGuard,
+            key=engine.settings.api_key,
+            protect_metrics=engine.settings.protect_metrics,
+            on_reject=lambda: engine.metrics.add("kvevict_requests_total", outcome="unauthorized"),
+        )
 
     @app.exception_handler(BadRequest)
     async def bad_request(request, err: BadRequest):
@@ -48,8 +52,9 @@ def create_app(engine: Engine, stop_engine_on_shutdown: bool = True) -> FastAPI:
         status = "ok" if alive else ("draining" if engine.draining else "engine stopped")
         # pid: which process (which replica, under Ray Serve) answered; 503 while draining takes the
         # server out of a load balancer's rotation before it goes
-        return JSONResponse({"status": status, "model": model_id, "pid": os.getpid()},
-                            status_code=200 if alive else 503)
+        return JSONResponse(
+            {"status": status, "model": model_id, "pid": os.getpid()}, status_code=200 if alive else 503
+        )
 
     @app.get("/metrics")
     async def metrics():
@@ -57,8 +62,10 @@ def create_app(engine: Engine, stop_engine_on_shutdown: bool = True) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": started,
-                                            "owned_by": "kvevict"}]}
+        return {
+            "object": "list",
+            "data": [{"id": model_id, "object": "model", "created": started, "owned_by": "kvevict"}],
+        }
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -71,8 +78,12 @@ def create_app(engine: Engine, stop_engine_on_shutdown: bool = True) -> FastAPI:
     async def _generate(request: Request, parse):
         body = await _json(request)
         if isinstance(body, dict) and body.get("model") not in (None, model_id):
-            raise BadRequest(f"the model {body.get('model')!r} does not exist; this server serves {model_id!r}.",
-                             "model", status=404, type="NotFoundError")
+            raise BadRequest(
+                f"the model {body.get('model')!r} does not exist; this server serves {model_id!r}.",
+                "model",
+                status=404,
+                type="NotFoundError",
+            )
         req = parse(body, engine.tokenizer, engine.settings, engine.context, len(engine.budgeter.per_layer))
         handle = engine.submit(req, asyncio.get_running_loop())
         if req.stream:
@@ -141,8 +152,11 @@ def _ended(event) -> JSONResponse:
     500 when generation failed. x-should-retry: a deadline or a failure would come again (the
     openai client otherwise retries any 5xx twice, tripling the load); a shutdown may not."""
     _, message, status = event
-    return JSONResponse(error_body(message, ENDED_TYPES.get(status, "server_error"), None, status),
-                        status_code=status, headers={"x-should-retry": "true" if status == 503 else "false"})
+    return JSONResponse(
+        error_body(message, ENDED_TYPES.get(status, "server_error"), None, status),
+        status_code=status,
+        headers={"x-should-retry": "true" if status == 503 else "false"},
+    )
 
 
 async def _until_disconnect(request: Request, handle: Handle) -> None:

@@ -38,9 +38,13 @@ class KeyGuard:
                 if self.on_reject:
                     self.on_reject()
                 what = "no API key" if not header else "an API key that is not this server's"
-                body = error_body(f"the request has {what}: send 'Authorization: Bearer <key>' with the key "
-                                  "the server was started with (--api-key / KVEVICT_API_KEY).",
-                                  "invalid_request_error", None, "invalid_api_key")
+                body = error_body(
+                    f"the request has {what}: send 'Authorization: Bearer <key>' with the key "
+                    "the server was started with (--api-key / KVEVICT_API_KEY).",
+                    "invalid_request_error",
+                    None,
+                    "invalid_api_key",
+                )
                 response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
                 await response(scope, receive, send)
                 return

@@ -26,15 +26,32 @@ class DecodeBatch:
         self.next_pos = next_pos  # (rows,) the position of each row's next token
 
     @classmethod
-    def prefill(cls, model, prompt: list[int], policy: str, budget_tokens: int | None, recent: int | None,
-                kv_bits: int | None = None, pages=None):
+    def prefill(
+        cls,
+        model,
+        prompt: list[int],
+        policy: str,
+        budget_tokens: int | None,
+        recent: int | None,
+        kv_bits: int | None = None,
+        pages=None,
+    ):
         """One prompt into a fresh cache (a budgeted one stores ``kv_bits`` per channel, in pages of
         ``pages`` when given: ``kvevict.storage.Pools``); returns (batch of one row, its last logits (1, vocab))."""
         return cls.prefill_many(model, [prompt], policy, budget_tokens, recent, kv_bits, pages)
 
     @classmethod
-    def prefill_many(cls, model, prompts: list[list[int]], policy: str, budget_tokens: int | None,
-                     recent: int | None, kv_bits: int | None = None, pages=None, all_logits: bool = False):
+    def prefill_many(
+        cls,
+        model,
+        prompts: list[list[int]],
+        policy: str,
+        budget_tokens: int | None,
+        recent: int | None,
+        kv_bits: int | None = None,
+        pages=None,
+        all_logits: bool = False,
+    ):
         """Prompts of one policy and budget into one fresh cache in one forward, left-padded to the
         longest (a short prompt's padding is masked, and an evicting cache stores none of it);
         returns (the batch of their rows, each row's last logits (rows, vocab)). One forward over
@@ -62,16 +79,25 @@ class DecodeBatch:
     def step(self, tokens: list[int]) -> torch.Tensor:
         """Feed one token per row; return the next logits (rows, vocab)."""
         self.mask = torch.cat([self.mask, self.mask.new_ones(self.size, 1)], dim=1)
-        out = self.model(torch.tensor(tokens, dtype=torch.long)[:, None], attention_mask=self.mask,
-                         position_ids=self.next_pos[:, None], cache=self.cache, use_cache=True)
+        out = self.model(
+            torch.tensor(tokens, dtype=torch.long)[:, None],
+            attention_mask=self.mask,
+            position_ids=self.next_pos[:, None],
+            cache=self.cache,
+            use_cache=True,
+        )
         self.next_pos = self.next_pos + 1
         return out.logits[:, -1]
 
     def can_join(self, other: "DecodeBatch") -> bool:
         if isinstance(self.cache, DynamicCache) and isinstance(other.cache, DynamicCache):
             return True
-        return (isinstance(self.cache, EvictingCache) and isinstance(other.cache, EvictingCache)
-                and hasattr(self.cache, "append_rows") and self.cache.can_append(other.cache))
+        return (
+            isinstance(self.cache, EvictingCache)
+            and isinstance(other.cache, EvictingCache)
+            and hasattr(self.cache, "append_rows")
+            and self.cache.can_append(other.cache)
+        )
 
     def join(self, other: "DecodeBatch") -> None:
         """Append ``other``'s rows after this batch's (``can_join`` must be true)."""

@@ -24,8 +24,19 @@ class Decoder:
     """Runs on the engine's worker thread; ``freed`` is called when rows left (memory for waiting
     requests), ``loops`` says which worker loop this is (how soon a cancelled row left)."""
 
-    def __init__(self, model, tokenizer, settings: Settings, budgeter: Budgeter, pages: Pools, metrics: Metrics,
-                 log: deque, running: list[Running], freed: Callable[[], None], loops: Callable[[], int]):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        settings: Settings,
+        budgeter: Budgeter,
+        pages: Pools,
+        metrics: Metrics,
+        log: deque,
+        running: list[Running],
+        freed: Callable[[], None],
+        loops: Callable[[], int],
+    ):
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
         self.budgeter, self.pages, self.metrics, self.log = budgeter, pages, metrics, log
         self.running = running  # the engine's running batches (the same list)
@@ -39,15 +50,30 @@ class Decoder:
         now = time.monotonic()
         running = sum(len(run.rows) for run in self.running)
         for i, h in enumerate(handles):  # running: the sequences decoding beside it once it starts
-            self.log.append({"event": "admit", "id": h.req.id, "t": now, "waited": now - h.submitted,
-                             "running": running + i, "prefill": len(handles)})
+            self.log.append(
+                {
+                    "event": "admit",
+                    "id": h.req.id,
+                    "t": now,
+                    "waited": now - h.submitted,
+                    "running": running + i,
+                    "prefill": len(handles),
+                }
+            )
         rows = [Row(h, self.tokenizer) for h in handles]
         req = handles[0].req
         scores = scores_prompt(req)
         try:
-            batch, logits = DecodeBatch.prefill_many(self.model, [h.req.prompt_ids for h in handles], req.policy,
-                                                     req.budget_tokens, req.recent, self.settings.kv_bits,
-                                                     self.pages, all_logits=scores)
+            batch, logits = DecodeBatch.prefill_many(
+                self.model,
+                [h.req.prompt_ids for h in handles],
+                req.policy,
+                req.budget_tokens,
+                req.recent,
+                self.settings.kv_bits,
+                self.pages,
+                all_logits=scores,
+            )
             if scores:  # echo + logprobs: the prompt's own, from the prefill's logits at every position
                 for i, h in enumerate(handles):
                     h.push(("prompt", prompt_entries(logits[i], h.req.prompt_ids, h.req.logprobs)))
@@ -77,8 +103,16 @@ class Decoder:
             self._log_join(r.req, self.running[-1])
 
     def _log_join(self, req, run: Running) -> None:
-        self.log.append({"event": "join", "id": req.id, "size": len(run.rows), "batch": id(run),
-                         "ids": [r.req.id for r in run.rows], "t": time.monotonic()})
+        self.log.append(
+            {
+                "event": "join",
+                "id": req.id,
+                "size": len(run.rows),
+                "batch": id(run),
+                "ids": [r.req.id for r in run.rows],
+                "t": time.monotonic(),
+            }
+        )
 
     def step_all(self) -> None:
         # a method, not a loop in the worker's loop: a loop variable there would keep the last batch
@@ -115,8 +149,9 @@ class Decoder:
         want = [i for i, r in enumerate(rows) if r.req.logprobs is not None]
         if want:  # from the logits the step already has: one log_softmax for the rows that ask
             index = torch.tensor(want, device=logits.device)
-            for i, e in zip(want, token_entries(logits[index], [tokens[i] for i in want],
-                                                [rows[i].req.logprobs for i in want])):
+            for i, e in zip(
+                want, token_entries(logits[index], [tokens[i] for i in want], [rows[i].req.logprobs for i in want])
+            ):
                 rows[i].entries.append(e)
         ended = set()
         for i, (r, tok) in enumerate(zip(rows, tokens)):
@@ -152,8 +187,16 @@ class Decoder:
         else:
             run.batch.keep(keep)
             after = run.batch.kv_bytes()
-        self.log.append({"event": "shrink", "ids": [r.req.id for r in run.rows], "size_before": size,
-                         "size": len(run.rows), "kv_bytes_before": before, "kv_bytes": after})
+        self.log.append(
+            {
+                "event": "shrink",
+                "ids": [r.req.id for r in run.rows],
+                "size_before": size,
+                "size": len(run.rows),
+                "kv_bytes_before": before,
+                "kv_bytes": after,
+            }
+        )
         self.freed()  # memory was freed: the next admission sees it
 
     def _finish(self, r: Row, reason: str) -> None:
@@ -178,9 +221,17 @@ class Decoder:
         if tail or r.entries:  # held-back text, and the logprobs of tokens with no text (EOS)
             self._send(r, tail)
         held = self.budgeter.row_bytes(req.policy, budget, req.recent, r.fed)
-        usage = {"prompt_tokens": prompt, "completion_tokens": r.generated, "total_tokens": prompt + r.generated,
-                 "kv_policy": req.policy, "kv_budget": req.budget, "kv_budget_tokens": budget,
-                 "kv_bytes": held, "kv_bytes_full": self.budgeter.stock_bytes(r.fed), "kv_evicted_tokens": evicted}
+        usage = {
+            "prompt_tokens": prompt,
+            "completion_tokens": r.generated,
+            "total_tokens": prompt + r.generated,
+            "kv_policy": req.policy,
+            "kv_budget": req.budget,
+            "kv_budget_tokens": budget,
+            "kv_bytes": held,
+            "kv_bytes_full": self.budgeter.stock_bytes(r.fed),
+            "kv_evicted_tokens": evicted,
+        }
         self.metrics.add("kvevict_requests_total", outcome="completed")
         r.handle.push(("finish", reason, usage))
 

@@ -30,11 +30,11 @@ class TextStream:
         if self.stopped:
             return ""
         self.ids.append(token_id)
-        before = self._decode(self.ids[self.prefix: self.read])
-        now = self._decode(self.ids[self.prefix:])
+        before = self._decode(self.ids[self.prefix : self.read])
+        now = self._decode(self.ids[self.prefix :])
         if len(now) > len(before) and not now.endswith("\ufffd"):
             start = len(self.text)
-            self.text += now[len(before):]
+            self.text += now[len(before) :]
             self.prefix, self.read = self.read, len(self.ids)
             for s in self.stop:  # only where the new text can complete a stop string
                 at = self.text.find(s, max(0, min(start, self.sent) - len(s) + 1))
@@ -53,13 +53,13 @@ class TextStream:
         """At the end: whatever was held back (no stop string can complete any more)."""
         if self.stopped:
             return ""
-        tail = self._decode(self.ids[self.prefix:])[len(self._decode(self.ids[self.prefix: self.read])):]
+        tail = self._decode(self.ids[self.prefix :])[len(self._decode(self.ids[self.prefix : self.read])) :]
         self.text += tail
         return self._emit(len(self.text))
 
     def _emit(self, end: int) -> str:
         if end <= self.sent:
             return ""
-        out = self.text[self.sent:end]
+        out = self.text[self.sent : end]
         self.sent = end
         return out

@@ -56,8 +56,18 @@ class Engine:
         # every budgeted row's keys and values: its own pages of these pools (kvevict.storage.paged)
         self.pages = Pools(limit=settings.kv_memory)
         self.admission = Admission(settings, self.budgeter, self.pages, self.metrics, self.log, self._running)
-        self.decoder = Decoder(model, tokenizer, settings, self.budgeter, self.pages, self.metrics, self.log,
-                               self._running, freed=self._freed, loops=lambda: self.loops)
+        self.decoder = Decoder(
+            model,
+            tokenizer,
+            settings,
+            self.budgeter,
+            self.pages,
+            self.metrics,
+            self.log,
+            self._running,
+            freed=self._freed,
+            loops=lambda: self.loops,
+        )
         self._pending = self.admission.pending
         self._starting = 0  # admitted requests still prefilling: neither waiting nor running, not idle
         if settings.budget is None:
@@ -99,11 +109,12 @@ class Engine:
         need = self.budgeter.batch_bytes([(req.policy, req.budget_tokens, req.recent, length)], paged=True)
         need += self.budgeter.opening_bytes(req.policy, req.recent, length)  # alone, its pools' pages 0 too
         if need > self.settings.kv_memory:
-            what = ("lower max_tokens or shorten the prompt" if req.policy == "full"
-                    else "lower kv_budget")
-            raise BadRequest(f"this request needs {need} bytes of K/V storage, more than the server's "
-                             f"kv_memory of {self.settings.kv_memory} bytes; {what}.",
-                             "max_tokens" if req.policy == "full" else "kv_budget")
+            what = "lower max_tokens or shorten the prompt" if req.policy == "full" else "lower kv_budget"
+            raise BadRequest(
+                f"this request needs {need} bytes of K/V storage, more than the server's "
+                f"kv_memory of {self.settings.kv_memory} bytes; {what}.",
+                "max_tokens" if req.policy == "full" else "kv_budget",
+            )
         return need
 
     @property
@@ -121,16 +132,26 @@ class Engine:
         handle = Handle(req, loop, self.reserve_bytes(req), self.settings.request_timeout, lambda: self.loops)
         with self._cond:
             if self.draining or self._stopping:
-                raise BadRequest("the server is shutting down and takes no new requests; send this one to "
-                                 "another replica, or retry once it is back.", status=503,
-                                 type="service_unavailable", headers={"Retry-After": "5"}, outcome="draining")
+                raise BadRequest(
+                    "the server is shutting down and takes no new requests; send this one to "
+                    "another replica, or retry once it is back.",
+                    status=503,
+                    type="service_unavailable",
+                    headers={"Retry-After": "5"},
+                    outcome="draining",
+                )
             if len(self._pending) >= self.settings.max_queue:
                 # 429 + Retry-After: clients (the openai one included) back off and retry; one second
                 # is about a decode step's worth of rows leaving at the defaults
-                raise BadRequest(f"the server is overloaded: {len(self._pending)} requests already wait for "
-                                 f"memory (--max-queue {self.settings.max_queue}); retry after a moment.",
-                                 status=429, type="rate_limit_error", code="queue_full",
-                                 headers={"Retry-After": "1"}, outcome="overloaded")
+                raise BadRequest(
+                    f"the server is overloaded: {len(self._pending)} requests already wait for "
+                    f"memory (--max-queue {self.settings.max_queue}); retry after a moment.",
+                    status=429,
+                    type="rate_limit_error",
+                    code="queue_full",
+                    headers={"Retry-After": "1"},
+                    outcome="overloaded",
+                )
             self._pending.append(handle)
             self.metrics.set("kvevict_queued_requests", len(self._pending))
             self._cond.notify_all()

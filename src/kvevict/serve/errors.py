@@ -9,9 +9,16 @@ class BadRequest(ValueError):
     ``headers`` go on the response (429 and 503: ``Retry-After``); ``outcome`` is the label
     ``kvevict_requests_total`` counts it under; ``code`` defaults to the status."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 type: str = "invalid_request_error", code=None, headers: dict | None = None,
-                 outcome: str = "rejected"):
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        code=None,
+        headers: dict | None = None,
+        outcome: str = "rejected",
+    ):
         super().__init__(message)
         self.message, self.param, self.status, self.type = message, param, status, type
         self.code = status if code is None else code

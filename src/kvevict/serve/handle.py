@@ -49,8 +49,14 @@ class Handle:
 
     def push_timeout(self) -> None:
         """Tell the client its deadline passed (504), waiting or decoding."""
-        self.push(("error", f"the request did not finish within the server's --request-timeout of "
-                   f"{self.timeout:g} s; lower max_tokens, or retry when the server is less busy.", 504))
+        self.push(
+            (
+                "error",
+                f"the request did not finish within the server's --request-timeout of "
+                f"{self.timeout:g} s; lower max_tokens, or retry when the server is less busy.",
+                504,
+            )
+        )
 
 
 class Row:

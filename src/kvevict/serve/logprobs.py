@@ -34,7 +34,7 @@ def prompt_entries(logits: torch.Tensor, prompt: list[int], top: int) -> list[tu
     """Entries of a prompt's tokens from one row's logits at every position (positions, vocab),
     the prompt right-aligned in them (left padding before it): token j's come from position j - 1."""
     start = logits.shape[0] - len(prompt)
-    rest = token_entries(logits[start: start + len(prompt) - 1], prompt[1:], [top] * (len(prompt) - 1))
+    rest = token_entries(logits[start : start + len(prompt) - 1], prompt[1:], [top] * (len(prompt) - 1))
     return [(prompt[0], None, [])] + rest
 
 
@@ -54,9 +54,11 @@ class Layout:
 
     def chat(self, entries: list[tuple]) -> dict:
         """``choice.logprobs`` of /v1/chat/completions: ``{"content": [...]}``."""
+
         def one(t, lp):
             s = self.text(t)
             return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
         return {"content": [{**one(t, lp), "top_logprobs": [one(i, v) for i, v in top]} for t, lp, top in entries]}
 
     def completion(self, entries: list[tuple], offset: int = 0) -> dict:
@@ -67,9 +69,12 @@ class Layout:
         for s in tokens:
             offsets.append(offset)
             offset += len(s)
-        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
-                "top_logprobs": [None if lp is None else self._top(top) for _, lp, top in entries],
-                "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp for _, lp, _ in entries],
+            "top_logprobs": [None if lp is None else self._top(top) for _, lp, top in entries],
+            "text_offset": offsets,
+        }
 
     def _top(self, top: list[tuple]) -> dict:
         out = {}

@@ -28,11 +28,11 @@ from transformers import DynamicCache
 
 from ..budget import layer_budgets
 from ..cache import make_cache
-from ..shape import layer_windows
 from ..policies import POLICIES, make_policy
 from ..rows import stat_names
-from ..stock import STOCK_BYTES
+from ..shape import layer_windows
 from ..stats import stat_bytes
+from ..stock import STOCK_BYTES
 from ..storage import PAGE, page_slots
 from ..tier import POS16_MAX
 
@@ -79,21 +79,23 @@ class Budgeter:
                 for layer in probe.layers:
                     for tier in layer.tiers:
                         tier.widen_positions(POS16_MAX + 1)
-            self.wide_of[name] = [_line(a, b)[0] - narrow for a, b, (narrow, _) in
-                                  zip(small.layers, big.layers, self.slots_of[name])]
+            self.wide_of[name] = [
+                _line(a, b)[0] - narrow for a, b, (narrow, _) in zip(small.layers, big.layers, self.slots_of[name])
+            ]
         # per layer: bytes of a slot with no statistic (recency keeps none), per byte of statistic
         # a slot of one KV head holds (H2O keeps "sum", ``stat_bytes``), and per row besides; a
         # shared batch's slot carries the union's
-        self.slot_parts = [(bare, (one - bare) // stat_bytes(POLICIES["h2o"].stats), rest) for (bare, rest), (one, _)
-                           in zip(self.slots_of["recency"], self.slots_of["h2o"])]
+        self.slot_parts = [
+            (bare, (one - bare) // stat_bytes(POLICIES["h2o"].stats), rest)
+            for (bare, rest), (one, _) in zip(self.slots_of["recency"], self.slots_of["h2o"])
+        ]
         # a running batch's bound changes only when its rows do; the gauges ask every step
         self._batch_bytes = functools.lru_cache(maxsize=1024)(self._bytes_of)
 
     def _probe(self, cache, tokens: int = 1):
         """``tokens`` through the model into ``cache`` (a budgeted one is filled to its budget)."""
         with torch.inference_mode():
-            self.model(torch.zeros(1, tokens, dtype=torch.long), cache=cache, use_cache=True,
-                       logits_to_keep=1)
+            self.model(torch.zeros(1, tokens, dtype=torch.long), cache=cache, use_cache=True, logits_to_keep=1)
         return cache
 
     def stock_bytes(self, tokens: int) -> int:
@@ -155,8 +157,11 @@ class Budgeter:
         if policy == "full":
             return {}
         shared = self.shared(spec_policy(policy, recent))
-        out = {self.format_key(policy, recent):
-               sum(PAGE * per_slot // shared for per_slot in {per for per, _ in self.slots_of[policy]})}
+        out = {
+            self.format_key(policy, recent): sum(
+                PAGE * per_slot // shared for per_slot in {per for per, _ in self.slots_of[policy]}
+            )
+        }
         if wide(length):
             out[("int32 positions", self.heads // shared)] = PAGE * 2 * max(self.wide_of[policy]) // shared
         return out
@@ -212,6 +217,7 @@ class Budgeter:
 def _line(small, big) -> tuple[int, int]:
     """One layer's (bytes per slot, bytes per sequence besides) from its probes at two budgets
     (slots per KV head: a pooled Ada-KV tier holds heads x budget in one row)."""
+
     def slots(layer):
         return layer.tiers[0].capacity // layer.shared
 

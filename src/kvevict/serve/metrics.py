@@ -19,7 +19,10 @@ SPECS = {
     "kvevict_kv_memory_bytes": ("gauge", "K/V bytes the server may hold (--kv-memory); admission keeps to it."),
     "kvevict_kv_bytes_held": ("gauge", "Bytes of K/V storage held by the running batches now."),
     "kvevict_kv_bytes_reserved": ("gauge", "The most the running batches can grow to hold (what admission counts)."),
-    "kvevict_kv_pool_bytes": ("gauge", "Bytes of the page pools the rows' keys, values and bookkeeping live in, free pages included."),
+    "kvevict_kv_pool_bytes": (
+        "gauge",
+        "Bytes of the page pools the rows' keys, values and bookkeeping live in, free pages included.",
+    ),
     "kvevict_kv_bytes_full": ("gauge", "Bytes a stock cache would hold for the running sequences now, in 16 bits."),
     "kvevict_kv_bytes_peak": ("gauge", "Most K/V storage held at once since start."),
     "kvevict_evicted_tokens_total": ("counter", "KV entries evicted (tokens x layers x KV heads), real tokens only."),
@@ -88,7 +91,9 @@ class Metrics:
                 if kind == "summary":
                     values = sorted(self._observed.get(name, ()))
                     lines += [f'{name}{{quantile="{q}"}} {_num(_quantile(values, q))}' for q in QUANTILES]
-                    lines += [f"{name}{sfx} {_num(self._values.get((name + sfx, ()), 0))}" for sfx in ("_sum", "_count")]
+                    lines += [
+                        f"{name}{sfx} {_num(self._values.get((name + sfx, ()), 0))}" for sfx in ("_sum", "_count")
+                    ]
                     continue
                 samples = [(labels, v) for (n, labels), v in sorted(self._values.items()) if n == name]
                 for labels, v in samples or [((), 0)]:

@@ -13,7 +13,6 @@ Log-probabilities (``kvevict.serve.logprobs``): chat takes ``logprobs: true`` an
 back before the completion, with ``logprobs`` its tokens' log-probabilities too, the first null).
 """
 
-
 from __future__ import annotations
 
 import time
@@ -58,11 +57,14 @@ def parse_chat(body, tokenizer, settings: Settings, context: int, layers: int = 
     body = _object(body)
     messages = _messages(body.get("messages"))
     if not getattr(tokenizer, "chat_template", None):
-        raise BadRequest("this model has no chat template (a base model): send a plain prompt to "
-                         "/v1/completions instead.", "messages")
+        raise BadRequest(
+            "this model has no chat template (a base model): send a plain prompt to /v1/completions instead.",
+            "messages",
+        )
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                            return_dict=True)["input_ids"]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)[
+            "input_ids"
+        ]
     except Exception as err:  # a template that rejects the roles or their order
         raise BadRequest(f"the chat template refused these messages: {err}", "messages") from None
     limit_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
@@ -85,8 +87,7 @@ def parse_completion(body, tokenizer, settings: Settings, context: int, layers: 
     elif prompt is None:
         raise BadRequest("'prompt' is required: a string (or a list of token ids).", "prompt")
     else:
-        raise BadRequest("'prompt' must be one string or one list of token ids; send one request per prompt.",
-                         "prompt")
+        raise BadRequest("'prompt' must be one string or one list of token ids; send one request per prompt.", "prompt")
     req = _request("completion", body, list(ids), settings, context, "max_tokens", layers)
     if req.echo:
         req.prompt_text = text if text is not None else tokenizer.decode(ids, skip_special_tokens=False)
@@ -110,10 +111,13 @@ def _messages(messages) -> list[dict]:
             raise BadRequest(f"messages[{i}] must be an object with a role in {list(ROLES)}.", f"messages[{i}]")
         content = m.get("content")
         if isinstance(content, list):  # content parts: only text ones make sense for a text model
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise BadRequest(f"messages[{i}].content parts must all be {{'type': 'text', 'text': ...}}.",
-                                 f"messages[{i}].content")
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+            ):
+                raise BadRequest(
+                    f"messages[{i}].content parts must all be {{'type': 'text', 'text': ...}}.",
+                    f"messages[{i}].content",
+                )
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise BadRequest(f"messages[{i}].content must be a string.", f"messages[{i}].content")
@@ -130,22 +134,39 @@ def _request(kind, body, ids, settings: Settings, context: int, limit_name: str,
     max_tokens = body.get(limit_name)
     if max_tokens is None:
         max_tokens = settings.max_tokens
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= settings.max_tokens_limit:
-        raise BadRequest(f"'{limit_name}' must be an integer in [1, {settings.max_tokens_limit}], got {max_tokens!r}.",
-                         limit_name)
+    if (
+        isinstance(max_tokens, bool)
+        or not isinstance(max_tokens, int)
+        or not 1 <= max_tokens <= settings.max_tokens_limit
+    ):
+        raise BadRequest(
+            f"'{limit_name}' must be an integer in [1, {settings.max_tokens_limit}], got {max_tokens!r}.", limit_name
+        )
     if len(ids) + max_tokens > context:
-        raise BadRequest(f"the prompt has {len(ids)} tokens and {limit_name}={max_tokens}: together more than the "
-                         f"model's {context} positions; shorten the prompt or lower {limit_name}.", limit_name)
+        raise BadRequest(
+            f"the prompt has {len(ids)} tokens and {limit_name}={max_tokens}: together more than the "
+            f"model's {context} positions; shorten the prompt or lower {limit_name}.",
+            limit_name,
+        )
     policy, budget, recent, budget_tokens = _kv_fields(body, settings, len(ids), layers)
     logprobs, echo = (_chat_logprobs if kind == "chat" else _completion_logprobs)(body)
     return GenRequest(
-        kind=kind, prompt_ids=ids, max_tokens=max_tokens, policy=policy, budget=budget,
-        budget_tokens=budget_tokens, recent=recent,
+        kind=kind,
+        prompt_ids=ids,
+        max_tokens=max_tokens,
+        policy=policy,
+        budget=budget,
+        budget_tokens=budget_tokens,
+        recent=recent,
         temperature=_number(body, "temperature", 0.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
-        seed=_seed(body.get("seed")), stop=_stop(body.get("stop")), stream=_bool(body, "stream"),
+        seed=_seed(body.get("seed")),
+        stop=_stop(body.get("stop")),
+        stream=_bool(body, "stream"),
         include_usage=_bool(body.get("stream_options") or {}, "include_usage"),
-        ignore_eos=_bool(body, "ignore_eos"), logprobs=logprobs, echo=echo,
+        ignore_eos=_bool(body, "ignore_eos"),
+        logprobs=logprobs,
+        echo=echo,
     )
 
 
@@ -163,8 +184,10 @@ def _chat_logprobs(body) -> tuple[int | None, bool]:
         if not wanted:
             raise BadRequest("'top_logprobs' needs 'logprobs': true.", "top_logprobs")
     if body.get("echo") not in (None, False):
-        raise BadRequest("'echo' is a /v1/completions field; chat has no echo (send the prompt to "
-                         "/v1/completions to score it).", "echo")
+        raise BadRequest(
+            "'echo' is a /v1/completions field; chat has no echo (send the prompt to /v1/completions to score it).",
+            "echo",
+        )
     return (top or 0) if wanted else None, False
 
 
@@ -172,11 +195,18 @@ def _completion_logprobs(body) -> tuple[int | None, bool]:
     """Completions: ``logprobs`` is the number of top tokens (OpenAI's legacy API), ``echo`` a bool."""
     v = body.get("logprobs")
     if v is not None:
-        _top(v, "logprobs", " (on /v1/completions it is how many top tokens to list; 'logprobs': true "
-                            "with 'top_logprobs' is /v1/chat/completions' form)")
+        _top(
+            v,
+            "logprobs",
+            " (on /v1/completions it is how many top tokens to list; 'logprobs': true "
+            "with 'top_logprobs' is /v1/chat/completions' form)",
+        )
     if body.get("top_logprobs") is not None:
-        raise BadRequest("'top_logprobs' is a /v1/chat/completions field; on /v1/completions 'logprobs' "
-                         "itself is the number of top tokens.", "top_logprobs")
+        raise BadRequest(
+            "'top_logprobs' is a /v1/chat/completions field; on /v1/completions 'logprobs' "
+            "itself is the number of top tokens.",
+            "top_logprobs",
+        )
     echo = _bool(body, "echo")
     if echo and _bool(body, "stream"):
         raise BadRequest("'echo' with 'stream' is not supported: send the request without 'stream'.", "echo")
@@ -212,8 +242,11 @@ def _kv_fields(body, settings: Settings, prompt_len: int, layers: int):
             pol.check(b)
     except ValueError as err:
         spread = f"; its layers get {per_layer[0]} to {per_layer[-1]} tokens" if len(per_layer) > 1 else ""
-        raise BadRequest(f"kv_budget={budget!r} ({tokens} tokens for this {prompt_len}-token prompt{spread}) does "
-                         f"not fit kv_policy {policy!r}: {err}", "kv_budget") from None
+        raise BadRequest(
+            f"kv_budget={budget!r} ({tokens} tokens for this {prompt_len}-token prompt{spread}) does "
+            f"not fit kv_policy {policy!r}: {err}",
+            "kv_budget",
+        ) from None
     return policy, budget, recent, tokens
 
 
@@ -240,7 +273,7 @@ def _seed(v):
         return None
     if isinstance(v, bool) or not isinstance(v, int):
         raise BadRequest(f"'seed' must be an integer, got {v!r}.", "seed")
-    if not -2**63 <= v < 2**64:  # torch.Generator.manual_seed's range; outside it the whole batch would fail
+    if not -(2**63) <= v < 2**64:  # torch.Generator.manual_seed's range; outside it the whole batch would fail
         raise BadRequest(f"'seed' must be in [-2**63, 2**64), got {v}.", "seed")
     return v
 

@@ -13,15 +13,17 @@ import sys
 import time
 
 
-def deployment(model_name: str, settings: dict, replicas: int, threads: int | None = None,
-               cpus_per_replica: float | None = None):
+def deployment(
+    model_name: str, settings: dict, replicas: int, threads: int | None = None, cpus_per_replica: float | None = None
+):
     """A bound Ray Serve application of ``replicas`` kvevict servers."""
     from ray import serve
 
     cpus = cpus_per_replica if cpus_per_replica is not None else max(0.1, (os.cpu_count() or 1) / replicas)
 
-    @serve.deployment(name="kvevict", num_replicas=replicas, ray_actor_options={"num_cpus": cpus},
-                      max_ongoing_requests=1000)
+    @serve.deployment(
+        name="kvevict", num_replicas=replicas, ray_actor_options={"num_cpus": cpus}, max_ongoing_requests=1000
+    )
     @serve.ingress()
     class KvevictReplica:
         def __init__(self, model_name, settings, threads):
@@ -42,8 +44,17 @@ def deployment(model_name: str, settings: dict, replicas: int, threads: int | No
     return KvevictReplica.bind(model_name, settings, per_replica)
 
 
-def start(model_name: str, settings: dict, replicas: int, host: str, port: int, address: str | None = None,
-          threads: int | None = None, num_cpus: int | None = None, cpus_per_replica: float | None = None):
+def start(
+    model_name: str,
+    settings: dict,
+    replicas: int,
+    host: str,
+    port: int,
+    address: str | None = None,
+    threads: int | None = None,
+    num_cpus: int | None = None,
+    cpus_per_replica: float | None = None,
+):
     """Start Ray (or join ``address``), Ray Serve's HTTP proxy on host:port, and the replicas.
     Returns when every replica is up; stop with ``stop()``."""
     from ray import serve
@@ -52,8 +63,7 @@ def start(model_name: str, settings: dict, replicas: int, host: str, port: int, 
 
     ensure_ray(address, num_cpus)
     serve.start(http_options={"host": host, "port": port})
-    serve.run(deployment(model_name, settings, replicas, threads, cpus_per_replica), name="kvevict",
-              route_prefix="/")
+    serve.run(deployment(model_name, settings, replicas, threads, cpus_per_replica), name="kvevict", route_prefix="/")
 
 
 def stop() -> None:
@@ -70,8 +80,10 @@ def serve_replicas(model_name, settings, replicas, host, port, address=None, thr
     except ImportError:
         raise ValueError("--replicas needs the ray extra: pip install 'kvevict[ray]'.") from None
     start(model_name, settings, replicas, host, port, address, threads)
-    print(f"kvevict: {replicas} replicas of {settings['model_id']} on http://{host}:{port}/v1 (Ray Serve)",
-          file=sys.stderr)
+    print(
+        f"kvevict: {replicas} replicas of {settings['model_id']} on http://{host}:{port}/v1 (Ray Serve)",
+        file=sys.stderr,
+    )
     try:
         while True:
             time.sleep(1)

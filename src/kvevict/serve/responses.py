@@ -11,22 +11,40 @@ def completion_id(req: GenRequest) -> str:
     return ("chatcmpl-" if req.kind == "chat" else "cmpl-") + req.id
 
 
-def whole(req: GenRequest, model_id: str, text: str, finish_reason: str, usage: dict,
-          logprobs: dict | None = None) -> dict:
+def whole(
+    req: GenRequest, model_id: str, text: str, finish_reason: str, usage: dict, logprobs: dict | None = None
+) -> dict:
     """The non-streamed response."""
     if req.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                  "finish_reason": finish_reason}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
         obj = "chat.completion"
     else:
         choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
-    return {"id": completion_id(req), "object": obj, "created": req.created, "model": model_id,
-            "choices": [choice], "usage": usage}
+    return {
+        "id": completion_id(req),
+        "object": obj,
+        "created": req.created,
+        "model": model_id,
+        "choices": [choice],
+        "usage": usage,
+    }
 
 
-def chunk(req: GenRequest, model_id: str, text: str | None = None, finish_reason: str | None = None,
-          first: bool = False, usage: dict | None = None, logprobs: dict | None = None) -> dict:
+def chunk(
+    req: GenRequest,
+    model_id: str,
+    text: str | None = None,
+    finish_reason: str | None = None,
+    first: bool = False,
+    usage: dict | None = None,
+    logprobs: dict | None = None,
+) -> dict:
     """One streamed chunk: a text delta, the finish reason, or (choices empty) the usage."""
     if usage is not None:
         choices = []

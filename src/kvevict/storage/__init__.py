@@ -13,6 +13,22 @@ from .config import DEFAULT_GROUP, KEY_BASES, LOW_BITS, POS_BYTES, Storage
 from .interface import Piece, SlotField, SlotStore
 from .paged import PAGE, Pools, page_slots
 
-__all__ = ["BITS", "DEFAULT_GROUP", "KEY_BASES", "LOW_BITS", "PAGE", "POS_BYTES", "Piece", "Pools", "SlotField",
-           "SlotStore", "Storage", "check_bits", "check_group", "page_slots", "slot_bytes",
-           "stat_bytes", "stat_dtype"]
+__all__ = [
+    "BITS",
+    "DEFAULT_GROUP",
+    "KEY_BASES",
+    "LOW_BITS",
+    "PAGE",
+    "POS_BYTES",
+    "Piece",
+    "Pools",
+    "SlotField",
+    "SlotStore",
+    "Storage",
+    "check_bits",
+    "check_group",
+    "page_slots",
+    "slot_bytes",
+    "stat_bytes",
+    "stat_dtype",
+]

@@ -35,11 +35,15 @@ from __future__ import annotations
 import torch
 
 BITS = (16, 8, 4, 2)  # 32: the model's own dtype (DenseStore), spelled kv_bits=None
+
+
 def check_bits(bits, name: str = "kv_bits") -> None:
     if bits is None:
         return
     if isinstance(bits, bool) or bits not in BITS:
-        raise ValueError(f"{name} must be one of {', '.join(map(str, BITS))} (or None for the model's dtype), got {bits!r}.")
+        raise ValueError(
+            f"{name} must be one of {', '.join(map(str, BITS))} (or None for the model's dtype), got {bits!r}."
+        )
 
 
 def check_group(group, head_dim: int, bits) -> None:

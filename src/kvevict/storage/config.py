@@ -17,6 +17,7 @@ POS_BYTES = 2  # a slot's position, int16 (kvevict.tier)
 LOW_BITS = (8, 4, 2)
 KEY_BASES = (None, "rotated", "raw")
 
+
 @dataclass(frozen=True)
 class Storage:
     """kv_bits: None (the model's dtype), 16 (float16), 8, 4 or 2 (packed integer codes).
@@ -65,6 +66,7 @@ class Storage:
     def parse(cls, label: str) -> "Storage":
         """The inverse of ``label``: 'int4' -> kv_bits=4; 'int4+int2' -> kv_bits=4, evicted_bits=2;
         'fp+int2' -> model dtype, evicted_bits=2; 'fp16' -> kv_bits=16; '' -> model dtype."""
+
         def bits(part: str):
             if part == "fp":
                 return None
@@ -72,8 +74,10 @@ class Storage:
                 return 16
             if part.startswith("int") and part[3:].isdigit():
                 return int(part[3:])
-            raise ValueError(f"unknown storage {label!r}: write it as fp16, int8, int4, int2, or KEPT+EVICTED "
-                             "such as int4+int2 or fp+int2.")
+            raise ValueError(
+                f"unknown storage {label!r}: write it as fp16, int8, int4, int2, or KEPT+EVICTED "
+                "such as int4+int2 or fp+int2."
+            )
 
         if not label:
             return cls()

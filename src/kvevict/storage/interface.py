@@ -22,8 +22,6 @@ class Piece:
     values: Callable[[], torch.Tensor]
 
 
-
-
 @runtime_checkable
 class SlotStore(Protocol):
     """Keys and values of ``n`` slots per (sequence, KV head), written and read by slot index.

@@ -45,7 +45,6 @@ def page_slots(n: int, budget: int) -> int:
     return min(budget, -(-n // PAGE) * PAGE)
 
 
-
 class PagePool:
     """Pages of one storage format; ``parts``: (h, width, dtype) of each stored tensor. ``room``:
     () -> bytes the pool may still grow by before a growth takes only what is asked (None: no limit)."""
@@ -416,8 +415,9 @@ class PagedStore(_PageRows):
         parts = self.pool.tensors
         k, v = (tuple(parts[:3]), tuple(parts[3:])) if self.packed else ((parts[0],), (parts[1],))
         bits = self.bits if self.packed else (16 if parts[0].dtype == torch.float16 else 32)
-        return Run(bits, self.group if self.packed else 0, k, v, n,
-                   table=self.table[:, : -(-n // self.page)], page=self.page)
+        return Run(
+            bits, self.group if self.packed else 0, k, v, n, table=self.table[:, : -(-n // self.page)], page=self.page
+        )
 
     @property
     def keys(self):

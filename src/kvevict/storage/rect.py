@@ -81,8 +81,9 @@ class DenseStore:
             return [Piece(n, lambda: k, lambda: v)]
 
         def piece(s, e):
-            return Piece(e - s, lambda: k[:, :, s:e].to(self.compute_dtype),
-                         lambda: v[:, :, s:e].to(self.compute_dtype))
+            return Piece(
+                e - s, lambda: k[:, :, s:e].to(self.compute_dtype), lambda: v[:, :, s:e].to(self.compute_dtype)
+            )
 
         return [piece(s, e) for s, e in _spans(n)]
 
@@ -155,8 +156,13 @@ class PackedStore:
 
     def run(self, n: int):
         """Slots [0, n) as stored (packed codes, zeros, steps), for a fused decode kernel: views, no copy."""
-        return Run(self.bits, self.group, tuple(t[:, :, :n] for t in self.k.tensors()),
-                   tuple(t[:, :, :n] for t in self.v.tensors()), n)
+        return Run(
+            self.bits,
+            self.group,
+            tuple(t[:, :, :n] for t in self.k.tensors()),
+            tuple(t[:, :, :n] for t in self.v.tensors()),
+            n,
+        )
 
     def map_batch(self, fn) -> None:
         for part in (self.k, self.v):

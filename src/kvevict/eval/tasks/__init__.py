@@ -13,9 +13,21 @@ from .retrieval import RetrievalTask
 from .ruler import RulerTask, ruler_task_classes
 from .summarization import XSumTask
 
-TASKS: dict[str, type[Task]] = {t.name: t for t in (
-    PerplexityTask, RetrievalTask, XSumTask, ReconstructionTask, NarrativeQATask, PIQATask, NeedleOnceTask,
-    VarTrackTask, ContinuationTask, *ruler_task_classes())}
+TASKS: dict[str, type[Task]] = {
+    t.name: t
+    for t in (
+        PerplexityTask,
+        RetrievalTask,
+        XSumTask,
+        ReconstructionTask,
+        NarrativeQATask,
+        PIQATask,
+        NeedleOnceTask,
+        VarTrackTask,
+        ContinuationTask,
+        *ruler_task_classes(),
+    )
+}
 
 
 def task_names(requested: str) -> list[str]:
@@ -25,8 +37,9 @@ def task_names(requested: str) -> list[str]:
         return [t for t in TASKS if not t.startswith("ruler-")]
     bad = [t for t in items if t not in TASKS]
     if bad or not items:
-        raise ValueError(f"unknown task {', '.join(map(repr, bad)) or '(none given)'}; known tasks: "
-                         f"{', '.join(TASKS)} (or 'all').")
+        raise ValueError(
+            f"unknown task {', '.join(map(repr, bad)) or '(none given)'}; known tasks: {', '.join(TASKS)} (or 'all')."
+        )
     return list(dict.fromkeys(items))
 
 

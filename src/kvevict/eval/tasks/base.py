@@ -72,9 +72,14 @@ class GenerationTask(Task):
             res = _generate_cell(model, tokenizer, prompt, policy, budget, self.max_new(sample, tokenizer), recorded)
             if policy == FULL:
                 ref_text = res.text
-            out[cell] = {"scores": self.score(sample, res.text, ref_text), "output": res.text,
-                         "prompt_tokens": res.prompt_tokens, "kv_bytes": res.kv_bytes,
-                         "full_kv_bytes": res.full_kv_bytes, "seconds": round(res.seconds, 3)}
+            out[cell] = {
+                "scores": self.score(sample, res.text, ref_text),
+                "output": res.text,
+                "prompt_tokens": res.prompt_tokens,
+                "kv_bytes": res.kv_bytes,
+                "full_kv_bytes": res.full_kv_bytes,
+                "seconds": round(res.seconds, 3),
+            }
             if cell in cells:
                 self._done(cell, out[cell])
         return {c: r for c, r in out.items() if c in cells}
@@ -91,7 +96,9 @@ def _generate_cell(model, tokenizer, prompt, policy, budget, max_new, recorded: 
     memory, bits = None, {}
     if memory_spec(policy):
         memory = budget
-        policy, bits = memory_cell(policy, prompt_known=True, model=model, share=budget)  # "mem-kvzip-pool/int4": the bytes at int4
+        policy, bits = memory_cell(
+            policy, prompt_known=True, model=model, share=budget
+        )  # "mem-kvzip-pool/int4": the bytes at int4
     found = policy_class(policy)
     if found is None or not getattr(found[0], "needs_prompt", False):
         return generate(model, tokenizer, prompt, policy, budget, max_new, memory=memory, **bits)
@@ -99,8 +106,10 @@ def _generate_cell(model, tokenizer, prompt, policy, budget, max_new, recorded: 
         from ...generate import encode_chat
 
         t0 = time.perf_counter()
-        recorded[policy] = (found[0].record(model, tokenizer, encode_chat(tokenizer, prompt), **found[1]),
-                            time.perf_counter() - t0)
+        recorded[policy] = (
+            found[0].record(model, tokenizer, encode_chat(tokenizer, prompt), **found[1]),
+            time.perf_counter() - t0,
+        )
     rec, seconds = recorded[policy]
     res = generate(model, tokenizer, prompt, rec, budget, max_new, memory=memory, **bits)
     return dataclasses.replace(res, policy=policy, seconds=res.seconds + seconds)

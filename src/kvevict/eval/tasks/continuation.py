@@ -36,7 +36,7 @@ def continuation_logits(model, cache, context: torch.Tensor, continuation: torch
     out = [model(context, cache=cache, use_cache=True).logits[0, -1:]]
     c = continuation.shape[1]
     for s in range(0, c - 1, chunk):
-        out.append(model(continuation[:, s:min(c - 1, s + chunk)], cache=cache, use_cache=True).logits[0])
+        out.append(model(continuation[:, s : min(c - 1, s + chunk)], cache=cache, use_cache=True).logits[0])
     return torch.cat(out).float()
 
 
@@ -51,20 +51,24 @@ class ContinuationTask(PerplexityTask):
 
     def __init__(self, context: int = 768, continuation: int = 256, chunk: int = 32, sources=SOURCES, texts=None):
         if context < 1 or continuation < 1 or chunk < 1:
-            raise ValueError(f"continuation needs context, continuation and chunk >= 1 tokens, "
-                             f"got {context}, {continuation}, {chunk}.")
+            raise ValueError(
+                f"continuation needs context, continuation and chunk >= 1 tokens, "
+                f"got {context}, {continuation}, {chunk}."
+            )
         super().__init__(tokens=context + continuation, chunk=chunk, sources=sources, texts=texts)
         self.context, self.continuation = context, continuation
 
     def samples(self, tokenizer, n):
         # ppl's ids end in the window length; name the split too, so another split never resumes this one
-        return [Sample(id=f"{s.id.rsplit('-', 1)[0]}-{self.context}+{self.continuation}", data=s.data)
-                for s in super().samples(tokenizer, n)]
+        return [
+            Sample(id=f"{s.id.rsplit('-', 1)[0]}-{self.context}+{self.continuation}", data=s.data)
+            for s in super().samples(tokenizer, n)
+        ]
 
     @torch.no_grad()
     def evaluate(self, model, tokenizer, sample, cells, reference):
         ids = torch.tensor([sample.data["ids"]])
-        ctx, cont = ids[:, :self.context], ids[:, self.context:]
+        ctx, cont = ids[:, : self.context], ids[:, self.context :]
         y = cont[0]
         order = [(FULL, None)] + [c for c in cells if c[0] != FULL]  # the reference first, always
         out, ref = {}, None
@@ -76,11 +80,18 @@ class ContinuationTask(PerplexityTask):
             if cell not in cells:
                 continue
             nll = metrics.token_nll(logits, y)
-            out[cell] = {"scores": {"nll": nll.mean().item(), "nll_late": nll[len(y) // 2:].mean().item(),
-                                    "top1": metrics.top1_agreement(logits, ref).mean().item(),
-                                    "kl": metrics.kl_divergence(logits, ref).clamp_min(0).mean().item()},
-                         "output": None, "tokens": ids.shape[1], "context_tokens": self.context,
-                         "kv_bytes": ref_bytes if cell[0] == FULL else cache.kv_bytes(),
-                         "full_kv_bytes": full_bytes}
+            out[cell] = {
+                "scores": {
+                    "nll": nll.mean().item(),
+                    "nll_late": nll[len(y) // 2 :].mean().item(),
+                    "top1": metrics.top1_agreement(logits, ref).mean().item(),
+                    "kl": metrics.kl_divergence(logits, ref).clamp_min(0).mean().item(),
+                },
+                "output": None,
+                "tokens": ids.shape[1],
+                "context_tokens": self.context,
+                "kv_bytes": ref_bytes if cell[0] == FULL else cache.kv_bytes(),
+                "full_kv_bytes": full_bytes,
+            }
             self._done(cell, out[cell])
         return out

@@ -40,8 +40,12 @@ class NeedleOnceTask(_HaystackTask):
         for i in range(n):
             kind, depth, length = self.grid(i)
             p = needle_once_prompt(self.haystack_fn(kind, tokenizer, length - 40, i % 7), depth, seed=2000 + i)
-            out.append(Sample(id=f"{kind}-{length}-d{depth:g}-{i}",
-                              data={"messages": p.messages, "answer": p.answer, "length": length, "depth": depth}))
+            out.append(
+                Sample(
+                    id=f"{kind}-{length}-d{depth:g}-{i}",
+                    data={"messages": p.messages, "answer": p.answer, "length": length, "depth": depth},
+                )
+            )
         return out
 
     def score(self, sample, text, reference_text):
@@ -62,8 +66,9 @@ class VarTrackTask(_HaystackTask):
         for i in range(n):
             kind, _, length = self.grid(i)
             p = vartrack_prompt(self.haystack_fn(kind, tokenizer, length - 120, i % 7), seed=3000 + i)
-            out.append(Sample(id=f"{kind}-{length}-{i}",
-                              data={"messages": p.messages, "answers": p.answers, "length": length}))
+            out.append(
+                Sample(id=f"{kind}-{length}-{i}", data={"messages": p.messages, "answers": p.answers, "length": length})
+            )
         return out
 
     def score(self, sample, text, reference_text):

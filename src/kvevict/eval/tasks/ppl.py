@@ -7,8 +7,8 @@ import math
 
 import torch
 
-from ..streaming import stream_compare
 from ..caches import memory_spec
+from ..streaming import stream_compare
 from .base import Sample, Task
 
 SOURCES = ("wikipedia", "essays", "austen")
@@ -18,16 +18,19 @@ def source_texts(source: str) -> list[str]:
     """Long texts of one source, in a fixed order (each at least a few thousand characters)."""
     if source == "wikipedia":
         from ...data.wikipedia import wikipedia
+
         return [a.text for a in wikipedia()]
     if source == "essays":
         from ...data.essays import essays
+
         es = essays()
         # essays are 1-5K tokens: window k starts at essay k and runs on into the next ones
         return ["\n\n".join(es[k:] + es[:k]) for k in range(len(es))]
     if source == "austen":
         from ...data.austen import austen
+
         # a window per novel and per quarter of it, so six novels give 24 distinct windows
-        return [t[len(t) * q // 4:] for q in range(4) for _, t in austen()]
+        return [t[len(t) * q // 4 :] for q in range(4) for _, t in austen()]
     raise ValueError(f"unknown text source {source!r}; known: {', '.join(SOURCES)}.")
 
 
@@ -74,8 +77,9 @@ class PerplexityTask(Task):
         n = ids.shape[1]
         # a float budget is a fraction of the whole window (make_cache would take it of the first chunk);
         # a memory cell's share is fixed against the window by stream_compare (set_prompt_length)
-        resolved = [(p, b if b is None or isinstance(b, int) or memory_spec(p) else max(1, math.ceil(b * n)))
-                    for p, b in cells]
+        resolved = [
+            (p, b if b is None or isinstance(b, int) or memory_spec(p) else max(1, math.ceil(b * n))) for p, b in cells
+        ]
         scores = stream_compare(model, ids, resolved, self.chunk)
         half = (n - 1) // 2
         out = {}
@@ -83,8 +87,17 @@ class PerplexityTask(Task):
             sc = scores[rcell]
             nll = sum(sc.nll) / len(sc.nll)
             late = sc.nll[half:]
-            out[cell] = {"scores": {"nll": nll, "nll_late": sum(late) / len(late),
-                                    "top1": sum(sc.top1) / len(sc.top1), "kl": sum(sc.kl) / len(sc.kl)},
-                         "output": None, "tokens": n, "budget_tokens": rcell[1],
-                         "kv_bytes": sc.kv_bytes, "full_kv_bytes": sc.full_kv_bytes}
+            out[cell] = {
+                "scores": {
+                    "nll": nll,
+                    "nll_late": sum(late) / len(late),
+                    "top1": sum(sc.top1) / len(sc.top1),
+                    "kl": sum(sc.kl) / len(sc.kl),
+                },
+                "output": None,
+                "tokens": n,
+                "budget_tokens": rcell[1],
+                "kv_bytes": sc.kv_bytes,
+                "full_kv_bytes": sc.full_kv_bytes,
+            }
         return out

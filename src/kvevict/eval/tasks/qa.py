@@ -19,6 +19,7 @@ class NarrativeQATask(GenerationTask):
     def samples(self, tokenizer, n):
         if self._items is None:
             from ...data.narrativeqa import narrativeqa
+
             self._items = narrativeqa()
         out, seen = [], set()
         for it in self._items:  # one question per story, for variety
@@ -27,9 +28,21 @@ class NarrativeQATask(GenerationTask):
             if it.passage in seen or len(it.passage) > self.max_chars:
                 continue
             seen.add(it.passage)
-            out.append(Sample(id=it.id, data={"messages": [{"role": "user", "content":
-                       f"Read the story and answer the question in a few words.\n\nStory: {it.passage}\n\n"
-                       f"Question: {it.question}"}], "answers": it.answers}))
+            out.append(
+                Sample(
+                    id=it.id,
+                    data={
+                        "messages": [
+                            {
+                                "role": "user",
+                                "content": f"Read the story and answer the question in a few words.\n\nStory: {it.passage}\n\n"
+                                f"Question: {it.question}",
+                            }
+                        ],
+                        "answers": it.answers,
+                    },
+                )
+            )
         return out
 
     def score(self, sample, text, reference_text):

@@ -20,6 +20,7 @@ class ReconstructionTask(GenerationTask):
     def samples(self, tokenizer, n):
         if self._items is None:
             from ...data.xsum import xsum
+
             self._items = xsum()
         out = []
         for it in reversed(self._items):
@@ -31,9 +32,22 @@ class ReconstructionTask(GenerationTask):
             cut = tokenizer.decode(ids[: self.tokens])
             end = max(cut.rfind(". "), cut.rfind(".\n"))
             passage = cut[: end + 1] if end > 0 else cut
-            out.append(Sample(id=it.id, data={"messages": [{"role": "user", "content":
-                       "Repeat the following text exactly, word for word, and nothing else.\n\n" + passage}],
-                       "passage": passage, "passage_tokens": len(tokenizer(passage, add_special_tokens=False)["input_ids"])}))
+            out.append(
+                Sample(
+                    id=it.id,
+                    data={
+                        "messages": [
+                            {
+                                "role": "user",
+                                "content": "Repeat the following text exactly, word for word, and nothing else.\n\n"
+                                + passage,
+                            }
+                        ],
+                        "passage": passage,
+                        "passage_tokens": len(tokenizer(passage, add_special_tokens=False)["input_ids"]),
+                    },
+                )
+            )
         return out
 
     def max_new(self, sample, tokenizer):

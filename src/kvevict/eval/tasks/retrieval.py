@@ -18,8 +18,14 @@ class RetrievalTask(GenerationTask):
     primary = "em"
     max_new_tokens = 24  # the model often restates the question ("The special magic number for X is") first
 
-    def __init__(self, lengths=(1024, 2048), depths=(0.0, 0.25, 0.5, 0.75, 1.0), kinds=("single", "multi"),
-                 n_keys: int = 4, haystack_fn=None):
+    def __init__(
+        self,
+        lengths=(1024, 2048),
+        depths=(0.0, 0.25, 0.5, 0.75, 1.0),
+        kinds=("single", "multi"),
+        n_keys: int = 4,
+        haystack_fn=None,
+    ):
         self.lengths, self.depths, self.kinds, self.n_keys = tuple(lengths), tuple(depths), tuple(kinds), n_keys
         self.haystack_fn = haystack_fn
 
@@ -27,6 +33,7 @@ class RetrievalTask(GenerationTask):
         if self.haystack_fn is not None:
             return self.haystack_fn(tokenizer, n_tokens, start)
         from ...data.essays import haystack
+
         return haystack(tokenizer, n_tokens, start)
 
     def samples(self, tokenizer, n):
@@ -41,9 +48,18 @@ class RetrievalTask(GenerationTask):
                 p = passkey_prompt(hay, depth, seed=1000 + i)
             else:
                 p = multikey_prompt(hay, depth, n_keys=self.n_keys, seed=1000 + i)
-            out.append(Sample(id=f"{kind}-{length}-d{depth:g}-{i}",
-                              data={"messages": for_tokenizer(p.messages, p.lead, tokenizer), "answer": p.answer, "kind": kind,
-                                    "length": length, "depth": depth}))
+            out.append(
+                Sample(
+                    id=f"{kind}-{length}-d{depth:g}-{i}",
+                    data={
+                        "messages": for_tokenizer(p.messages, p.lead, tokenizer),
+                        "answer": p.answer,
+                        "kind": kind,
+                        "length": length,
+                        "depth": depth,
+                    },
+                )
+            )
         return out
 
     def score(self, sample, text, reference_text):

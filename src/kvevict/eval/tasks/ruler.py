@@ -6,9 +6,8 @@ they run beside kvpress's presses on the same samples (``--peer kvpress``)."""
 
 from __future__ import annotations
 
-from ...data.ruler import OTHER_TASKS
+from ...data.ruler import OTHER_TASKS, ruler_samples, string_match_all
 from ...data.ruler import TASKS as RULER_TASKS
-from ...data.ruler import ruler_samples, string_match_all
 from .base import GenerationTask, Sample
 
 
@@ -31,8 +30,16 @@ class RulerTask(GenerationTask):
         for i in range(n):
             length = self.lengths[i % len(self.lengths)]
             s = per[i % len(self.lengths)][i // len(self.lengths)]
-            out.append(Sample(id=f"{length}-{i}", data={"messages": s["input"] + " " + s["gen_prefix"],
-                                                        "answers": list(s["outputs"]), "length": length}))
+            out.append(
+                Sample(
+                    id=f"{length}-{i}",
+                    data={
+                        "messages": s["input"] + " " + s["gen_prefix"],
+                        "answers": list(s["outputs"]),
+                        "length": length,
+                    },
+                )
+            )
         return out
 
     def max_new(self, sample, tokenizer) -> int:
@@ -46,5 +53,7 @@ class RulerTask(GenerationTask):
 
 def ruler_task_classes() -> list[type[RulerTask]]:
     """One class per RULER task, named ``ruler-<lm-eval task name>`` (``ruler-vt`` for ``ruler_vt``)."""
-    return [type(f"Ruler_{name}", (RulerTask,), {"name": f"ruler-{name}", "subtask": name})
-            for name in (*RULER_TASKS, *OTHER_TASKS)]
+    return [
+        type(f"Ruler_{name}", (RulerTask,), {"name": f"ruler-{name}", "subtask": name})
+        for name in (*RULER_TASKS, *OTHER_TASKS)
+    ]

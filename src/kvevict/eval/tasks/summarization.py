@@ -20,11 +20,24 @@ class XSumTask(GenerationTask):
     def samples(self, tokenizer, n):
         if self._items is None:
             from ...data.xsum import xsum
+
             self._items = xsum()
         items = [it for it in self._items if len(it.document) <= self.max_chars][:n]
-        return [Sample(id=it.id, data={"messages": [{"role": "user", "content":
-                       f"Summarize the following article in one sentence.\n\n{it.document}"}],
-                       "reference": it.summary}) for it in items]
+        return [
+            Sample(
+                id=it.id,
+                data={
+                    "messages": [
+                        {
+                            "role": "user",
+                            "content": f"Summarize the following article in one sentence.\n\n{it.document}",
+                        }
+                    ],
+                    "reference": it.summary,
+                },
+            )
+            for it in items
+        ]
 
     def score(self, sample, text, reference_text):
         s = rouge(text, sample.data["reference"])
