@@ -8,7 +8,7 @@ from transformers import DynamicCache
 
 import kvevict
 from conftest import tiny_model
-from kvevict.attention import _generic_segments, attend
+from kvevict.attention import generic_segments, attend
 from kvevict.policies import make_policy
 
 
@@ -45,15 +45,15 @@ def test_one_mean_slot_attends_as_n_copies_of_the_mean():
     mk, mv = torch.randn(b, hkv, 1, d), torch.randn(b, hkv, 1, d)
     copies_k = torch.cat([keys[:, :, :n_kept], mk.expand(-1, -1, n, -1), keys[:, :, n_kept:]], dim=2)
     copies_v = torch.cat([values[:, :, :n_kept], mv.expand(-1, -1, n, -1), values[:, :, n_kept:]], dim=2)
-    want, want_stats = attend(q, _generic_segments(copies_k, copies_v, 1, None), d**-0.5, None, None, ("sum",))
-    seg = _generic_segments(keys, values, 1, None)
+    want, want_stats = attend(q, generic_segments(copies_k, copies_v, 1, None), d**-0.5, None, None, ("sum",))
+    seg = generic_segments(keys, values, 1, None)
     seg.summary = (mk, mv, torch.full((b, hkv, 1, 1), math.log(n)))
     got, stats = attend(q, seg, d**-0.5, None, None, ("sum",))
     assert (got - want).abs().max().item() < 1e-5
     assert torch.allclose(stats["sum"][..., :n_kept], want_stats["sum"][..., :n_kept], atol=1e-6)
     assert torch.allclose(stats["sum"][..., -1], want_stats["sum"][..., -1], atol=1e-6)  # the new key
     seg.summary = (mk, mv, torch.full((b, hkv, 1, 1), -math.inf))  # nothing evicted: no column at all
-    plain, _ = attend(q, _generic_segments(keys, values, 1, None), d**-0.5, None, None, ("sum",))
+    plain, _ = attend(q, generic_segments(keys, values, 1, None), d**-0.5, None, None, ("sum",))
     assert (attend(q, seg, d**-0.5, None, None, ("sum",))[0] - plain).abs().max().item() < 1e-6
 
 
@@ -168,7 +168,7 @@ def test_the_fused_decode_reads_the_mean_slot_as_attend_does(backend, bits, g, s
     mask[1, :, :6] = False
     summary = _summary(b, hkv, d, [[12, 0], [3, 250]])
     out, pg = BACKENDS[backend].fn(q, [run], k_new, v_new, mask, d**-0.5, softcap, summary=summary)
-    seg = _generic_segments(torch.cat([kd, k_new], 2), torch.cat([vd, v_new], 2), 1, None)
+    seg = generic_segments(torch.cat([kd, k_new], 2), torch.cat([vd, v_new], 2), 1, None)
     seg.valid_past, seg.pos_past = mask.expand(b, hkv, n), torch.arange(n).view(1, 1, n)
     seg.summary = summary
     want, stats = attend(q, seg, d**-0.5, None, softcap, ("sum",))

@@ -105,7 +105,7 @@ class KVzip(Policy):
         ``kvevict.prefill.fill_from``), so the context is not run again; it is left as given."""
         from transformers import DynamicCache
 
-        from ..attention import record_attention_stats
+        from ..record import record_attention_stats
 
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("kvzip records unpadded prompts only: give it one prompt per batch.")

@@ -38,7 +38,7 @@ class Oracle(Policy):
     @classmethod
     @torch.no_grad()
     def record(cls, model, input_ids, attention_mask=None, block: int = 16, **params) -> "Oracle":
-        from ..attention import record_attention_blocks
+        from ..record import record_attention_blocks
 
         if block < 1:
             raise ValueError(f"block must be >= 1 query, got {block}.")
