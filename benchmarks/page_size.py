@@ -1,6 +1,6 @@
 """Paged storage: what the page size costs and saves (``python benchmarks/page_size.py``).
 
-A tier grows ``kvevict.tier.PAGE`` slots at a time; each growth reallocates the tier (one copy of
+A tier grows ``kvevict.storage.paged.PAGE`` slots at a time; each growth reallocates the tier (one copy of
 it), so a small page costs copies while decoding and a large one holds up to a page of empty slots
 per (layer, KV head). This measures both on the real model, in one process, interleaved:
 
@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from kvevict import tier
 from kvevict.cache import make_cache
+from kvevict.storage import paged
 
 PREALLOC = 1 << 30  # a page as large as any budget: allocated once, at the budget
 
@@ -36,7 +36,7 @@ def _stock_bytes(cache) -> int:
 @torch.no_grad()
 def decode_steps(model, page: int, context: int, batch: int, steps: int, budget: int) -> float:
     """Mean seconds per decode step from ``context`` to ``context + steps`` tokens at ``page``."""
-    tier.PAGE = page
+    paged.PAGE = page
     cache = make_cache(model, "h2o", budget)
     ids = torch.randint(0, model.config.vocab_size, (batch, context))
     model(ids, cache=cache, use_cache=True, logits_to_keep=1)
@@ -50,7 +50,7 @@ def decode_steps(model, page: int, context: int, batch: int, steps: int, budget:
 @torch.no_grad()
 def short_chat_bytes(model, tok, page: int, budget: int, new_tokens: int = 16) -> tuple[int, int]:
     """(kvevict's bytes, the stock cache's bytes) after a short chat and ``new_tokens`` answered."""
-    tier.PAGE = page
+    paged.PAGE = page
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     held = []
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     model, tok = load_model(a.model)
     sizes = [int(x) for x in a.pages.split(",")] + [PREALLOC]
     name = {s: ("prealloc" if s == PREALLOC else str(s)) for s in sizes}
-    keep = tier.PAGE
+    keep = paged.PAGE
     times: dict[int, list[float]] = {s: [] for s in sizes}
     try:
         for r in range(a.rounds):  # rotated order: a noisy minute hits every page size alike
@@ -86,7 +86,7 @@ def main(argv=None) -> int:
                 times[s].append(decode_steps(model, s, a.context, a.batch, a.steps, a.budget))
         chat = {s: short_chat_bytes(model, tok, s, 1024) for s in sizes}
     finally:
-        tier.PAGE = keep
+        paged.PAGE = keep
     base = statistics.median(times[PREALLOC])
     rows = []
     print(

@@ -8,7 +8,7 @@ from transformers import DynamicCache
 
 import kvevict
 from conftest import tiny_model
-from kvevict.attention import generic_segments, attend
+from kvevict.attention import attend, generic_segments
 from kvevict.policies import make_policy
 
 

@@ -148,7 +148,7 @@ def test_sigterm_drains_503_for_new_requests_in_flight_ones_finish_exit_0(tmp_pa
         (["--protect-metrics"], "--protect-metrics keys /metrics with the API key"),
         (["--api-key", " "], "--api-key / KVEVICT_API_KEY must be a non-empty key"),
         (["--budget", "0"], "positive"),
-        (["--policy", "h20"], "unknown --policy 'h20'"),
+        (["--policy", "h20"], "--policy 'h20': cannot read the cache 'h20' (unknown policy 'h20'"),
         (["--max-batch", "0"], "--max-batch must be >= 1"),
         (["--kv-memory", "lots"], "--kv-memory takes a size such as 512MiB or 2GiB, got 'lots'"),
         (["--min-budget", "0"], "--min-budget must be >= 1"),

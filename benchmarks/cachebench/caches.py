@@ -59,7 +59,7 @@ class CacheSpec:
             return cls(MEMORY, spec.budget)
         if spec.memory or spec.question or not isinstance(spec.budget, float):
             raise ValueError(
-                f"cannot benchmark the cache {label!r}: write stock, kvevict-full[/STORAGE], "
+                f"cannot read the cache {label!r} as a benchmark's: write stock, kvevict-full[/STORAGE], "
                 "POLICY[/STORAGE]@FRACTION (h2o/int4@0.2) or memory=FRACTION."
             )
         kind = spec.policy + ("" if spec.storage is None else "/" + (spec.storage.label or "fp"))
@@ -91,7 +91,11 @@ def available_policies(requested: list[str]) -> tuple[list[str], list[str]]:
 
     have, notes = [], []
     for name in requested:
-        if Spec.parse(name).policy in POLICIES:  # a policy, maybe with its storage: h2o/int4
+        try:
+            known = Spec.parse(name).policy in POLICIES  # a policy, maybe with its storage: h2o/int4
+        except ValueError:
+            known = False
+        if known:
             have.append(name.lower())
         else:
             notes.append(f"policy {name!r} is not in kvevict.POLICIES yet ({', '.join(sorted(POLICIES))}); skipped.")

@@ -96,7 +96,10 @@ def settings_from_args(args) -> dict:
     from ..spec import CacheSpec
 
     budget = None if args.budget == "auto" else parse_budget(args.budget)
-    spec = CacheSpec.parse(args.policy)  # NAME[/BITS][@BUDGET]: the rows' default cache
+    try:
+        spec = CacheSpec.parse(args.policy)  # NAME[/BITS][@BUDGET]: the rows' default cache
+    except ValueError as err:
+        raise ValueError(f"--policy {args.policy!r}: {err}") from None
     if spec.memory or spec.question:
         raise ValueError(
             f"--policy {args.policy}: the server's memory is --kv-memory and a request has no "
