@@ -140,6 +140,12 @@ def test_chat_equals_generate_alone_and_reports_kv_bytes(client, reference):
     assert (u.kv_bytes, u.kv_bytes_full) == (want.kv_bytes, want.full_kv_bytes)
     assert u.kv_bytes == held_bytes(model, 8, "h2o") < u.kv_bytes_full
     assert u.kv_policy == "h2o" and u.kv_budget_tokens == 8
+    # the same cache named as a spec (kvevict.spec): the same answer and bytes
+    r2 = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=16, extra_body={"kv_policy": "h2o@8"}
+    )
+    assert r2.choices[0].message.content == r.choices[0].message.content
+    assert (r2.usage.kv_policy, r2.usage.kv_budget_tokens, r2.usage.kv_bytes) == ("h2o", 8, u.kv_bytes)
 
 
 def test_completion_with_server_defaults_and_full_cache(client, reference):
@@ -190,6 +196,9 @@ def test_streaming_equals_plain_and_ends_with_done(server, client):
 
 BAD = [
     ({"kv_policy": "h20"}, "unknown kv_policy 'h20'; known policies: full,", "kv_policy"),
+    ({"kv_policy": "h2o@1.5"}, "a share of the prompt is in (0, 1]", "kv_policy"),
+    ({"kv_policy": "h2o@8", "kv_budget": 8}, "names its budget already", "kv_budget"),
+    ({"kv_policy": "h2o@memory=0.2"}, "the server's memory is its --kv-memory", "kv_policy"),
     ({"seed": 2**64}, "'seed' must be in", "seed"),
     ({"kv_budget": 0}, "positive", "kv_budget"),
     ({"kv_budget": 1.5}, "(0, 1]", "kv_budget"),

@@ -2,7 +2,7 @@
 whose message names the field and what to change.
 
 Extra body fields (``extra_body`` in the openai client): ``kv_policy`` (a name of
-``kvevict.POLICIES`` or ``"full"``), ``kv_budget`` (int: tokens kept per layer and KV head; float in
+``kvevict.POLICIES`` or ``"full"``, or a cache spec with its token budget: ``h2o@0.2``), ``kv_budget`` (int: tokens kept per layer and KV head; float in
 (0, 1]: that fraction of this request's prompt), ``kv_recent`` (recent window), ``ignore_eos``.
 A float budget is resolved against the request's own prompt, never below the server's
 ``min_budget`` (so a short chat is not cut to a handful of tokens), rounded up to a multiple of
@@ -20,8 +20,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..budget import check_budget, layer_budgets, resolve_budget
-from ..generate import FULL
 from ..policies import POLICIES
+from ..spec import FULL, CacheSpec
 from .errors import BadRequest
 from .logprobs import MAX_TOP
 from .memory import spec_policy
@@ -218,12 +218,27 @@ def _kv_fields(body, settings: Settings, prompt_len: int, layers: int):
     if not isinstance(policy, str):
         raise BadRequest(f"'kv_policy' must be a string, got {policy!r}.", "kv_policy")
     policy = policy.lower()
-    if policy in FULL:
-        return "full", None, None, None
-    if policy not in POLICIES:
-        known = ", ".join(["full", *sorted(POLICIES)])
-        raise BadRequest(f"unknown kv_policy {policy!r}; known policies: {known}.", "kv_policy")
-    budget = body.get("kv_budget", settings.budget)
+    if policy in (FULL, "none"):
+        return FULL, None, None, None
+    known = ", ".join(["full", *sorted(POLICIES)])
+    name = policy.partition("@")[0]  # a cache spec (kvevict.spec): NAME or NAME@BUDGET
+    if name not in POLICIES:
+        raise BadRequest(f"unknown kv_policy {name!r}; known policies: {known}.", "kv_policy")
+    try:
+        spec = CacheSpec.parse(policy)
+    except ValueError as err:
+        raise BadRequest(f"kv_policy: {err}", "kv_policy") from None
+    if spec.memory:
+        raise BadRequest(
+            "kv_policy takes a token budget (h2o@0.2, h2o@512): the server's memory is its --kv-memory.", "kv_policy"
+        )
+    policy, budget = spec.policy, body.get("kv_budget", settings.budget)
+    if spec.budget is not None:
+        if body.get("kv_budget") is not None:
+            raise BadRequest(
+                f"kv_policy {policy!r} names its budget already: drop kv_budget or the @ part.", "kv_budget"
+            )
+        budget = spec.budget
     recent = body.get("kv_recent", settings.recent)
     try:
         check_budget(budget)
