@@ -6,7 +6,7 @@ concatenation, no copy per step). Each (sequence, KV head) keeps its own set of 
 slot order; each slot remembers the token's position, so keys stay rotated at their original
 positions. The features a layer may carry are objects beside it: a sliding window
 (``policies.window``), a low-bit tier for evicted tokens (a second ``Tier``), shared Ada-KV budgets
-(one pooled row per sequence, ``shared`` heads), the evicted tokens' mean slot (``merge.Summary``),
+(``headpool.HeadPool``: one row per sequence, its heads' slots pooled), the evicted tokens' mean slot (``merge.Summary``),
 keys in a rotated basis (``keyspace.KeySpace``), compact positions (``rope``), pages
 (``storage.Pools``) and per-row policies (``rows.Rows``).
 """
@@ -18,6 +18,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from .attention import PaddingInfo, _Segments, hand_off
 from .budget import resolve_budget
+from .headpool import HeadPool, cat_slots
 from .keyspace import KeySpace
 from .merge import Summary
 from .policies import Policy
@@ -69,6 +70,7 @@ class EvictingLayer(CacheLayerMixin):
         self.prompt_end: torch.Tensor | None = None
         self.summary: Summary | None = None  # the evicted tokens' mean slot (policy.merge)
         self.keyspace: KeySpace | None = None  # keys stored centred and rotated (low-bit storage)
+        self.pool: HeadPool | None = None  # Ada-KV: the heads share one row of slots
         self._new: tuple[torch.Tensor, torch.Tensor] | None = None  # update()'s keys and values, until absorbed
         self._padded = False  # whether any slot may hold padding (then attention needs the mask)
 
@@ -85,9 +87,8 @@ class EvictingLayer(CacheLayerMixin):
         check_group(st.group, dk, st.kv_bits)
         check_group(st.group, value_states.shape[-1], st.kv_bits)
         # adaptive (Ada-KV): one row of h x budget slots per sequence, shared by the h heads
-        self.shared = h if policy.adaptive and h > 1 else 1
-        if self.shared > 256:
-            raise ValueError(f"adaptive budgets record a slot's head in one byte: at most 256 KV heads, got {h}.")
+        self.pool = HeadPool(h, self.device) if policy.adaptive and h > 1 else None
+        self.shared = 1 if self.pool is None else h
         self.prompt_end = None  # (b, 1, 1) real prompt tokens per row, where the question ends
         args = (b, h // self.shared, dk, value_states.shape[-1], self.dtype, self.device, policy.stats)
         self.tiers = [
@@ -353,12 +354,10 @@ class EvictingLayer(CacheLayerMixin):
         else:
             pos_new = self.n_real[:, None] + valid_new.long().cumsum(1) - 1
         pieces = [p for t in self.tiers for p in t.store.pieces(t.filled)]
-        pos_past = _cat([t.pos[:, :, : t.filled] for t in self.tiers]).long()
-        valid_past = _cat([t.valid[:, :, : t.filled] for t in self.tiers])
-        if self.shared > 1:  # one pool for every head: each head sees its own slots only
-            heads = torch.arange(self.shared, device=self.device).view(1, -1, 1)
-            mine = _cat([t.head[:, :, : t.filled] for t in self.tiers]) == heads
-            valid_past = mine & valid_past if self._padded else mine
+        pos_past = cat_slots([t.pos[:, :, : t.filled] for t in self.tiers]).long()
+        valid_past = cat_slots([t.valid[:, :, : t.filled] for t in self.tiers])
+        if self.pool is not None:  # one row for every head: each head sees its own slots only
+            valid_past = self.pool.visible(self.tiers, valid_past, self._padded)
         if self.compact is not None:
             pieces, pos_past = self.compact.apply(pieces, pos_past, valid_past, self.n_real, self.keyspace)
         runs = [t.store.run(t.filled) for t in self.tiers] if q_len == 1 and self.compact is None else None
@@ -390,8 +389,8 @@ class EvictingLayer(CacheLayerMixin):
             pos_new = pos_new.masked_fill(~valid_new, -1)
         new = {"k": k_new, "v": v_new, "pos": pos_new.view(-1, 1, m).expand(b, h, m)}
         new.update({n: stats[n][..., n_past:] for n in self.tiers[0].stat_names})
-        if self.shared > 1:
-            stats, new = self._pooled(stats, new, n_past)
+        if self.pool is not None:
+            stats, new = self.pool.pooled(stats, new, n_past, self.tiers)
         offset, decay = 0, self.rows.decay()
         for tier in self.tiers:
             tier.accumulate(stats, offset, decay, m)
@@ -431,17 +430,3 @@ class EvictingLayer(CacheLayerMixin):
         self.longest = int(self.n_real.max())  # near the limit: one host read, then the bound is exact
         for tier in self.tiers:
             tier.widen_positions(self.longest - 1)
-
-    def _pooled(self, stats: dict, new: dict, n_past: int):
-        """Shared tiers: each stored slot's statistics from its own head's row, and the new tokens
-        laid out head after head in one row ((b, h, m) -> (b, 1, h x m)), with their head ids."""
-        b, h, m = new["pos"].shape
-        whose = _cat([t.head[:, :, : t.filled] for t in self.tiers]).long()  # (b, 1, n_past)
-        stats = {n: stats[n][..., :n_past].gather(1, whose) for n in self.tiers[0].stat_names}
-        new = {n: t.reshape(b, 1, h * m, *t.shape[3:]) for n, t in new.items()}
-        new["head"] = torch.arange(h, device=self.device).repeat_interleave(m).view(1, 1, -1).expand(b, 1, h * m)
-        return stats, new
-
-
-def _cat(parts: list) -> torch.Tensor:
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
