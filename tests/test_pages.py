@@ -223,7 +223,7 @@ def test_pages_must_be_a_pool_set():
 def test_admission_counts_a_paged_batch_exactly(kv_bits):
     """What the server's admission counts for a batch of paged rows (each its own pages, the
     bookkeeping and the page table at the batch's width) is what the cache then holds."""
-    from kvevict.serve.memory import Budgeter
+    from kvevict.serve.budgeter import Budgeter
 
     model = _model()
     budgeter = Budgeter(model, kv_bits)

@@ -48,7 +48,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def budgeter(model):
-    from kvevict.serve.memory import Budgeter
+    from kvevict.serve.budgeter import Budgeter
 
     return Budgeter(model)
 

@@ -257,7 +257,7 @@ def test_admission_counts_a_mixed_batch_at_its_widest_budget_and_union_of_statis
     widest budget, with every row's policy statistics per slot: the bound admission uses is exactly
     what the cache then holds."""
     from kvevict.serve.batch import DecodeBatch
-    from kvevict.serve.memory import Budgeter
+    from kvevict.serve.budgeter import Budgeter
 
     model, _ = reference
     budgeter = Budgeter(model)

@@ -13,7 +13,7 @@ import torch  # noqa: E402
 from kvevict.commands import serve as serve_cmd  # noqa: E402
 from kvevict.generate import generate  # noqa: E402
 from kvevict.serve.batch import DecodeBatch  # noqa: E402
-from kvevict.serve.memory import Budgeter  # noqa: E402
+from kvevict.serve.budgeter import Budgeter  # noqa: E402
 from kvevict.serve.server import ServerThread, build  # noqa: E402
 from test_serve import DEFAULTS, MODEL, chat, folder, reference  # noqa: E402,F401
 

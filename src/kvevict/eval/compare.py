@@ -17,9 +17,9 @@ from __future__ import annotations
 import argparse
 
 from .caches import FULL
+from .intervals import Interval
 from .records import load
 from .report import collect, paired_difference
-from .stats import Interval
 
 
 def paired(records, task: str, a: str, b: str, budget, metric: str, model: str | None = None) -> Interval:

@@ -10,7 +10,7 @@ from pathlib import Path
 from ..plotting import pyplot
 from . import records
 from .caches import FULL
-from .stats import Interval, aggregate, mean_ci
+from .intervals import Interval, aggregate, mean_ci
 from .tasks import TASKS
 
 

@@ -6,6 +6,7 @@ engine.py     the request queue and the worker thread that makes every model cal
 admission.py  which waiting requests start now (K/V memory, batch slots) and which prefill together
 decode.py     prefill, one decode step of every running batch, streaming, rows that end
 handle.py     a request's handle (events, cancel, deadline), its row, the batch it may join
+budgeter.py   the K/V bytes a row holds, measured through the model: what admission counts
 batch.py      one left-padded decode batch sharing one cache
 detokenize.py token ids -> streamed text deltas, stop strings
 sampling.py   greedy / temperature / top-p

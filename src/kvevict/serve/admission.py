@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections import deque
 
 from ..storage import Pools
+from .budgeter import Budgeter, spec_policy
 from .handle import Handle, Running, joins, scores_prompt
-from .memory import Budgeter, spec_policy
 from .metrics import Metrics
 from .settings import Settings
 

@@ -12,9 +12,9 @@ import torch
 
 from ..storage import Pools
 from .batch import DecodeBatch
+from .budgeter import Budgeter
 from .handle import Handle, Row, Running, joins, scores_prompt
 from .logprobs import prompt_entries, token_entries
-from .memory import Budgeter
 from .metrics import Metrics
 from .sampling import pick_tokens
 from .settings import Settings

@@ -24,10 +24,10 @@ import torch
 from ..attention import ATTN_NAME, register
 from ..storage import Pools
 from .admission import Admission
+from .budgeter import Budgeter
 from .decode import Decoder
 from .errors import BadRequest
 from .handle import Handle, Running
-from .memory import Budgeter
 from .metrics import Metrics
 from .protocol import GenRequest
 from .settings import Settings

@@ -9,8 +9,8 @@ import time
 
 from ..rows import shareable
 from .batch import DecodeBatch
+from .budgeter import spec_policy
 from .detokenize import TextStream
-from .memory import spec_policy
 from .protocol import GenRequest
 from .sampling import make_generator
 

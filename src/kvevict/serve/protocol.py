@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from ..budget import check_budget, layer_budgets, resolve_budget
 from ..policies import POLICIES
 from ..spec import FULL, CacheSpec
+from .budgeter import spec_policy
 from .errors import BadRequest
 from .logprobs import MAX_TOP
-from .memory import spec_policy
 from .settings import Settings
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
