@@ -123,7 +123,9 @@ def test_a_full_queue_answers_429_with_retry_after_and_the_queued_ones_complete(
 
 def test_request_timeout_ends_running_and_queued_requests_with_504_and_frees_them(folder):
     app, engine = build(folder, {**DEFAULTS, "max_batch": 1, "request_timeout": 0.6})
-    _slow(engine)
+    # steps of 0.3 s: the running row is dropped at a step boundary after its deadline, by then the
+    # waiting one's deadline (submitted a moment later) has passed too, however busy this machine is
+    _slow(engine, 0.3)
     with ServerThread(app) as srv:
         t, queued = _in_background(_request, srv.url, "POST", "/v1/chat/completions", LONG)
         status, headers, text = _request(srv.url, "POST", "/v1/chat/completions", LONG)
