@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from kvevict.eval import metrics, stats
+from kvevict.eval import intervals, metrics
 
 
 def test_perplexity_is_exp_of_mean_nll():
@@ -67,26 +67,26 @@ def test_bleu_identical_is_100_and_partial_by_hand():
 
 
 def test_mean_ci_by_hand():
-    ci = stats.mean_ci([1.0, 2.0, 3.0])
+    ci = intervals.mean_ci([1.0, 2.0, 3.0])
     # mean 2, s = 1, t_{0.975, 2} = 4.303: half-width 4.303 / sqrt(3)
     assert ci.mean == 2.0 and ci.n == 3
     assert ci.hi - ci.mean == pytest.approx(4.303 / math.sqrt(3))
-    assert stats.mean_ci([5.0]).n == 1 and math.isnan(stats.mean_ci([5.0]).lo)
+    assert intervals.mean_ci([5.0]).n == 1 and math.isnan(intervals.mean_ci([5.0]).lo)
 
 
 def test_wilson_interval_by_hand():
-    ci = stats.wilson_ci(8, 10)
+    ci = intervals.wilson_ci(8, 10)
     z = 1.96
     centre = (0.8 + z * z / 20) / (1 + z * z / 10)
     half = z * math.sqrt(0.8 * 0.2 / 10 + z * z / 400) / (1 + z * z / 10)
     assert (ci.lo, ci.hi) == pytest.approx((centre - half, centre + half))
-    assert stats.wilson_ci(0, 5).lo == pytest.approx(0.0, abs=1e-12) and stats.wilson_ci(0, 5).hi > 0
+    assert intervals.wilson_ci(0, 5).lo == pytest.approx(0.0, abs=1e-12) and intervals.wilson_ci(0, 5).hi > 0
     for n in range(1, 40):  # never a hair outside [0, 1] (n = 10 gave -2.8e-17)
-        assert stats.wilson_ci(0, n).lo >= 0.0 and stats.wilson_ci(n, n).hi <= 1.0
+        assert intervals.wilson_ci(0, n).lo >= 0.0 and intervals.wilson_ci(n, n).hi <= 1.0
 
 
 def test_aggregate_exp_turns_mean_nll_into_perplexity():
-    ci = stats.aggregate([math.log(2.0), math.log(8.0)], "exp")
+    ci = intervals.aggregate([math.log(2.0), math.log(8.0)], "exp")
     assert ci.mean == pytest.approx(4.0)  # exp(mean log) = geometric mean
     assert ci.lo < 4.0 < ci.hi
-    assert stats.aggregate([1, 0, 1, 1], "proportion").mean == 0.75
+    assert intervals.aggregate([1, 0, 1, 1], "proportion").mean == 0.75

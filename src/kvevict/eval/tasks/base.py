@@ -23,7 +23,7 @@ Cell = tuple  # (policy name, budget); ("full", None) is the reference
 
 class Task:
     name: ClassVar[str] = "base"
-    # metric -> aggregation kind (see stats.aggregate): 'mean', 'proportion' or 'exp'
+    # metric -> aggregation kind (see intervals.aggregate): 'mean', 'proportion' or 'exp'
     metrics: ClassVar[dict[str, str]] = {}
     primary: ClassVar[str] = ""
     higher_is_better: ClassVar[bool] = True
