@@ -199,6 +199,8 @@ BAD = [
     ({"kv_policy": "h2o@1.5"}, "a share of the prompt is in (0, 1]", "kv_policy"),
     ({"kv_policy": "h2o@8", "kv_budget": 8}, "names its budget already", "kv_budget"),
     ({"kv_policy": "h2o@memory=0.2"}, "the server's memory is its --kv-memory", "kv_policy"),
+    ({"kv_policy": "h2o/int8@8"}, "the storage is the server's (--kv-bits)", "kv_policy"),
+    ({"kv_policy": "full/int4"}, "the storage is the server's (--kv-bits)", "kv_policy"),
     ({"seed": 2**64}, "'seed' must be in", "seed"),
     ({"kv_budget": 0}, "positive", "kv_budget"),
     ({"kv_budget": 1.5}, "(0, 1]", "kv_budget"),

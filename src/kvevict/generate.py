@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import DynamicCache
 
-from .cache import make_cache
+from .cache import DEFAULT_BUDGET, make_cache
 from .input_checks import max_positions, no_new_tokens, warn_past_positions
 from .memory import PROMPT_POLICY, parse_memory, pick_policy
 from .policies import policy_class
@@ -19,7 +19,6 @@ from .shape import layer_windows
 from .spec import FULL, CacheSpec
 from .stock import STOCK_BYTES
 
-DEFAULT_BUDGET = 0.2  # a token budget not given: a fifth of the prompt
 # make_cache parameters that describe the cache, not the policy
 _CACHE_PARAMS = ("compact", "kv_bits", "group", "evicted_bits", "evicted_budget")
 

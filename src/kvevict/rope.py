@@ -70,14 +70,15 @@ class CompactPositions:
     def __init__(self, inv_freq: torch.Tensor):
         self.inv_freq = inv_freq
 
-    def apply(self, pieces: list, pos_past: torch.Tensor, valid_past, n_real: torch.Tensor, keyspace=None):
+    def apply(
+        self, pieces: list, pos_past: torch.Tensor, valid_past: torch.Tensor, n_real: torch.Tensor, keyspace=None
+    ):
         """(pieces re-rotated, their compact positions); ``keyspace``: keys stored in a rotated basis
         are taken back to the model's, re-rotated by RoPE, and stored again."""
         f = pos_past.shape[-1]
         if not f:
             return pieces, pos_past
-        valid = valid_past if valid_past is not None else torch.ones_like(pos_past, dtype=torch.bool)
-        compact = compact_positions(pos_past, valid) + (n_real - f).view(-1, 1, 1)
+        compact = compact_positions(pos_past, valid_past) + (n_real - f).view(-1, 1, 1)
         delta, inv_freq = compact - pos_past, self.inv_freq
 
         def shift(k, d):

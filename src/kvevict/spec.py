@@ -119,7 +119,7 @@ def _parse(raw: str) -> CacheSpec:
         return CacheSpec(None, memory=True)
     if raw.startswith(MEMORY):
         return CacheSpec(None, budget=_memory_size(raw[len(MEMORY) :]), memory=True)
-    if raw == _LEGACY_MEMORY or raw.startswith(_LEGACY_MEMORY + "-") and not raw.startswith("memory"):
+    if raw == _LEGACY_MEMORY or raw.startswith(_LEGACY_MEMORY + "-"):
         name = raw[len(_LEGACY_MEMORY) + 1 :]
         inner = _parse(name) if name else CacheSpec(None, memory=True)
         return replace(inner, memory=True)
@@ -138,8 +138,6 @@ def _parse(raw: str) -> CacheSpec:
     if slash and not storage:
         raise ValueError("nothing after /")
     st = Storage.parse(storage) if slash else None
-    if storage == "fp":
-        st = Storage()
     if name == FULL:
         if budget:
             raise ValueError("the full cache keeps every token: no @BUDGET")

@@ -221,16 +221,19 @@ def _kv_fields(body, settings: Settings, prompt_len: int, layers: int):
     if policy in (FULL, "none"):
         return FULL, None, None, None
     known = ", ".join(["full", *sorted(POLICIES)])
-    name = policy.partition("@")[0]  # a cache spec (kvevict.spec): NAME or NAME@BUDGET
-    if name not in POLICIES:
+    # a cache spec (kvevict.spec): NAME or NAME@BUDGET; its policy name first, as the request's error names it
+    name = policy.partition("@")[0].partition("/")[0].removesuffix("+q")
+    if name not in POLICIES and name != FULL:
         raise BadRequest(f"unknown kv_policy {name!r}; known policies: {known}.", "kv_policy")
     try:
         spec = CacheSpec.parse(policy)
     except ValueError as err:
         raise BadRequest(f"kv_policy: {err}", "kv_policy") from None
-    if spec.memory:
+    if spec.memory or spec.storage is not None or spec.question:
         raise BadRequest(
-            "kv_policy takes a token budget (h2o@0.2, h2o@512): the server's memory is its --kv-memory.", "kv_policy"
+            "kv_policy names a policy and its token budget (h2o@0.2, h2o@512): the storage is the server's "
+            "(--kv-bits), the server's memory is its --kv-memory, and a request has no question to protect.",
+            "kv_policy",
         )
     policy, budget = spec.policy, body.get("kv_budget", settings.budget)
     if spec.budget is not None:
