@@ -2,6 +2,7 @@
 records, resume, summary and plots."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -222,3 +223,32 @@ def test_plot_draws_storage_cells_without_a_budget_as_levels(tmp_path):
     path = tmp_path / "passkey.png"
     plot_task("passkey", {"em": cells}, {"em": "accuracy"}, path)
     assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_kvpress_peer_runs_in_the_dtype_of_kvevicts_cells(tok, tmp_path, monkeypatch):
+    """kvpress's process gets the evaluation's dtype (a bf16 grid is compared with bf16 presses) and
+    compression_ratio = 1 - budget; its answers become records of policy kvpress-<press>."""
+    import kvevict.fetch
+    import kvevict.peers.locations
+    from kvevict.eval import peer_kvpress, records
+    from kvevict.eval.tasks.retrieval import RetrievalTask
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    monkeypatch.setattr(kvevict.fetch, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(kvevict.peers.locations, "find", lambda peer: Path("python-of-kvpress"))
+    jobs = []
+
+    def fake_stream(py, job, log):
+        jobs.append(job)
+        for s in job["samples"]:
+            yield {"id": s["id"], "new_ids": tok("12345")["input_ids"], "kv_tokens": 7, "seconds": 0.1}
+
+    monkeypatch.setattr(peer_kvpress, "_stream", fake_stream)
+    task = RetrievalTask(lengths=(96,), depths=(0.5,), haystack_fn=essay_like)
+    out = tmp_path / "out"
+    n = peer_kvpress.run_peer("m", tok, [task], ["snapkv"], [0.25], 2, out, dtype="bfloat16", log=lambda m: None)
+    assert n == 2
+    assert [(j["dtype"], j["compression_ratio"], j["press"]) for j in jobs] == [("bfloat16", 0.75, "snapkv")]
+    got = records.load(out)
+    assert {r["policy"] for r in got.values()} == {"kvpress-snapkv"} and len(got) == 2

@@ -123,6 +123,7 @@ def run(args):
                 args.samples,
                 args.out,
                 threads=getattr(args, "threads", None) or 1,
+                dtype=getattr(args, "dtype", None) or "float32",
             )
     md = summarize(args.out, args.model)
     print(md)

@@ -36,7 +36,8 @@ def main(job):
 
     torch.set_num_threads(job["threads"])
     press, attn = make_press(kvpress, job["press"], job["compression_ratio"])
-    model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32, attn_implementation=attn).eval()
+    dtype = getattr(torch, job.get("dtype", "float32"))
+    model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=dtype, attn_implementation=attn).eval()
     for s in job["samples"]:
         ids = torch.tensor([s["ids"]])
         t0 = time.perf_counter()

@@ -30,8 +30,11 @@ def press_names(requested: str) -> list[str]:
     return items
 
 
-def run_peer(model_name, tokenizer, tasks, presses, budgets, n_samples, out_dir, threads=1, log=None) -> int:
-    """Run every missing (task, kvpress press, budget, sample) record; return how many were written."""
+def run_peer(
+    model_name, tokenizer, tasks, presses, budgets, n_samples, out_dir, threads=1, log=None, dtype="float32"
+) -> int:
+    """Run every missing (task, kvpress press, budget, sample) record; return how many were written.
+    ``dtype``: the model's weights and activations in kvpress's process, as kvevict's own cells ran."""
     from ..fetch import cache_dir
     from ..generate import encode_chat
     from ..peers.locations import find, hint
@@ -68,6 +71,7 @@ def run_peer(model_name, tokenizer, tasks, presses, budgets, n_samples, out_dir,
                         "press": press,
                         "compression_ratio": round(1.0 - budget, 6),
                         "threads": threads,
+                        "dtype": dtype,
                         "pad_token_id": tokenizer.pad_token_id or 0,
                         "samples": [
                             {

@@ -1,0 +1,93 @@
+"""A first prompt under a policy whose statistics come from its last queries only: SDPA gives the
+earlier queries' output, and only the tail is scored. Both must equal the explicit attention."""
+
+import pytest
+import torch
+
+from kvevict import attention
+from kvevict.attention import attend, generic_segments
+
+
+def _explicit(query, key, value, scale):
+    """(b, q, hq, d) output and (b, hkv, q_query, n) probabilities summed over each KV group."""
+    b, hq, q, d = query.shape
+    hkv = key.shape[1]
+    g = hq // hkv
+    k = key.repeat_interleave(g, 1).float()
+    v = value.repeat_interleave(g, 1).float()
+    scores = (query.float() @ k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(torch.ones(q, q, dtype=torch.bool).triu(1), float("-inf"))
+    probs = scores.softmax(-1)
+    return (probs @ v).transpose(1, 2), probs.view(b, hkv, g, q, q).sum(2)
+
+
+def _inputs(b=2, hq=4, hkv=2, q=37, d=16):
+    gen = torch.Generator().manual_seed(0)
+    query = torch.randn(b, hq, q, d, generator=gen)
+    key = torch.randn(b, hkv, q, d, generator=gen)
+    value = torch.randn(b, hkv, q, d, generator=gen)
+    return query, key, value
+
+
+@pytest.mark.parametrize(
+    "wanted, observe, tail",
+    [(("obs",), 8, 8), (("max",), 5, 5), (("last",), 0, 1), (("knorm",), 0, 0), (("obs", "last"), 4, 4)],
+)
+def test_a_tail_policy_scores_only_its_tail_and_matches_explicit_attention(wanted, observe, tail, monkeypatch):
+    query, key, value = _inputs()
+    q, scale = query.shape[2], query.shape[-1] ** -0.5
+    seg = generic_segments(key, value, q, None)
+    assert attention._scored_tail(seg, q, 0, None, None, wanted, observe) == tail
+    scored = []
+    matmul = torch.matmul
+
+    def counting(a, b):  # the score products the loop makes: one per chunk, its rows the queries scored
+        if b.shape[-2] == query.shape[-1] and a.dim() == 4:
+            scored.append(a.shape[-2] // (query.shape[1] // key.shape[1]))
+        return matmul(a, b)
+
+    monkeypatch.setattr(torch, "matmul", counting)
+    out, stats = attend(query, seg, scale, None, None, wanted, observe=observe)
+    monkeypatch.setattr(torch, "matmul", matmul)
+    assert sum(scored) == tail
+    want_out, pg = _explicit(query, key, value, scale)
+    torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-4)
+    if "obs" in wanted:
+        torch.testing.assert_close(stats["obs"], pg[:, :, q - observe :].sum(2), atol=1e-5, rtol=1e-4)
+    if "max" in wanted:
+        g = query.shape[1] // key.shape[1]
+        k = key.repeat_interleave(g, 1)
+        probs = ((query @ k.transpose(-1, -2)) * scale).masked_fill(torch.ones(q, q).triu(1).bool(), -torch.inf)
+        per_head = probs.softmax(-1).view(2, key.shape[1], g, q, q)[:, :, :, q - observe :]
+        torch.testing.assert_close(stats["max"], per_head.amax(dim=(2, 3)), atol=1e-5, rtol=1e-4)
+    if "last" in wanted:
+        torch.testing.assert_close(stats["last"], pg[:, :, -1], atol=1e-5, rtol=1e-4)
+    if "knorm" in wanted:
+        torch.testing.assert_close(stats["knorm"], key.norm(dim=-1), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("wanted", [("sum",), ("obs", "sum"), ("sq",)])
+def test_a_statistic_of_every_query_scores_every_query(wanted):
+    query, key, value = _inputs()
+    q = query.shape[2]
+    seg = generic_segments(key, value, q, None)
+    assert attention._scored_tail(seg, q, 0, None, None, wanted, 8) == q
+    out, stats = attend(query, seg, query.shape[-1] ** -0.5, None, None, wanted, observe=8)
+    want_out, pg = _explicit(query, key, value, query.shape[-1] ** -0.5)
+    torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-4)
+    if "sum" in wanted:
+        torch.testing.assert_close(stats["sum"], pg.sum(2), atol=1e-5, rtol=1e-4)
+
+
+def test_padding_a_window_or_a_softcap_keep_the_explicit_path():
+    query, key, value = _inputs()
+    q = query.shape[2]
+    seg = generic_segments(key, value, q, None)
+    assert attention._scored_tail(seg, q, 0, 16, None, ("obs",), 8) == q  # a sliding window
+    assert attention._scored_tail(seg, q, 0, None, 30.0, ("obs",), 8) == q  # a softcap
+    assert attention._scored_tail(seg, q, 5, None, None, ("obs",), 8) == q  # keys stored before
+    padded = attention.PaddingInfo(
+        padding=torch.ones(2, q, dtype=torch.bool).index_fill_(1, torch.tensor([0]), False), kv_offset=0
+    )
+    seg = generic_segments(key, value, q, padded)
+    assert attention._scored_tail(seg, q, 0, None, None, ("obs",), 8) == q
