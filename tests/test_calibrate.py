@@ -1,8 +1,10 @@
 """kvevict calibrate: the plan it measures, the file it writes, and memory= reading it."""
 
 import json
+import math
 
 import pytest
+import torch
 
 import kvevict
 from conftest import tiny_model
@@ -91,3 +93,52 @@ def test_a_sliding_model_s_candidates_spend_the_bytes_as_memory_does():
     assert "int8+int4" in dense and "int8+int4" not in sliding  # memory= keeps int4 alone on a sliding model
     for n in (500, 2000):  # token budgets solved per layer: under the dense share, a sliding layer being cheap
         assert sliding["int4"].tokens(n) < float(dense["int4"]) * n
+
+
+@pytest.fixture(scope="module")
+def prompt_calibrated():
+    model, tok = tiny_model("llama-gqa"), tiny_tokenizer()
+    got = calibrate(model, tok, (0.5,), "kvzip-pool", tokens=96, windows=1, heldout=1, log=lambda m: None)
+    return model, tok, got
+
+
+def test_a_prompt_scoring_policy_is_calibrated_on_compressed_prompts(prompt_calibrated):
+    model, _, p = prompt_calibrated
+    assert p["policy"] == "kvzip-pool" and p["calibration"]["on"].startswith("prompts")
+    (c,) = p["choices"]
+    assert set(c["candidates"]) == {label for label, _ in candidates(0.5, 8, 4, 0, group=8)}
+    best = min(c["candidates"], key=lambda k: c["candidates"][k]["nll"])
+    assert c["winner"] == best
+    # the built-in rule's choice for a prompt-scoring policy, the one the plan is checked against
+    assert c["builtin"] == plan(0.5, 8, 8, 4, 0, group=8, floor=1, scores_prompt=True).storage.label
+    assert all(math.isfinite(x["nll"]) and x["nll"] > 0 for x in c["candidates"].values())
+
+
+def test_memory_uses_a_prompt_scoring_policy_s_own_plan_beside_the_streaming_one(
+    prompt_calibrated, tmp_path, monkeypatch
+):
+    from kvevict.eval.caches import new_cache
+
+    model, tok, p = prompt_calibrated
+    monkeypatch.setenv("KVEVICT_PLANS", str(tmp_path))
+    assert default_path(model, "kvzip-pool") != default_path(model)  # the streaming plan stays where it is
+    prompt = torch.randint(4, 120, (1, 200), generator=torch.Generator().manual_seed(0))  # past the short-prompt floor
+
+    def storage():
+        return new_cache(model, "mem-kvzip-pool", 0.45, prompt=prompt, tokenizer=tok).storage
+
+    rule = storage()
+    forced = "fp16" if (rule.kv_bits, rule.evicted_bits) != (16, None) else "int4"
+    save(dict(p, choices=[dict(c, storage=forced) for c in p["choices"]]), default_path(model, "kvzip-pool"))
+    got = storage()
+    assert (got.kv_bits, got.evicted_bits) == ((16, None) if forced == "fp16" else (4, None))
+    # a plan written for the streaming policy does not steer the prompt-scoring one
+    default_path(model, "kvzip-pool").unlink()
+    save(dict(p, policy="mas", choices=[dict(c, storage=forced) for c in p["choices"]]), default_path(model))
+    assert storage() == rule
+
+
+def test_a_prompt_scoring_policy_cannot_be_calibrated_on_streamed_text():
+    model, tok = tiny_model("llama-gqa"), tiny_tokenizer()
+    with pytest.raises(ValueError, match="only be calibrated on prompts"):
+        calibrate(model, tok, (0.5,), "kvzip-pool", tokens=96, windows=1, heldout=1, log=lambda m: None, prompt=False)

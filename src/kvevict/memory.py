@@ -433,10 +433,11 @@ def _calibrated_kind(model, memory, policy, plan_file) -> str | None:
     """The kind of storage a calibrated plan gives this budget and policy; None: the built-in rule."""
     if plan_file is False or not isinstance(parse_memory(memory), float):
         return None
-    path = plans.default_path(model) if plan_file is None else plan_file
+    own = None if policy.name == STREAM_POLICY else policy.name  # the default streaming policy's file is the model's
+    path = plans.default_path(model, own) if plan_file is None else plan_file
     if plan_file is None and not path.exists():
         return None
     data = plans.load(path, model)
-    if data["policy"] != policy.name or getattr(policy, "needs_prompt", False):
+    if data["policy"] != policy.name:
         return None
     return plans.nearest(data, parse_memory(memory))["storage"]

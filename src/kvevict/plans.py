@@ -44,13 +44,15 @@ def signature_id(sig: dict) -> str:
 PLANS_ENV = "KVEVICT_PLANS"  # the folder of calibrated plans (default: plans/ in kvevict's cache)
 
 
-def default_path(model) -> Path:
+def default_path(model, policy: str | None = None) -> Path:
     """Where ``kvevict calibrate`` writes a model's plan and ``memory=`` looks for it:
-    ``$KVEVICT_PLANS`` or ``~/.cache/kvevict/plans``, one file per model signature."""
+    ``$KVEVICT_PLANS`` or ``~/.cache/kvevict/plans``, one file per model signature for the default
+    streaming policy (``policy`` None), and one per model and policy for any other, so a plan for a
+    prompt-scoring policy sits beside the streaming one instead of replacing it."""
     import os
 
     folder = Path(os.environ[PLANS_ENV]) if os.environ.get(PLANS_ENV) else cache_dir("plans")
-    return folder / f"{signature_id(signature(model))}.json"
+    return folder / f"{signature_id(signature(model))}{'' if policy is None else '-' + policy}.json"
 
 
 def load(path, model) -> dict:

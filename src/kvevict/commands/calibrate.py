@@ -17,7 +17,15 @@ def add_arguments(p):
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="the model's dtype (a plan is per dtype)")
     p.add_argument("--memory", default="0.2,0.1,0.05", help="comma-separated memory shares of a 16-bit stock cache")
     p.add_argument(
-        "--policy", help="the streaming policy the plan is for (default: the one memory= picks for streamed text, mas)"
+        "--policy",
+        help="the policy the plan is for (default: the one memory= picks for streamed text, mas); a prompt-scoring "
+        "one (kvzip-pool) is calibrated on prompts",
+    )
+    p.add_argument(
+        "--prompt",
+        action="store_true",
+        help="calibrate on compressed prompts (pass key and continuation NLL), as kvevict.generate uses the policy "
+        "(e.g. --policy ada-snapkv); implied for a policy that scores the whole prompt first",
     )
     # 4 windows of 1,024 tokens: with 2 of 512 SmolLM2's choice at 20% lost to the rule held out
     p.add_argument("--tokens", type=int, default=1024, help="tokens per calibration window")
@@ -31,7 +39,7 @@ def add_arguments(p):
 
 def run(args):
     from ..eval.calibrate import calibrate, default_path, save
-    from ..memory import parse_memory
+    from ..memory import STREAM_POLICY, parse_memory
 
     memories = []
     for item in (x.strip() for x in args.memory.split(",") if x.strip()):
@@ -45,7 +53,18 @@ def run(args):
         raise ValueError("--tokens must be >= 64, --windows >= 1 and --chunk >= 1.")
     setup_threads(args)
     model, tok = load_model_args(args)
-    plan = calibrate(model, tok, memories, args.policy, args.tokens, args.windows, args.windows, args.chunk)
-    path = save(plan, args.out or default_path(model))
+    plan = calibrate(
+        model,
+        tok,
+        memories,
+        args.policy,
+        args.tokens,
+        args.windows,
+        args.windows,
+        args.chunk,
+        prompt=args.prompt or None,
+    )
+    own = None if plan["policy"] == STREAM_POLICY else plan["policy"]  # the streaming default's file is the model's
+    path = save(plan, args.out or default_path(model, own))
     print(f"wrote {path}" + ("" if args.out else " (memory= uses it for this model; plan=False ignores it)"))
     return 0

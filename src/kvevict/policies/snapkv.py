@@ -46,7 +46,8 @@ def pool(score: torch.Tensor, c: Candidates, kernel: int) -> torch.Tensor:
     within its own KV head (adaptive layers mix heads in one row); invalid candidates sort first
     and pool as zeros, as kvpress's padded pooling does."""
     pos = c.pos.masked_fill(~c.valid, -1)
-    key = pos if c.head is None else c.head.long() * (int(c.pos.max()) + 2) + pos
+    # heads apart by 2**40 (positions stay below it): no host read of the largest position per step
+    key = pos if c.head is None else c.head.long() * (1 << 40) + pos
     order = key.argsort(-1)
     obs = score.gather(-1, order)
     grp = None if c.head is None else c.head.long().gather(-1, order)
