@@ -165,18 +165,12 @@ def calibrate(
         cell_of = "{}/{}".format
     full = ("full", None)
     sliding = sliding_windows(model.config)
+    found_of = {m: candidates(m, d, dtype_bytes, stats_bytes, group, sliding) for m in memories}
+    # a cell's budget: the token share on streamed text, the memory share on prompts (the cache plans it)
     per_memory = {
-        m: [
-            (cell_of(policy, label), m if prompt else share)
-            for label, share in candidates(m, d, dtype_bytes, stats_bytes, group, sliding)
-        ]
-        for m in memories
+        m: [(cell_of(policy, label), m if prompt else share) for label, share in c] for m, c in found_of.items()
     }
-    shares = {
-        (cell_of(policy, label), m): share
-        for m in memories
-        for label, share in candidates(m, d, dtype_bytes, stats_bytes, group, sliding)
-    }
+    shares = {cell: share for m, c in found_of.items() for cell, (_, share) in zip(per_memory[m], c)}
     scored = score(calib, [full] + [c for cells in per_memory.values() for c in cells])
     what = "retrieval + continuation NLL after compressed prompts" if prompt else "NLL"
     log(f"full cache: {what} {scored[full]:.4f} per token on {windows} windows of {tokens} tokens")
@@ -184,7 +178,7 @@ def calibrate(
     for m, cells in per_memory.items():
         for cell in cells:
             log(
-                f"  memory {m:g}: {cell[0]:16s} {shares.get(cell, cell[1]):6.1%} of the tokens  "
+                f"  memory {m:g}: {cell[0]:16s} {shares[cell]:6.1%} of the tokens  "
                 f"NLL {scored[cell] - scored[full]:+.4f}"
             )
         best = min(cells, key=lambda c: scored[c])
@@ -208,7 +202,7 @@ def calibrate(
         gain = held_nll[rule] - held_nll[best]
         keep = best if gain >= 0 else rule  # a winner the held-out windows do not confirm leaves the rule
         log(
-            f"memory {m:g}: {best[0]} won ({shares.get(best, best[1]):.1%} of the tokens); "
+            f"memory {m:g}: {best[0]} won ({shares[best]:.1%} of the tokens); "
             f"held out {held_nll[best] - held_nll[full]:+.4f} "
             f"nats per token against the built-in rule's {rule[0]} {held_nll[rule] - held_nll[full]:+.4f}"
             + ("" if best == rule else f" ({gain:+.4f} in favour of the winner)")
@@ -218,16 +212,14 @@ def calibrate(
             {
                 "memory": m,
                 "storage": keep[0].partition("/")[2],
-                "share": shares.get(keep, keep[1]),
+                "share": shares[keep],
                 "nll": scored[keep],
                 "heldout_nll": held_nll[keep],
                 "winner": best[0].partition("/")[2],
                 "winner_heldout_nll": held_nll[best],
                 "builtin": rule[0].partition("/")[2],
                 "builtin_heldout_nll": held_nll[rule],
-                "candidates": {
-                    c[0].partition("/")[2]: {"share": shares.get(c, c[1]), "nll": scored[c]} for c in per_memory[m]
-                },
+                "candidates": {c[0].partition("/")[2]: {"share": shares[c], "nll": scored[c]} for c in per_memory[m]},
             }
         )
     full_calib, full_held = scored[full], held_nll[full]
