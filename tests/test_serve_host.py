@@ -190,6 +190,29 @@ def test_a_client_that_goes_away_frees_its_row_and_pages_within_one_decode_step(
         assert engine.pages.pages_in_use() == 0
 
 
+def test_the_idle_worker_gives_the_freed_heap_back_once_per_idle_spell(folder, monkeypatch):
+    """Each time nothing runs or waits any more, the worker returns the heap's free pages to the OS
+    (glibc's malloc_trim, ``kvevict.serve.heap``) once, not at every idle wake-up."""
+    import platform
+
+    from kvevict.serve import heap
+
+    calls = []
+    monkeypatch.setattr(heap, "trim", lambda: calls.append(time.monotonic()) or True)
+    app, engine = build(folder, DEFAULTS)
+    with ServerThread(app) as srv:
+        assert _wait(lambda: len(calls) == 1)  # idle from the start
+        for n in (2, 3):
+            out = _client(srv).chat.completions.create(model=MODEL, messages=chat("hi"), max_tokens=3)
+            assert out.choices[0].message.content is not None
+            assert _wait(lambda: len(calls) == n)  # after the request, idle again: one more
+            time.sleep(1.2)  # the worker wakes every 0.5 s while idle: no trim for those
+            assert len(calls) == n and engine.trims == n
+    monkeypatch.undo()
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        assert heap.trim()  # the real one, where there is a glibc: it ran
+
+
 def _three_in_flight(folder, seconds, max_tokens):
     """A draining server with one batch slot, each model call at least ``seconds`` long, and three
     requests of ``max_tokens`` in flight (one runs, two wait): (server, its thread, url, engine,

@@ -403,14 +403,24 @@ class EvictingLayer(CacheLayerMixin):
         }
         self.evicted += max(0, self.tiers[0].filled + m * self.shared - self.budget * self.shared) // self.shared
         merge = self.summary is not None
+        # an unpadded decode step: rows advance together, so a tier out of room is full of tokens
+        # in every row and what it evicts is real: no host read to cut it to its valid entries
+        real = m == 1 and not self._padded
         gone = self.tiers[0].insert(
-            self.rows, new, ctx, protected_newcomer=valid_new is None, want_evicted=len(self.tiers) > 1 or merge
+            self.rows,
+            new,
+            ctx,
+            protected_newcomer=valid_new is None,
+            want_evicted=len(self.tiers) > 1 or merge,
+            all_real=real,
         )
         if len(self.tiers) > 1:  # what the first tier demotes goes to the second; what leaves that, on
             demoted, gone = gone, None
             # unpadded, every demoted entry is a real token: skip the host sync that checks it
             if demoted is not None and (not self._padded or bool((demoted["pos"] >= 0).any())):
-                gone = self.tiers[1].insert(self.rows, demoted, ctx, protected_newcomer=False, want_evicted=merge)
+                gone = self.tiers[1].insert(
+                    self.rows, demoted, ctx, protected_newcomer=False, want_evicted=merge, all_real=real
+                )
         if gone is not None and self.summary is not None:  # what left the last tier leaves the cache: into the summary
             self.summary.add(gone, self.shared)
         self.seen += m

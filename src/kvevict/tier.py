@@ -196,10 +196,14 @@ class Tier:
             prompt_len=prompt_len,
         )
 
-    def insert(self, policy: Rows, new: dict, ctx: dict, protected_newcomer: bool, want_evicted: bool):
+    def insert(
+        self, policy: Rows, new: dict, ctx: dict, protected_newcomer: bool, want_evicted: bool, all_real: bool = False
+    ):
         """Store ``new`` entries (keys "k", "v" and the metadata, each (b, h, m, ...); "pos" -1 for
         padding); return the entries that left (evicted candidates, valid first) when
-        ``want_evicted``, else None."""
+        ``want_evicted``, else None. ``all_real``: the caller knows that every slot of a row out of
+        room and every new entry holds a token (an unpadded decode step), so what leaves is never
+        cut to its valid entries (a host read)."""
         m = new["pos"].shape[-1]
         caps = self._caps_host or [self.budget] * len(self.fills)
         real, adds = self._padding(new["pos"], caps)
@@ -216,7 +220,7 @@ class Tier:
             # a row with room: its free slots rank -inf and the first (its fill) is taken
             gone = self._replace_one(policy, new, ctx, protected_newcomer, want_evicted)
         else:
-            gone = self._replace_many(policy, new, ctx, want_evicted)
+            gone = self._replace_many(policy, new, ctx, want_evicted, all_real)
         if fills != self.fills:  # a full cache decoding (the steady state) changes nothing here
             self._set_fills(fills)
         return gone
@@ -318,7 +322,7 @@ class Tier:
         self._write(slot, new, take)
         return gone
 
-    def _replace_many(self, policy, new, ctx, want_evicted):
+    def _replace_many(self, policy, new, ctx, want_evicted, all_real=False):
         """Prefill chunks: evict the m lowest-priority of the B slots + m new tokens; the kept new
         tokens move into the evicted slots, pairwise, so storage is overwritten in place."""
         B, m = self.capacity, new["pos"].shape[-1]
@@ -328,7 +332,7 @@ class Tier:
         order = torch.arange(prio.shape[-1], device=prio.device, dtype=torch.float32)
         prio = torch.where(prio == -float("inf"), order * 1e32 - 3e38, prio)
         out = prio.topk(m, dim=-1, largest=False).indices  # (b, h, m) evicted candidates
-        gone = self._evicted(out, new) if want_evicted else None
+        gone = self._evicted(out, new, all_real) if want_evicted else None
         ev_slot = torch.zeros(prio.shape[0], prio.shape[1], B + m, dtype=torch.bool, device=prio.device)
         ev_slot.scatter_(-1, out, True)
         k = min(m, B)
@@ -341,14 +345,16 @@ class Tier:
         self._write(targets, moved, move)
         return gone
 
-    def _evicted(self, out, new: dict) -> dict:
+    def _evicted(self, out, new: dict, all_real: bool = False) -> dict:
         """The entries of evicted candidates ``out`` (indices into slots + new), valid ones first,
-        cut to the most valid ones any (sequence, head) has."""
+        cut to the most valid ones any (sequence, head) has (every one, with ``all_real``)."""
         B = self.capacity
         from_slot = out < B
         stored = self._read(out.clamp(max=B - 1))
         fresh = {n: t.gather(2, expand_index((out - B).clamp(min=0), t)) for n, t in new.items()}
         got = {n: torch.where(trailing(from_slot, stored[n]), stored[n], fresh[n]) for n in stored}
+        if all_real:
+            return got
         valid = got["pos"] >= 0
         order = torch.argsort((~valid).to(torch.int8), dim=-1, stable=True)
         keep = int(valid.sum(-1).max())

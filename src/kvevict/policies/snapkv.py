@@ -50,14 +50,15 @@ def pool(score: torch.Tensor, c: Candidates, kernel: int) -> torch.Tensor:
     key = pos if c.head is None else c.head.long() * (1 << 40) + pos
     order = key.argsort(-1)
     obs = score.gather(-1, order)
-    grp = None if c.head is None else c.head.long().gather(-1, order)
-    total, count = torch.zeros_like(obs), torch.zeros_like(obs)
-    n = obs.shape[-1]
-    for d in range(-(kernel // 2), kernel // 2 + 1):
-        lo, hi = max(0, -d), min(n, n - d)  # output i reads neighbour i + d
-        if lo >= hi:
-            continue
-        same = 1.0 if grp is None else (grp[..., lo + d : hi + d] == grp[..., lo:hi]).float()
-        total[..., lo:hi] += obs[..., lo + d : hi + d] * same
-        count[..., lo:hi] += same
-    return torch.empty_like(obs).scatter_(-1, order, total / count)
+    # each output's window of neighbours as one view: padding past either end belongs to no head
+    # (-1), so it is neither summed nor counted; the window is summed in order, left to right, so
+    # each score is a fixed sum of its own neighbours, whatever the batch around it
+    grp = torch.zeros_like(order) if c.head is None else c.head.long().gather(-1, order)
+    r = kernel // 2
+    near = torch.nn.functional.pad(grp, (r, r), value=-1).unfold(-1, kernel, 1)  # (..., n, kernel)
+    same = (near == grp.unsqueeze(-1)).to(obs.dtype)
+    window = torch.nn.functional.pad(obs, (r, r)).unfold(-1, kernel, 1) * same
+    total = window[..., 0]
+    for j in range(1, kernel):
+        total = total + window[..., j]
+    return torch.empty_like(obs).scatter_(-1, order, total / same.sum(-1))

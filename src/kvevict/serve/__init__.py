@@ -13,6 +13,7 @@ sampling.py   greedy / temperature / top-p
 logprobs.py   token log-probabilities from the step's logits, in OpenAI's layouts
 auth.py       --api-key: Bearer keys on /v1 (401)
 drain.py      SIGTERM: 503 for new requests, in-flight ones finish, exit 0
+heap.py       the freed heap back to the OS when the server goes idle (glibc's malloc_trim)
 responses.py  OpenAI response and chunk objects, SSE
 metrics.py    Prometheus text format
 server.py     uvicorn in the foreground or in a thread

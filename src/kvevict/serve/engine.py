@@ -23,6 +23,7 @@ import torch
 
 from ..attention import ATTN_NAME, register
 from ..storage import Pools
+from . import heap
 from .admission import Admission
 from .budgeter import Budgeter
 from .decode import Decoder
@@ -48,6 +49,7 @@ class Engine:
         self._stopping = False
         self.draining = False  # SIGTERM: new requests get 503, those admitted or waiting finish
         self.loops = 0  # worker loops so far: how soon a cancelled row leaves is counted in them
+        self.trims = 0  # times the idle worker gave the freed heap back to the OS (``heap``)
         self._thread = threading.Thread(target=self._run, name="kvevict-engine", daemon=True)
         # one attention implementation for every policy, "full" included (exact with a DynamicCache)
         register()
@@ -181,6 +183,7 @@ class Engine:
     def _admit(self) -> list[Handle] | None:
         """Waiting requests that fit now (``Admission.take``), after waiting for work; None when
         the server stops."""
+        trimmed = False
         with self._cond:
             while True:
                 if self._stopping:
@@ -191,6 +194,9 @@ class Engine:
                 self.admission.drop_gone(time.monotonic())
                 if self._running or self._pending:
                     break
+                if not trimmed:  # idle from now: what the work freed goes back to the OS
+                    self.trims += heap.trim()
+                    trimmed = True
                 self._cond.wait(0.5)
             taken = self.admission.take()
             self._starting = len(taken)
