@@ -44,27 +44,22 @@ def hadamard(d: int, dtype: torch.dtype, device) -> torch.Tensor:
     return _hadamard_cpu(d).to(device=device, dtype=dtype)
 
 
-@functools.lru_cache(maxsize=8)
-def _butterfly(device) -> torch.Tensor:
-    """(2, 2, 1): a butterfly's signs, [[1, 1], [1, -1]], the last axis broadcast over its pairs."""
-    return torch.tensor([[1.0, 1.0], [1.0, -1.0]], device=device).view(2, 2, 1)
-
-
 def rotate(x: torch.Tensor) -> torch.Tensor:
     """x H over the last dimension, as a fast Walsh-Hadamard transform in float32: log2(n) stages of
     butterflies (a + b, a - b), then 1 / sqrt(n). Element by element, so a row's result does not
     depend on the batch around it (a matmul's blocking does, by the last bit, and a bit can flip a
-    stored code: a padded batch must store what each row alone stores). A stage is one product with
-    the signs and one sum over pairs: a two-term sum of exact products is a + b (or a - b) rounded
-    once, whatever the order, in two kernels a stage instead of five."""
+    stored code: a padded batch must store what each row alone stores). Each stage writes its sums
+    and differences straight into the halves of the next buffer: two kernels a stage, no copy."""
     d = x.shape[-1]
     n = d & -d
     y = x.float().reshape(-1, n)  # every block of n channels of every vector, one per row
-    signs = _butterfly(y.device)
-    h = 1
+    bufs = (torch.empty_like(y), torch.empty_like(y))  # never written into y: it may be x itself
+    h, i = 1, 0
     while h < n:
-        y = (y.view(-1, n // (2 * h), 1, 2, h) * signs).sum(-2).view(-1, n)
-        h *= 2
+        a, out = y.view(-1, n // (2 * h), 2, h), bufs[i].view(-1, n // (2 * h), 2, h)
+        torch.add(a[:, :, 0], a[:, :, 1], out=out[:, :, 0])
+        torch.sub(a[:, :, 0], a[:, :, 1], out=out[:, :, 1])
+        y, h, i = bufs[i], 2 * h, 1 - i
     return (y.view(x.shape) * n**-0.5).to(x.dtype)
 
 

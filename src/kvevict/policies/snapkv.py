@@ -50,15 +50,19 @@ def pool(score: torch.Tensor, c: Candidates, kernel: int) -> torch.Tensor:
     key = pos if c.head is None else c.head.long() * (1 << 40) + pos
     order = key.argsort(-1)
     obs = score.gather(-1, order)
-    # each output's window of neighbours as one view: padding past either end belongs to no head
-    # (-1), so it is neither summed nor counted; the window is summed in order, left to right, so
-    # each score is a fixed sum of its own neighbours, whatever the batch around it
-    grp = torch.zeros_like(order) if c.head is None else c.head.long().gather(-1, order)
-    r = kernel // 2
-    near = torch.nn.functional.pad(grp, (r, r), value=-1).unfold(-1, kernel, 1)  # (..., n, kernel)
-    same = (near == grp.unsqueeze(-1)).to(obs.dtype)
-    window = torch.nn.functional.pad(obs, (r, r)).unfold(-1, kernel, 1) * same
+    # each output's window of neighbours as one view (zeros past either end), summed in order, left
+    # to right, so each score is a fixed sum of its own neighbours, whatever the batch around it
+    r, n = kernel // 2, obs.shape[-1]
+    window = torch.nn.functional.pad(obs, (r, r)).unfold(-1, kernel, 1)  # (..., n, kernel)
+    if c.head is None:  # every neighbour in range counts
+        i = torch.arange(n, device=obs.device)
+        count = ((i + r).clamp(max=n - 1) - (i - r).clamp(min=0) + 1).to(obs.dtype)
+    else:  # a neighbour of another head (or past either end: no head, -1) is neither summed nor counted
+        grp = c.head.long().gather(-1, order)
+        near = torch.nn.functional.pad(grp, (r, r), value=-1).unfold(-1, kernel, 1)
+        same = (near == grp.unsqueeze(-1)).to(obs.dtype)
+        window, count = window * same, same.sum(-1)
     total = window[..., 0]
     for j in range(1, kernel):
         total = total + window[..., j]
-    return torch.empty_like(obs).scatter_(-1, order, total / same.sum(-1))
+    return torch.empty_like(obs).scatter_(-1, order, total / count)
