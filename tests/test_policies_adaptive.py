@@ -345,3 +345,19 @@ def test_cli_policy_check_knows_adaptive_and_question_specs():
     check_policy_args(ok)
     with pytest.raises(ValueError, match="unknown policy 'ada-nope'"):
         check_policy_args(SimpleNamespace(policy="ada-nope", budget="0.2", prefill="full", stride=None))
+
+
+def test_the_floor_holds_for_every_head_when_one_has_fewer_candidates_than_it():
+    """Ada-KV's floor lifts each head's best k. A head with fewer than k candidates must not undo
+    another head's lift: its top-k is padded with other heads' entries at -inf (this lost head 0's
+    second best, at 8.0, before)."""
+    pol = make_policy("adakv", recent=0, floor=0.5)
+    prio = torch.tensor([[[0.5, 1.0, 2.0, 3.0, 7.0, 8.0, 9.0]]])
+    c = Candidates(
+        stats={}, pos=torch.arange(7).view(1, 1, 7), valid=torch.ones(1, 1, 7, dtype=torch.bool),
+        newest=torch.tensor([[[6]]]), budget=6, layer_idx=0,
+        head=torch.tensor([[[1, 0, 0, 0, 0, 0, 0]]], dtype=torch.uint8), heads=2,
+    )  # fmt: skip
+    assert pol.floor_for(6) == 3
+    inf = float("inf")
+    assert pol._floored(prio, c).tolist() == [[[inf, 1.0, 2.0, 3.0, inf, inf, inf]]]

@@ -136,15 +136,17 @@ class Policy:
         return int(self.floor * (budget - self.recent_for(budget) - self.sinks - self.question))
 
     def _floored(self, prio: torch.Tensor, c: Candidates) -> torch.Tensor:
-        """Each head's ``floor_for`` best in-scope candidates lifted out of the scope (+inf)."""
-        k = min(self.floor_for(c.budget), prio.shape[-1])
-        ranked = torch.isfinite(prio)
-        lift = torch.zeros_like(ranked)
-        for h in range(c.heads):  # a handful of KV heads: one top-k each
-            mine = torch.where(ranked & (c.head == h), prio, -INF)
-            top = mine.topk(k, dim=-1)
-            lift.scatter_(-1, top.indices, torch.isfinite(top.values))
-        return prio.masked_fill(lift, INF)
+        """Each head's ``floor_for`` best in-scope candidates lifted out of the scope (+inf). Every
+        head's top-k at once; a head with fewer than k in scope fills its top-k with other entries
+        (-inf), which point at a spare column, so they never undo another head's lift."""
+        n = prio.shape[-1]
+        k = min(self.floor_for(c.budget), n)
+        heads = torch.arange(c.heads, device=prio.device).view(-1, 1, 1, 1)
+        mine = torch.where(torch.isfinite(prio) & (c.head == heads), prio, -INF)  # (heads, b, h, n)
+        top = mine.topk(k, dim=-1)
+        idx = torch.where(torch.isfinite(top.values), top.indices, n).movedim(0, -2).flatten(-2)
+        lift = torch.zeros(*prio.shape[:-1], n + 1, dtype=torch.bool, device=prio.device)
+        return prio.masked_fill(lift.scatter_(-1, idx, True)[..., :n], INF)
 
     def check(self, budget: int) -> None:
         """Raise a clear error when the parameters cannot work with this budget."""
