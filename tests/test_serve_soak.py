@@ -56,3 +56,22 @@ def test_gauges_are_read_by_name_and_summed_over_vllm_label_sets():
     assert gauge_values(page, {"kv": ("vllm:kv_cache_usage_perc",)}) == {"kv": 0.75}
     assert gauge_values(page, {"kv": ("kvevict_kv_bytes_held",)}) == {"kv": 1024.0}
     assert gauge_values(page)["kv_bytes_held"] == 1024.0
+
+
+def test_the_vllm_server_gets_the_same_model_folder_key_and_threads(tmp_path, monkeypatch):
+    from benchmarks.serve_soak import KEY, args_parser, server_command
+
+    import kvevict.fetch
+
+    (tmp_path / "smollm2-135m").mkdir()
+    (tmp_path / "smollm2-135m" / "config.json").write_text("{}")
+    monkeypatch.setattr(kvevict.fetch, "cache_dir", lambda: tmp_path)
+    a = args_parser().parse_args(["--server", "vllm", "--vllm-python", "/venv/bin/python", "--threads", "3"])
+    cmd, env = server_command(a)
+    assert cmd[:4] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model"]
+    assert cmd[4] == str(tmp_path / "smollm2-135m")
+    for flag, value in (("--served-model-name", "smollm2-135m"), ("--api-key", KEY), ("--port", "8765")):
+        assert cmd[cmd.index(flag) + 1] == value
+    assert env["OMP_NUM_THREADS"] == "3"
+    cmd, _ = server_command(args_parser().parse_args(["--serve-args=--max-queue 4"]))
+    assert cmd[-2:] == ["--max-queue", "4"] and "kvevict.cli" in cmd
