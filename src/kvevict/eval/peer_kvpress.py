@@ -72,7 +72,6 @@ def run_peer(
                         "compression_ratio": round(1.0 - budget, 6),
                         "threads": threads,
                         "dtype": dtype,
-                        "pad_token_id": tokenizer.pad_token_id or 0,
                         "samples": [
                             {
                                 "id": s.id,
