@@ -225,19 +225,18 @@ def test_plot_draws_storage_cells_without_a_budget_as_levels(tmp_path):
     assert path.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_the_kvpress_peer_runs_in_the_dtype_of_kvevicts_cells(tok, tmp_path, monkeypatch):
-    """kvpress's process gets the evaluation's dtype (a bf16 grid is compared with bf16 presses) and
-    compression_ratio = 1 - budget; its answers become records of policy kvpress-<press>."""
+def _fake_kvpress(tok, tmp_path, monkeypatch) -> list:
+    """A converted model folder "m" and a kvpress child that answers "12345" to every sample; the
+    jobs it was given are appended to the list returned."""
     import kvevict.fetch
     import kvevict.peers.locations
-    from kvevict.eval import peer_kvpress, records
-    from kvevict.eval.tasks.retrieval import RetrievalTask
+    from kvevict.eval import peer_kvpress
 
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text("{}")
     monkeypatch.setattr(kvevict.fetch, "cache_dir", lambda: tmp_path)
     monkeypatch.setattr(kvevict.peers.locations, "find", lambda peer: Path("python-of-kvpress"))
-    jobs = []
+    jobs: list = []
 
     def fake_stream(py, job, log):
         jobs.append(job)
@@ -245,6 +244,16 @@ def test_the_kvpress_peer_runs_in_the_dtype_of_kvevicts_cells(tok, tmp_path, mon
             yield {"id": s["id"], "new_ids": tok("12345")["input_ids"], "kv_tokens": 7, "seconds": 0.1}
 
     monkeypatch.setattr(peer_kvpress, "_stream", fake_stream)
+    return jobs
+
+
+def test_the_kvpress_peer_runs_in_the_dtype_of_kvevicts_cells(tok, tmp_path, monkeypatch):
+    """kvpress's process gets the evaluation's dtype (a bf16 grid is compared with bf16 presses) and
+    compression_ratio = 1 - budget; its answers become records of policy kvpress-<press>."""
+    from kvevict.eval import peer_kvpress, records
+    from kvevict.eval.tasks.retrieval import RetrievalTask
+
+    jobs = _fake_kvpress(tok, tmp_path, monkeypatch)
     task = RetrievalTask(lengths=(96,), depths=(0.5,), haystack_fn=essay_like)
     out = tmp_path / "out"
     n = peer_kvpress.run_peer("m", tok, [task], ["snapkv"], [0.25], 2, out, dtype="bfloat16", log=lambda m: None)
@@ -252,3 +261,33 @@ def test_the_kvpress_peer_runs_in_the_dtype_of_kvevicts_cells(tok, tmp_path, mon
     assert [(j["dtype"], j["compression_ratio"], j["press"]) for j in jobs] == [("bfloat16", 0.75, "snapkv")]
     got = records.load(out)
     assert {r["policy"] for r in got.values()} == {"kvpress-snapkv"} and len(got) == 2
+
+
+def test_kvpress_records_of_the_harness_that_refilled_the_cache_are_run_again(tok, tmp_path, monkeypatch):
+    """A kvpress record without the decode mark came from the harness whose model.generate refilled
+    the pressed cache with the prompt: loading drops it (the report never shows it) and the peer
+    runs that sample again; kvevict's own records are untouched."""
+    import json
+
+    from kvevict.eval import peer_kvpress, records
+    from kvevict.eval.tasks.retrieval import RetrievalTask
+
+    jobs = _fake_kvpress(tok, tmp_path, monkeypatch)
+    task = RetrievalTask(lengths=(96,), depths=(0.5,), haystack_fn=essay_like)
+    ids = [s.id for s in task.samples(tok, 2)]
+    out = tmp_path / "out"
+    out.mkdir()
+    old = [
+        {"model": "m", "task": task.name, "policy": p, "budget": b, "sample": i, "scores": {"em": 1.0}}
+        for i in ids
+        for p, b in (("kvpress-snapkv", 0.25), ("h2o", 0.25))
+    ]
+    old[2]["decode"] = records.PEER_DECODE  # the second sample's kvpress record: already re-run
+    (out / records.FILE).write_text("".join(json.dumps(r) + "\n" for r in old))
+    assert sorted((k[2], k[4]) for k in records.load(out)) == sorted(
+        [("h2o", ids[0]), ("h2o", ids[1]), ("kvpress-snapkv", ids[1])]
+    )
+    assert peer_kvpress.run_peer("m", tok, [task], ["snapkv"], [0.25], 2, out, log=lambda m: None) == 1
+    assert [s["id"] for s in jobs[0]["samples"]] == [ids[0]]
+    got = records.load(out)
+    assert len(got) == 4 and all(r.get("decode") == records.PEER_DECODE for r in got.values() if r["policy"] != "h2o")

@@ -2,9 +2,9 @@
 kvpress is not needed to decode after a press, only a DynamicCache it has shortened."""
 
 import torch
-from conftest import tiny_model
 from transformers import DynamicCache
 
+from conftest import tiny_model
 from kvevict.eval.kvpress_child import eos_ids, greedy
 
 

@@ -95,6 +95,7 @@ def run_peer(
                             "output": text,
                             "kv_tokens": line["kv_tokens"],
                             "seconds": line["seconds"],
+                            "decode": records.PEER_DECODE,
                         }
                         writer.write(rec)
                         done[records.record_key(rec)] = rec

@@ -11,6 +11,16 @@ FILE = "records.jsonl"
 # a stock cache at 16 bits; older ones counted every layer at every token in the model's dtype
 # (see bytes_report.stock_share)
 BASIS = "stock16"
+# kvpress records carry how the peer decoded after its press: before each token was fed at its own
+# position (kvpress_child.greedy), model.generate refilled the pressed cache with most of the prompt,
+# so a kvpress record without this mark measured no press at all. Loading drops those: a folder
+# re-runs them instead of reporting them.
+PEER_DECODE = "own-positions"
+
+
+def stale(rec: dict) -> bool:
+    """A kvpress record from the harness that refilled the pressed cache (see ``PEER_DECODE``)."""
+    return str(rec.get("policy", "")).startswith("kvpress-") and rec.get("decode") != PEER_DECODE
 
 
 def budget_key(budget) -> str:
@@ -25,7 +35,8 @@ def record_key(rec_or_task, policy=None, budget=None, sample=None, model=None) -
 
 
 def load(out_dir) -> dict[tuple, dict]:
-    """Records already written (a torn last line from a killed run is skipped)."""
+    """Records already written (a torn last line from a killed run is skipped, and so is a ``stale``
+    kvpress record)."""
     path = Path(out_dir) / FILE
     done = {}
     if path.exists():
@@ -34,7 +45,8 @@ def load(out_dir) -> dict[tuple, dict]:
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            done[record_key(rec)] = rec
+            if not stale(rec):
+                done[record_key(rec)] = rec
     return done
 
 
