@@ -12,15 +12,18 @@ FILE = "records.jsonl"
 # (see bytes_report.stock_share)
 BASIS = "stock16"
 # kvpress records carry how the peer decoded after its press: before each token was fed at its own
-# position (kvpress_child.greedy), model.generate refilled the pressed cache with most of the prompt,
-# so a kvpress record without this mark measured no press at all. Loading drops those: a folder
-# re-runs them instead of reporting them.
+# position (kvpress_child.greedy), model.generate refilled a pressed cache that the press had made
+# shorter with most of the prompt, so such a record measured no press at all. Loading drops those:
+# a folder re-runs them instead of reporting them. kvpress's KVzip and Ada-KV presses keep every key
+# (they mask the evicted ones), so nothing was refilled: their records stand.
 PEER_DECODE = "own-positions"
+PEER_MASKING = ("kvpress-kvzip", "kvpress-adakv_snapkv")
 
 
 def stale(rec: dict) -> bool:
-    """A kvpress record from the harness that refilled the pressed cache (see ``PEER_DECODE``)."""
-    return str(rec.get("policy", "")).startswith("kvpress-") and rec.get("decode") != PEER_DECODE
+    """A kvpress record of a shortening press from the harness that refilled it (see ``PEER_DECODE``)."""
+    policy = str(rec.get("policy", ""))
+    return policy.startswith("kvpress-") and policy not in PEER_MASKING and rec.get("decode") != PEER_DECODE
 
 
 def budget_key(budget) -> str:
