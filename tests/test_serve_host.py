@@ -218,12 +218,15 @@ def test_the_trim_runs_outside_the_engines_lock(folder, monkeypatch):
     engine's lock is free while it runs."""
     from kvevict.serve import heap
 
-    free = []
+    free, built, box = [], threading.Event(), {}
 
-    def trim():
+    def trim():  # the worker trims as soon as it starts, maybe before build() returns the engine
+        assert built.wait(10)
+        lock = box["engine"]._cond
+
         def take():
-            if engine._cond.acquire(timeout=2):
-                engine._cond.release()
+            if lock.acquire(timeout=2):
+                lock.release()
                 got.append(True)
 
         got: list[bool] = []
@@ -234,7 +237,8 @@ def test_the_trim_runs_outside_the_engines_lock(folder, monkeypatch):
         return True
 
     monkeypatch.setattr(heap, "trim", trim)
-    app, engine = build(folder, DEFAULTS)
+    app, box["engine"] = build(folder, DEFAULTS)
+    built.set()
     with ServerThread(app):
         assert _wait(lambda: len(free) == 1)
     assert free == [True]
