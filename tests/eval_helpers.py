@@ -52,3 +52,26 @@ def essay_like(tokenizer, n_tokens: int, start: int = 0) -> str:
     ids = tokenizer(text, add_special_tokens=False)["input_ids"][:n_tokens]
     cut = tokenizer.decode(ids)
     return cut[: cut.rfind(". ") + 1]
+
+
+def fake_kvpress(tok, tmp_path, monkeypatch) -> list:
+    """A converted model folder "m" and a kvpress child that answers "12345" to every sample; the
+    jobs it was given are appended to the list returned."""
+    import kvevict.fetch
+    import kvevict.peers.locations
+    from kvevict.eval import peer_kvpress
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    real = kvevict.fetch.cache_dir  # the converted models' folder moves; its subfolders (nltk's data) stay
+    monkeypatch.setattr(kvevict.fetch, "cache_dir", lambda *sub: real(*sub) if sub else tmp_path)
+    monkeypatch.setattr(kvevict.peers.locations, "find", lambda peer: Path("python-of-kvpress"))
+    jobs: list = []
+
+    def fake_stream(py, job, log):
+        jobs.append(job)
+        for s in job["samples"]:
+            yield {"id": s["id"], "new_ids": tok("12345")["input_ids"], "kv_tokens": 7, "seconds": 0.1}
+
+    monkeypatch.setattr(peer_kvpress, "_stream", fake_stream)
+    return jobs

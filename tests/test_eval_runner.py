@@ -2,13 +2,12 @@
 records, resume, summary and plots."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import tiny_model
-from eval_helpers import FIXTURES, essay_like, tiny_tokenizer
+from eval_helpers import FIXTURES, essay_like, fake_kvpress, tiny_tokenizer
 from kvevict.data.narrativeqa import narrativeqa
 from kvevict.data.piqa import piqa
 from kvevict.data.xsum import xsum
@@ -225,35 +224,13 @@ def test_plot_draws_storage_cells_without_a_budget_as_levels(tmp_path):
     assert path.read_bytes()[:4] == b"\x89PNG"
 
 
-def _fake_kvpress(tok, tmp_path, monkeypatch) -> list:
-    """A converted model folder "m" and a kvpress child that answers "12345" to every sample; the
-    jobs it was given are appended to the list returned."""
-    import kvevict.fetch
-    import kvevict.peers.locations
-    from kvevict.eval import peer_kvpress
-
-    (tmp_path / "m").mkdir()
-    (tmp_path / "m" / "config.json").write_text("{}")
-    monkeypatch.setattr(kvevict.fetch, "cache_dir", lambda: tmp_path)
-    monkeypatch.setattr(kvevict.peers.locations, "find", lambda peer: Path("python-of-kvpress"))
-    jobs: list = []
-
-    def fake_stream(py, job, log):
-        jobs.append(job)
-        for s in job["samples"]:
-            yield {"id": s["id"], "new_ids": tok("12345")["input_ids"], "kv_tokens": 7, "seconds": 0.1}
-
-    monkeypatch.setattr(peer_kvpress, "_stream", fake_stream)
-    return jobs
-
-
 def test_the_kvpress_peer_runs_in_the_dtype_of_kvevicts_cells(tok, tmp_path, monkeypatch):
     """kvpress's process gets the evaluation's dtype (a bf16 grid is compared with bf16 presses) and
     compression_ratio = 1 - budget; its answers become records of policy kvpress-<press>."""
     from kvevict.eval import peer_kvpress, records
     from kvevict.eval.tasks.retrieval import RetrievalTask
 
-    jobs = _fake_kvpress(tok, tmp_path, monkeypatch)
+    jobs = fake_kvpress(tok, tmp_path, monkeypatch)
     task = RetrievalTask(lengths=(96,), depths=(0.5,), haystack_fn=essay_like)
     out = tmp_path / "out"
     n = peer_kvpress.run_peer("m", tok, [task], ["snapkv"], [0.25], 2, out, dtype="bfloat16", log=lambda m: None)
@@ -272,7 +249,7 @@ def test_kvpress_records_of_the_harness_that_refilled_the_cache_are_run_again(to
     from kvevict.eval import peer_kvpress, records
     from kvevict.eval.tasks.retrieval import RetrievalTask
 
-    jobs = _fake_kvpress(tok, tmp_path, monkeypatch)
+    jobs = fake_kvpress(tok, tmp_path, monkeypatch)
     task = RetrievalTask(lengths=(96,), depths=(0.5,), haystack_fn=essay_like)
     ids = [s.id for s in task.samples(tok, 2)]
     out = tmp_path / "out"

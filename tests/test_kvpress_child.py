@@ -19,6 +19,19 @@ def _prefilled(model, ids, keep=None):
     return cache
 
 
+@torch.no_grad()
+def _masked_greedy(model, full, ids, mask, new):
+    """Greedy ids after ``ids``, whose prompt (all but its last token) sits in ``full``, every step
+    reading only the positions ``mask`` marks."""
+    n, seq, out = ids.shape[1], ids[:, -1:], []
+    for i in range(new):
+        pos = torch.tensor([[n - 1 + i]])
+        logits = model(seq, past_key_values=full, attention_mask=mask[:, : n + i], position_ids=pos).logits
+        out.append(int(logits[0, -1].argmax()))
+        seq = torch.tensor([[out[-1]]])
+    return out
+
+
 def test_without_a_press_the_answer_is_generates_own():
     model = tiny_model("qwen2")
     ids = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(0))
@@ -44,15 +57,7 @@ def test_after_a_press_the_cache_holds_what_it_kept_and_the_answer_only():
     mask = torch.zeros(1, 29 + 6, dtype=torch.long)
     mask[0, keep] = 1
     mask[0, 29:] = 1
-    seq, out = ids[:, -1:], []
-    with torch.no_grad():
-        for i in range(6):
-            logits = model(
-                seq, past_key_values=full, attention_mask=mask[:, : 30 + i], position_ids=torch.tensor([[29 + i]])
-            ).logits
-            out.append(int(logits[0, -1].argmax()))
-            seq = torch.tensor([[out[-1]]])
-    assert got == out
+    assert got == _masked_greedy(model, full, ids, mask, 6)
 
 
 def test_it_stops_after_an_end_token():
@@ -62,3 +67,44 @@ def test_it_stops_after_an_end_token():
     assert greedy(model, _prefilled(model, ids), ids, 4, {first[1]}) == first[:2]
     model.generation_config.eos_token_id = [5, first[0]]
     assert eos_ids(model) == {5, first[0]}
+
+
+def _cut_on_exit(cache, keep):
+    """A stand-in press: on leaving, the cache holds only the positions ``keep`` of its prefill."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def press(model):
+        yield
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys[:, :, keep], layer.values[:, :, keep]
+
+    return press
+
+
+def test_the_question_apart_is_read_whole_after_the_pressed_context():
+    """question=N: only the context (all but the last N tokens) is pressed; the question's tokens
+    follow it at their own positions, unpressed, as kvpress's pipeline reads them. Without a press it
+    is the whole prompt's answer; with one, attention over the kept context keys and every question
+    key, the question itself included."""
+    from kvevict.eval.kvpress_child import answer
+
+    model = tiny_model("qwen2")
+    ids = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = greedy(model, _prefilled(model, ids), ids, 6, set())
+        assert answer(model, _cut_on_exit(DynamicCache(), slice(None)), ids, 6, set(), question=5) == (want, 29)
+
+        keep = torch.tensor([0, 1, 4, 9, 16, 20, 24])  # 7 of the context's 25 tokens
+        cache = DynamicCache()
+        got, kept = answer(model, _cut_on_exit(cache, keep), ids, 6, set(), question=5, cache=cache)
+    assert kept == 7 + 4 and cache.get_seq_length() == 7 + 4 + 6
+    # the reference: the context whole in the cache, the question and answer reading it masked
+    full = DynamicCache()
+    mask = torch.zeros(1, 29 + 6, dtype=torch.long)
+    mask[0, keep] = 1
+    mask[0, 25:] = 1
+    with torch.no_grad():
+        model(ids[:, :25], past_key_values=full, use_cache=True)
+        model(ids[:, 25:29], past_key_values=full, attention_mask=mask[:, :29], position_ids=torch.arange(25, 29)[None])
+    assert got == _masked_greedy(model, full, ids, mask, 6)

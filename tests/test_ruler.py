@@ -5,7 +5,7 @@ import json
 import pytest
 
 from conftest import tiny_model
-from eval_helpers import tiny_tokenizer
+from eval_helpers import fake_kvpress, tiny_tokenizer
 from kvevict.data.ruler import OTHER_TASKS, TASKS, TOKENS_TO_GENERATE, punkt_ready, ruler_samples, string_match_all
 from kvevict.eval.runner import run_grid
 from kvevict.eval.tasks import TASKS as EVAL_TASKS
@@ -143,3 +143,26 @@ def test_punkt_is_trained_into_a_fresh_cache(tmp_path, monkeypatch):
     root = punkt_ready.__wrapped__()  # not the memoized call: this cache is new
     assert root == str(tmp_path / "nltk_data") and nltk.data.path[0] == root
     assert (tmp_path / "nltk_data" / "tokenizers" / "punkt_tab" / "english" / "sent_starters.txt").exists()
+
+
+def test_the_kvpress_peer_with_the_question_apart_holds_the_same_tokens(tok, tmp_path, monkeypatch):
+    """--peer-question apart: each sample tells kvpress how many tokens its question takes (RULER
+    asks on the input's last line, then the answer's start) and the context's compression ratio that
+    keeps budget x prompt tokens in all, question whole; the records are kvpress-<press>/context."""
+    from kvevict.eval import peer_kvpress, records
+    from kvevict.eval.tasks import TASKS as ALL
+
+    jobs = fake_kvpress(tok, tmp_path, monkeypatch)
+    task = ALL["ruler-niah_single_1"](lengths=(512,))
+    samples = task.samples(tok, 2)
+    out = tmp_path / "out"
+    assert peer_kvpress.run_peer("m", tok, [task], ["snapkv"], [0.6], 2, out, question="apart", log=lambda m: None) == 2
+    for s, js in zip(samples, jobs[0]["samples"]):
+        n, q = len(js["ids"]), js["question"]
+        assert s.data["question"].startswith("What is the special magic number")
+        assert s.data["messages"].endswith("\n" + s.data["question"])
+        assert tok.decode(js["ids"][n - q :]).strip() == s.data["question"]  # the question, all of it
+        assert (1 - js["compression_ratio"]) * (n - q) + q == pytest.approx(0.6 * n)
+    assert {k[2] for k in records.load(out)} == {"kvpress-snapkv/context"}
+    with pytest.raises(ValueError, match="no more than its question"):
+        peer_kvpress.run_peer("m", tok, [task], ["snapkv"], [0.01], 2, tmp_path / "o2", question="apart")

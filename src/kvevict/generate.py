@@ -73,11 +73,16 @@ def question_tokens(tokenizer, prompt) -> int:
             "cannot tell the question from the prompt (no blank line before its last paragraph); "
             "pass question=N, the number of its last tokens to protect."
         )
-    full = encode_chat(tokenizer, prompt)[0]
     msgs[-1]["content"] = text[:cut]
-    head = encode_chat(tokenizer, msgs if not isinstance(prompt, str) else text[:cut])[0]
-    n = min(len(full), len(head))
-    same = int((full[:n] == head[:n]).long().cumprod(0).sum())  # tokens shared from the start
+    return tokens_after(tokenizer, prompt, msgs if not isinstance(prompt, str) else text[:cut])
+
+
+def tokens_after(tokenizer, prompt, head) -> int:
+    """Tokens of ``prompt`` (a chat or raw text) past those it shares from its start with ``head``
+    (the same prompt cut before its question): the question's tokens, the template's tail included."""
+    full, start = encode_chat(tokenizer, prompt)[0], encode_chat(tokenizer, head)[0]
+    n = min(len(full), len(start))
+    same = int((full[:n] == start[:n]).long().cumprod(0).sum())
     return len(full) - same
 
 

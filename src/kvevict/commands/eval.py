@@ -39,6 +39,14 @@ def add_arguments(p):
         help="kvpress presses for --peer: snapkv, tova, knorm, expected_attention, observed_attention, "
         "adakv_snapkv, kvzip",
     )
+    p.add_argument(
+        "--peer-question",
+        choices=["pressed", "apart"],
+        default="pressed",
+        help="pressed: kvpress compresses the whole prompt, question included, as kvevict's caches do; apart: "
+        "the context alone, the question read after it, as kvpress's own pipeline does (policy "
+        "kvpress-<press>/context, the same tokens held)",
+    )
     p.add_argument("--summary-only", action="store_true", help="only rewrite summary.md and plots from the records")
 
 
@@ -124,6 +132,7 @@ def run(args):
                 args.out,
                 threads=getattr(args, "threads", None) or 1,
                 dtype=getattr(args, "dtype", None) or "float32",
+                question=getattr(args, "peer_question", None) or "pressed",
             )
     md = summarize(args.out, args.model)
     print(md)

@@ -2,7 +2,12 @@
 tasks, at compression_ratio = 1 - budget, written as records of policy ``kvpress-<press>`` in the
 same folder, so the summary pairs them with the full cache and kvevict's policies sample by sample.
 kvpress runs in its own environment (see kvevict.peers.locations), one process per press and
-budget, the prompts tokenized here with kvevict's tokenizer."""
+budget, the prompts tokenized here with kvevict's tokenizer.
+
+``question="apart"`` runs kvpress's own protocol instead: the context pressed alone, the question read
+after it unpressed (records of policy ``kvpress-<press>/context``). The context's ratio is set per
+sample so that context kept plus question is the budget's share of the prompt, the same tokens as
+``question="pressed"`` holds."""
 
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from .tasks.base import GenerationTask
 
 CHILD = Path(__file__).with_name("kvpress_child.py")
 PRESSES = ("snapkv", "tova", "knorm", "expected_attention", "observed_attention", "adakv_snapkv", "kvzip")
+QUESTION = ("pressed", "apart")
 
 
 def press_names(requested: str) -> list[str]:
@@ -30,15 +36,52 @@ def press_names(requested: str) -> list[str]:
     return items
 
 
+def question_length(tokenizer, sample) -> int:
+    """Tokens of the sample's question, the answer's start included: a task's ``question`` text
+    ending its raw prompt (RULER), else the last paragraph of its chat (``question_tokens``)."""
+    from ..generate import question_tokens, tokens_after
+
+    prompt, question = sample.data["messages"], sample.data.get("question")
+    if isinstance(prompt, str) and question and prompt.endswith(question):
+        return tokens_after(tokenizer, prompt, prompt[: -len(question)])
+    try:
+        return question_tokens(tokenizer, prompt)
+    except ValueError as err:
+        raise ValueError(f"--peer-question apart: sample {sample.id}: {err}") from None
+
+
+def context_ratio(budget: float, n: int, q: int) -> float:
+    """kvpress's compression ratio over the context (``n - q`` tokens) that keeps ``budget * n``
+    tokens with the ``q`` question tokens held whole: 1 - (budget * n - q) / (n - q)."""
+    if budget * n <= q:
+        raise ValueError(
+            f"budget {budget:g} of a {n}-token prompt is {budget * n:.0f} tokens, no more than its question "
+            f"({q}): raise the budget, or run --peer-question pressed."
+        )
+    return round(1.0 - (budget * n - q) / (n - q), 6)
+
+
 def run_peer(
-    model_name, tokenizer, tasks, presses, budgets, n_samples, out_dir, threads=1, log=None, dtype="float32"
+    model_name,
+    tokenizer,
+    tasks,
+    presses,
+    budgets,
+    n_samples,
+    out_dir,
+    threads=1,
+    log=None,
+    dtype="float32",
+    question="pressed",
 ) -> int:
     """Run every missing (task, kvpress press, budget, sample) record; return how many were written.
-    ``dtype``: the model's weights and activations in kvpress's process, as kvevict's own cells ran."""
+    ``dtype``: the model's weights and activations in kvpress's process, as kvevict's own cells ran.
+    ``question``: "pressed" with the context, or "apart" (see the module's docstring)."""
     from ..fetch import cache_dir
-    from ..generate import encode_chat
     from ..peers.locations import find, hint
 
+    if question not in QUESTION:
+        raise ValueError(f"question={question!r}: choose {' or '.join(QUESTION)}.")
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     py = find("kvpress")
     if py is None:
@@ -57,7 +100,7 @@ def run_peer(
                 for budget in budgets:
                     if not isinstance(budget, float):
                         raise ValueError("--peer kvpress takes fractional budgets (kvpress compresses by ratio).")
-                    policy = f"kvpress-{press}"
+                    policy = f"kvpress-{press}" + ("/context" if question == "apart" else "")
                     todo = [
                         s
                         for s in samples
@@ -72,14 +115,7 @@ def run_peer(
                         "compression_ratio": round(1.0 - budget, 6),
                         "threads": threads,
                         "dtype": dtype,
-                        "samples": [
-                            {
-                                "id": s.id,
-                                "ids": encode_chat(tokenizer, s.data["messages"])[0].tolist(),
-                                "max_new": task.max_new(s, tokenizer),
-                            }
-                            for s in todo
-                        ],
+                        "samples": [_job_sample(tokenizer, task, s, budget, question) for s in todo],
                     }
                     log(f"[kvpress {press}@{budget:g}] {task.name}: {len(todo)} samples")
                     for line in _stream(py, job, log):
@@ -104,6 +140,17 @@ def run_peer(
     finally:
         writer.close()
     return written
+
+
+def _job_sample(tokenizer, task, sample, budget, question) -> dict:
+    from ..generate import encode_chat
+
+    ids = encode_chat(tokenizer, sample.data["messages"])[0].tolist()
+    out = {"id": sample.id, "ids": ids, "max_new": task.max_new(sample, tokenizer)}
+    if question == "apart":
+        q = question_length(tokenizer, sample)
+        out.update(question=q, compression_ratio=context_ratio(budget, len(ids), q))
+    return out
 
 
 def _stream(py, job, log):

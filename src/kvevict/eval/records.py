@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..peers.kvpress_presses import MASKING
+
 FILE = "records.jsonl"
 # records written since budgets are counted against a 16-bit stock cache carry it: full_kv_bytes is
 # a stock cache at 16 bits; older ones counted every layer at every token in the model's dtype
@@ -15,15 +17,15 @@ BASIS = "stock16"
 # position (kvpress_child.greedy), model.generate refilled a pressed cache that the press had made
 # shorter with most of the prompt, so such a record measured no press at all. Loading drops those:
 # a folder re-runs them instead of reporting them. kvpress's KVzip and Ada-KV presses keep every key
-# (they mask the evicted ones), so nothing was refilled: their records stand.
+# (they mask the evicted ones, ``MASKING``), so nothing was refilled: their records stand.
 PEER_DECODE = "own-positions"
-PEER_MASKING = ("kvpress-kvzip", "kvpress-adakv_snapkv")
 
 
 def stale(rec: dict) -> bool:
     """A kvpress record of a shortening press from the harness that refilled it (see ``PEER_DECODE``)."""
     policy = str(rec.get("policy", ""))
-    return policy.startswith("kvpress-") and policy not in PEER_MASKING and rec.get("decode") != PEER_DECODE
+    press = policy.removeprefix("kvpress-").split("/")[0]
+    return policy.startswith("kvpress-") and press not in MASKING and rec.get("decode") != PEER_DECODE
 
 
 def budget_key(budget) -> str:

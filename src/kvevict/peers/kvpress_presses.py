@@ -9,3 +9,10 @@ PRESSES = {  # our name -> (kvpress class name, attention implementation it need
     "streaming_llm": ("StreamingLLMPress", "sdpa"),
     "tova": ("TOVAPress", "sdpa"),
 }
+
+# Presses that keep every key and mask the evicted ones out of attention instead of removing them:
+# they hold the whole prompt's bytes whatever their ratio. Ada-KV wraps SnapKV's score here.
+MASKING = {
+    "adakv_snapkv": ("AdaKVPress", "sdpa"),
+    "kvzip": ("KVzipPress", "sdpa"),
+}

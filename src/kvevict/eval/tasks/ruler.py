@@ -30,11 +30,14 @@ class RulerTask(GenerationTask):
         for i in range(n):
             length = self.lengths[i % len(self.lengths)]
             s = per[i % len(self.lengths)][i // len(self.lengths)]
+            # every RULER template asks on the input's last line, and the answer's start follows
+            question = s["input"][s["input"].rfind("\n") + 1 :] + " " + s["gen_prefix"]
             out.append(
                 Sample(
                     id=f"{length}-{i}",
                     data={
                         "messages": s["input"] + " " + s["gen_prefix"],
+                        "question": question,
                         "answers": list(s["outputs"]),
                         "length": length,
                     },
