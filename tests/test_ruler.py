@@ -164,5 +164,7 @@ def test_the_kvpress_peer_with_the_question_apart_holds_the_same_tokens(tok, tmp
         assert tok.decode(js["ids"][n - q :]).strip() == s.data["question"]  # the question, all of it
         assert (1 - js["compression_ratio"]) * (n - q) + q == pytest.approx(0.6 * n)
     assert {k[2] for k in records.load(out)} == {"kvpress-snapkv/context"}
+    with pytest.raises(ValueError, match="choose pressed or apart"):
+        peer_kvpress.run_peer("m", tok, [task], ["snapkv"], [0.6], 2, tmp_path / "o3", question="after")
     with pytest.raises(ValueError, match="no more than its question"):
         peer_kvpress.run_peer("m", tok, [task], ["snapkv"], [0.01], 2, tmp_path / "o2", question="apart")

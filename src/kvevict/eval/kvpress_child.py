@@ -79,7 +79,7 @@ def main(job):
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(job["threads"])
-    _, attn = make_press(kvpress, job["press"], job["compression_ratio"])
+    attn = {**PRESSES, **MASKING}[job["press"]][1]
     dtype = getattr(torch, job.get("dtype", "float32"))
     model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=dtype, attn_implementation=attn).eval()
     for s in job["samples"]:
