@@ -16,6 +16,8 @@ from kvevict.eval.caches import policy_names
         (["eval", "--budgets", "1.5"], ["(0, 1]"]),
         (["eval", "--budgets", "abc"], ["budget must be"]),
         (["eval", "--samples", "0"], ["--samples"]),
+        (["eval", "--samples", "5", "--first-sample", "5"], ["--first-sample", "[0, 5)"]),
+        (["eval", "--first-sample", "-1"], ["--first-sample"]),
         (["eval", "--depths", "0.5,2"], ["--depths"]),
         (["eval", "--lengths", "1k"], ["--lengths"]),
         (["eval", "--lengths", ","], ["--lengths", "at least 128"]),

@@ -153,6 +153,26 @@ def test_grid_end_to_end_resume_and_report(tmp_path, tok):
     assert "ppl = exp(nll)" in md and "Paired difference" in md
 
 
+def test_a_grid_split_by_first_sample_merges_into_the_whole_grid(tmp_path, tok):
+    model = tiny_model("llama-gqa")
+    tasks = _tasks(tok)[:2]  # ppl and passkey: 2 samples each
+    args = (["h2o"], [0.2], 2)
+    run_grid(model, tok, tasks, *args, tmp_path / "whole", "tiny", log=lambda m: None)
+    assert run_grid(model, tok, tasks, *args, tmp_path / "tail", "tiny", log=lambda m: None, first=1) == 4
+    run_grid(model, tok, tasks, ["h2o"], [0.2], 1, tmp_path / "head", "tiny", log=lambda m: None)
+
+    def scores(folder):
+        return {k: r["scores"] for k, r in records.load(folder).items()}
+
+    whole, head, tail = scores(tmp_path / "whole"), scores(tmp_path / "head"), scores(tmp_path / "tail")
+    assert not head.keys() & tail.keys()  # the tail ran only the second sample of each task
+    assert len(whole) == 8
+    merged = {**head, **tail}
+    assert merged.keys() == whole.keys()
+    for k in whole:
+        assert merged[k] == pytest.approx(whole[k]), k
+
+
 def test_paired_to_full_pairs_samples_and_skips_unpaired_ones():
     from kvevict.eval.report import paired_to_full
 

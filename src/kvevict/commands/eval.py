@@ -26,6 +26,13 @@ def add_arguments(p):
         help="comma-separated: ppl, passkey, needle (stated once), vartrack, continuation (perplexity of text after a compressed context), xsum, reconstruct, narrativeqa, piqa, or 'all'; RULER's tasks by name: ruler-niah_single_1, ruler-niah_single_2, ..., ruler-vt, ruler-cwe, ruler-fwe (samples of max_seq_length --lengths)",
     )
     p.add_argument("--samples", type=int, default=4, help="samples per task")
+    p.add_argument(
+        "--first-sample",
+        type=int,
+        default=0,
+        help="run samples FIRST .. SAMPLES-1 only: split a grid across processes or machines, each into "
+        "its own --out, and merge the records (the others' samples are skipped, not scored)",
+    )
     p.add_argument("--out", default="results/eval", help="output folder (records.jsonl, summary.md, PNGs)")
     p.add_argument("--ppl-tokens", type=int, default=1024, help="window length of the ppl task")
     p.add_argument("--chunk", type=int, default=32, help="tokens per streaming step of the ppl and continuation tasks")
@@ -68,6 +75,12 @@ def parse_args(args):
     tasks = task_names(args.tasks)
     if args.samples < 1:
         raise ValueError(f"--samples must be >= 1, got {args.samples}.")
+    first = getattr(args, "first_sample", 0)
+    if not 0 <= first < args.samples:
+        raise ValueError(
+            f"--first-sample must be in [0, --samples) = [0, {args.samples}), got {first}: it is the index "
+            "of the first sample to run, and --samples counts from sample 0."
+        )
     lengths = number_list(args.lengths, "--lengths", int)
     depths = number_list(args.depths, "--depths")
     if not lengths or min(lengths) < MIN_PASSKEY_LENGTH:
@@ -120,7 +133,8 @@ def run(args):
         setup_threads(args)
         model, tok = load_model_args(args)
         tasks = build_tasks(task_list, args, lengths, depths)
-        run_grid(model, tok, tasks, policies, budgets, args.samples, args.out, args.model)
+        first = getattr(args, "first_sample", 0)
+        run_grid(model, tok, tasks, policies, budgets, args.samples, args.out, args.model, first=first)
         if args.peer == "kvpress":
             run_peer(
                 args.model,
@@ -133,6 +147,7 @@ def run(args):
                 threads=getattr(args, "threads", None) or 1,
                 dtype=getattr(args, "dtype", None) or "float32",
                 question=getattr(args, "peer_question", None) or "pressed",
+                first=first,
             )
     md = summarize(args.out, args.model)
     print(md)

@@ -73,8 +73,10 @@ def run_peer(
     log=None,
     dtype="float32",
     question="pressed",
+    first=0,
 ) -> int:
-    """Run every missing (task, kvpress press, budget, sample) record; return how many were written.
+    """Run every missing (task, kvpress press, budget, sample) record of samples ``first`` ..
+    ``n_samples - 1``; return how many were written.
     ``dtype``: the model's weights and activations in kvpress's process, as kvevict's own cells ran.
     ``question``: "pressed" with the context, or "apart" (see the module's docstring)."""
     from ..fetch import cache_dir
@@ -95,7 +97,7 @@ def run_peer(
             if not isinstance(task, GenerationTask):
                 log(f"kvpress peer: {task.name} is not a generation task; skipped")
                 continue
-            samples = task.samples(tokenizer, n_samples)
+            samples = task.samples(tokenizer, n_samples)[first:]
             for press in presses:
                 for budget in budgets:
                     if not isinstance(budget, float):

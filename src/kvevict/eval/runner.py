@@ -18,9 +18,13 @@ def cells_for(policies: list[str], budgets: list) -> list[tuple]:
     return [(FULL, None)] + keep_all + [(p, b) for p in policies if not p.startswith(FULL + "/") for b in budgets]
 
 
-def run_grid(model, tokenizer, tasks, policies, budgets, n_samples: int, out_dir, model_name: str, log=None) -> int:
-    """Run every missing cell of every sample of every task; return the number of records written.
-    A cell that raises (a policy that cannot run at some budget, say) is reported and skipped."""
+def run_grid(
+    model, tokenizer, tasks, policies, budgets, n_samples: int, out_dir, model_name: str, log=None, first: int = 0
+) -> int:
+    """Run every missing cell of samples ``first`` .. ``n_samples - 1`` of every task; return the number
+    of records written. ``first`` splits one grid across processes or machines: each runs its range
+    into its own folder, and the records merge (each is keyed by its sample's id). A cell that raises (a
+    policy that cannot run at some budget, say) is reported and skipped."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     cells = cells_for(policies, budgets)
     done = records.load(out_dir)
@@ -31,6 +35,7 @@ def run_grid(model, tokenizer, tasks, policies, budgets, n_samples: int, out_dir
             samples = task.samples(tokenizer, n_samples)
             if len(samples) < n_samples:
                 log(f"{task.name}: only {len(samples)} samples available (asked for {n_samples})")
+            samples = samples[first:]
             total = len(samples) * len(cells)
             have = sum(records.record_key(task.name, p, b, s.id, model_name) in done for s in samples for p, b in cells)
             t_task = time.perf_counter()
