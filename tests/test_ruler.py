@@ -168,3 +168,25 @@ def test_the_kvpress_peer_with_the_question_apart_holds_the_same_tokens(tok, tmp
         peer_kvpress.run_peer("m", tok, [task], ["snapkv"], [0.6], 2, tmp_path / "o3", question="after")
     with pytest.raises(ValueError, match="no more than its question"):
         peer_kvpress.run_peer("m", tok, [task], ["snapkv"], [0.01], 2, tmp_path / "o2", question="apart")
+    # the same refusal, checked before any cell runs (kvevict eval calls it ahead of its own grid)
+    peer_kvpress.check_question_fits(tok, [task], [0.6, 16], 2)
+    with pytest.raises(ValueError, match="no more than its question"):
+        peer_kvpress.check_question_fits(tok, [task], [0.6, 0.01], 2, first=1)
+
+
+def test_eval_refuses_a_budget_below_the_question_before_its_own_grid_runs(tok, tmp_path, monkeypatch, capsys):
+    """`kvevict eval --peer kvpress --peer-question apart`: kvevict's cells run first and may take hours,
+    so a budget kvpress's protocol cannot hold is refused before them."""
+    from conftest import tiny_model
+    from kvevict.cli import main
+    from kvevict.commands import eval as eval_command
+    from kvevict.eval import runner
+
+    monkeypatch.setattr(eval_command, "load_model_args", lambda args: (tiny_model("llama-gqa"), tok))
+    monkeypatch.setattr("kvevict.peers.locations.find", lambda name: None)
+    ran = []
+    monkeypatch.setattr(runner, "run_grid", lambda *a, **k: ran.append(a))
+    argv = ["eval", "--tasks", "ruler-niah_single_1", "--lengths", "512", "--samples", "1", "--policies", "h2o"]
+    argv += ["--peer", "kvpress", "--peer-question", "apart", "--out", str(tmp_path), "--threads", "1"]
+    assert main(argv + ["--budgets", "0.01"]) == 2
+    assert "no more than its question" in capsys.readouterr().err and not ran

@@ -134,6 +134,11 @@ def run(args):
         model, tok = load_model_args(args)
         tasks = build_tasks(task_list, args, lengths, depths)
         first = getattr(args, "first_sample", 0)
+        question = getattr(args, "peer_question", None) or "pressed"
+        if args.peer == "kvpress" and question == "apart":
+            from ..eval.peer_kvpress import check_question_fits
+
+            check_question_fits(tok, tasks, budgets, args.samples, first)
         run_grid(model, tok, tasks, policies, budgets, args.samples, args.out, args.model, first=first)
         if args.peer == "kvpress":
             run_peer(
@@ -146,7 +151,7 @@ def run(args):
                 args.out,
                 threads=getattr(args, "threads", None) or 1,
                 dtype=getattr(args, "dtype", None) or "float32",
-                question=getattr(args, "peer_question", None) or "pressed",
+                question=question,
                 first=first,
             )
     md = summarize(args.out, args.model)

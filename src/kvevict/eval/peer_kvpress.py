@@ -144,6 +144,20 @@ def run_peer(
     return written
 
 
+def check_question_fits(tokenizer, tasks, budgets, n_samples, first=0) -> None:
+    """For ``question="apart"``: a ValueError now, before kvevict's own cells run for hours, if some
+    budget holds no more tokens than some sample's question (``context_ratio``)."""
+    from ..generate import encode_chat
+
+    for task in tasks:
+        if isinstance(task, GenerationTask):
+            for s in task.samples(tokenizer, n_samples)[first:]:
+                n, q = encode_chat(tokenizer, s.data["messages"]).shape[-1], question_length(tokenizer, s)
+                for budget in budgets:
+                    if isinstance(budget, float):
+                        context_ratio(budget, n, q)
+
+
 def _job_sample(tokenizer, task, sample, budget, question) -> dict:
     from ..generate import encode_chat
 
