@@ -46,3 +46,26 @@ def test_a_policy_naming_an_undeclared_statistic_fails_where_it_is_defined():
         @dataclass
         class Entropy(Policy):
             stats = ("entropy",)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_a_rectangle_writes_slots_bit_for_bit_where_taken(dtype):
+    """16-bit stores are written through an int16 view of their bytes (torch's CPU scatter_
+    copies a float16 tensor whole): the slots written and the ones left must be exactly as told."""
+    from kvevict.storage.rect import scatter
+
+    gen = torch.Generator().manual_seed(0)
+    store = torch.randn(2, 3, 7, 8, generator=gen).to(dtype)
+    src = (torch.randn(2, 3, 2, 8, generator=gen) * 300).to(dtype)  # outlier-sized values too
+    idx = torch.tensor([[[1, 5], [0, 6], [2, 3]], [[4, 0], [6, 1], [5, 2]]])
+    take = torch.tensor([[[True, False], [True, True], [False, True]], [[True, True], [False, False], [True, False]]])
+    want = store.clone()
+    for b in range(2):
+        for h in range(3):
+            for j in range(2):
+                if take[b, h, j]:
+                    want[b, h, idx[b, h, j]] = src[b, h, j]
+    scatter(store, idx, src, take)
+    assert store.dtype == dtype and torch.equal(store.view(-1), want.view(-1))
+    scatter(store, idx, src)
+    assert torch.equal(store[0, 0, 5], src[0, 0, 1]) and torch.equal(store[1, 1, 6], src[1, 1, 0])
