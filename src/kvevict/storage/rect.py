@@ -38,8 +38,8 @@ def scatter(store: torch.Tensor, idx: torch.Tensor, src: torch.Tensor, take=None
     if take is not None:
         src = torch.where(trailing(take, store), src, store.gather(2, full))
     if store.dtype in _BITS_AS_INT16:
-        # torch's CPU scatter_ copies a float16 / bfloat16 tensor whole (about 20 ms for 8 rows of
-        # 8K slots at head_dim 128); the same bytes as int16 are scattered in place, bit for bit.
+        # torch's CPU scatter_ copies a float16 / bfloat16 tensor whole on every call (the decode
+        # step paid it per layer); the same bytes viewed as int16 are written in place, bit for bit.
         store, src = store.view(torch.int16), src.view(torch.int16)
     store.scatter_(2, full, src)
 
