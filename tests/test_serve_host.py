@@ -288,6 +288,7 @@ def test_drain_waits_for_the_last_request_while_it_prefills(folder):
     server.handle_exit(signal.SIGTERM, None)
     for t, box in flights:
         t.join(60)
+        assert "r" in box, box  # the request's error, or nothing when it is still running
         assert box["r"].usage.completion_tokens == 6, box
     thread.join(30)
     assert not thread.is_alive() and not engine.alive
