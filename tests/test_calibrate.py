@@ -142,3 +142,50 @@ def test_a_prompt_scoring_policy_cannot_be_calibrated_on_streamed_text():
     model, tok = tiny_model("llama-gqa"), tiny_tokenizer()
     with pytest.raises(ValueError, match="only be calibrated on prompts"):
         calibrate(model, tok, (0.5,), "kvzip-pool", tokens=96, windows=1, heldout=1, log=lambda m: None, prompt=False)
+
+
+def _qwen_shapes():
+    """Qwen2.5-Coder-1.5B's architecture and shapes on the meta device (no weights, no download)."""
+    from benchmarks.gpu_generate import QWEN_1_5B
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    with torch.device("meta"):
+        return Qwen2ForCausalLM(Qwen2Config(**QWEN_1_5B))
+
+
+def test_a_known_model_gets_the_plan_kvevict_ships_for_it(tmp_path, monkeypatch):
+    """Ada-SnapKV on Qwen2.5-Coder-1.5B (its one-shot default from 20%): the shipped plan keeps int4
+    alone at 20% where the built-in rule keeps three tiers; past the bytes int4 alone can spend
+    (every token kept with bytes over) the rule decides; a plan of the user's own wins; a policy or
+    a model the shipped plans do not name keeps the rule."""
+    from kvevict.memory import plan_for_model
+    from kvevict.plans import SHIPPED, shipped
+    from kvevict.policies import make_policy
+
+    monkeypatch.setenv("KVEVICT_PLANS", str(tmp_path))
+    qwen, ada = _qwen_shapes(), make_policy("ada-snapkv")
+    assert shipped(qwen, ada.name) is not None and (SHIPPED / "qwen2.5-coder-1.5b-adakv.json").exists()
+    got = plan_for_model(qwen, 0.2, ada)
+    assert got.storage.label == "int4" and plan_for_model(qwen, 0.2, ada, plan_file=False).storage.label == "int8+int4"
+    assert plan_for_model(qwen, 0.5, ada).storage == plan_for_model(qwen, 0.5, ada, plan_file=False).storage
+    mas = make_policy("mas")
+    assert plan_for_model(qwen, 0.2, mas).storage == plan_for_model(qwen, 0.2, mas, plan_file=False).storage
+    tiny = tiny_model("qwen2")
+    assert shipped(tiny, ada.name) is None
+    own = shipped(qwen, ada.name)
+    mine = dict(own, signature=signature(qwen), choices=[dict(c, storage="int8") for c in own["choices"]])
+    save(mine, default_path(qwen, ada.name))
+    assert plan_for_model(qwen, 0.2, ada).storage.label == "int8"
+
+
+def test_every_shipped_plan_is_a_plan_for_a_policy_kvevict_has():
+    from kvevict.plans import FORMAT, KINDS, SHIPPED
+    from kvevict.policies import make_policy
+
+    files = sorted(SHIPPED.glob("*.json"))
+    assert files
+    for path in files:
+        data = json.loads(path.read_text())
+        assert data["format"] == FORMAT and data["choices"], path
+        assert all(c["storage"] in KINDS and 0 < c["memory"] < 1 for c in data["choices"]), path
+        assert any(make_policy(n).name == data["policy"] for n in ("ada-snapkv", "mas", "h2o")), path

@@ -25,7 +25,9 @@ cuts a short prompt: at least ``MIN_TOKENS`` tokens per layer and KV head.
 Which policy a budget picks when none is named (``pick_policy``): a prompt-scoring one when the
 whole prompt is known before decoding (``kvevict.generate.generate``), a streaming one (``mas``,
 the RoCo paper's mean attention score) when it is not; per model where measured (``ONE_SHOT_OF``).
-Every constant cites the measurement that chose it: docs/results/memory-rule.md.
+A calibrated plan (``kvevict.plans``: the user's own, else one kvevict ships for a known model)
+names the kind of storage instead of the rule. Every constant cites the measurement that chose
+it: docs/results/memory-rule.md.
 """
 
 from __future__ import annotations
@@ -129,11 +131,12 @@ TOKEN_POLICY = "h2o"  # a token budget's default (no memory budget): the library
 
 # A prompt known with its question before decoding (one answer, ``kvevict.generate``), per model where
 # measured: ``model_key`` -> (policy, the smallest memory share it was measured to hold at). On
-# Qwen2.5-Coder-1.5B at 20% of a 16-bit cache, Ada-SnapKV over the question (or the prompt's last
-# 64 tokens) found every RULER needle at 2K the full cache found, its scores taken from the prefill
-# itself: 1.3x the full cache's time to answer the demo, kvzip-pool's reconstruction 2.6x. At 10%
-# it lost half the multi-key needles kvzip-pool kept, so kvzip-pool there; SmolLM2: SnapKV lost
-# essay needles kvzip-pool keeps at 20%, so kvzip-pool everywhere else (docs/results/families.md).
+# Qwen2.5-Coder-1.5B from 20% of a 16-bit cache, Ada-SnapKV over the question (or the prompt's last
+# 64 tokens) found the RULER needles the full cache found, its scores taken from the prefill itself
+# (no reconstruction pass: about the full cache's time to answer); its storage there is the shipped
+# plan's (``plans.SHIPPED``). Below 20% it lost multi-key needles kvzip-pool kept, so kvzip-pool
+# there; SmolLM2: SnapKV lost essay needles kvzip-pool keeps at 20%, so kvzip-pool everywhere else
+# (docs/results/families.md).
 ONE_SHOT_OF: dict[tuple, tuple[str, float]] = {("qwen2", 28, 12, 2, 1536, 151936): ("ada-snapkv", 0.2)}
 
 
@@ -312,6 +315,7 @@ def plan(
     scores_prompt: bool = False,
     kind: str | None = None,
     head_from: float = HEAD_FROM,
+    planned: bool = False,
 ) -> Plan:
     """The storage and token budget for ``memory`` (see the module's rule), as a share of a 16-bit
     stock cache whatever ``dtype_bytes`` (the model's, for storage kept in it). ``stats_bytes``: a
@@ -325,7 +329,9 @@ def plan(
     spend a fractional budget this way instead of by the rule ("fp16", "int8", "int4": evict and
     keep those bits; "int8+int4": two tiers, every token from r4, else three), as a calibrated plan
     file or the caller's bits say (``kvevict.calibrate``, ``storage_kind``); ``head_from``: the
-    share of r4 from which a streaming policy keeps three tiers (``head_from(policy)``)."""
+    share of r4 from which a streaming policy keeps three tiers (``head_from(policy)``); ``planned``:
+    ``kind`` is a calibrated plan's, measured at a nearby share, so the rule decides where that
+    one kind of bits would keep every token with bytes to spare."""
     memory = parse_memory(memory)
     full = (head_dim_k + head_dim_v) * STOCK_BYTES  # one 16-bit token of the stock cache, per KV head
     windows = tuple(windows or ())
@@ -354,6 +360,9 @@ def plan(
             )
         return Plan(tokens, Storage(kv_bits=bits, group=group))
     ratio = {bits: slot(bits) / full for bits in (16, 8, 4)}
+    lone = {"fp16": 16, "int8": 8, "int4": 4}.get(kind or "")
+    if planned and lone is not None and memory > ratio[lone]:  # e.g. a plan's int4 at 20% asked for 50%
+        kind = None
 
     short = None if dtype_bytes == STOCK_BYTES else 16  # a short prompt: 16 bits, the model's own if it has them
 
@@ -400,8 +409,8 @@ def plan_for_model(
 ) -> Plan:
     """``plan`` with the model's shape: head dimension, dtype, layers x KV heads, sliding windows,
     the policy's statistics. ``plan_file``: a plan ``kvevict calibrate`` wrote (a path), None for
-    the model's own calibrated plan when it has one (``kvevict.plans.default_path``), False for
-    the built-in rule. A plan applies to fractional budgets and to the policy it was calibrated with.
+    the model's own calibrated plan when it has one (``kvevict.plans.default_path``), else the one
+    kvevict ships for it (``kvevict.plans.shipped``), False for the built-in rule. A plan applies to fractional budgets and to the policy it was calibrated with.
     ``kind``: the storage the caller named (``storage_kind``), over any plan."""
     config = text_config(model)
     d = head_dim_of(model)
@@ -411,7 +420,7 @@ def plan_for_model(
         getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     )
     head_id = 1 if getattr(policy, "adaptive", False) else 0  # a pooled slot says whose head it is (Tier.head)
-    kind = kind or _calibrated_kind(model, memory, policy, plan_file)
+    planned = None if kind else _calibrated_kind(model, memory, policy, plan_file)
     return plan(
         memory,
         d,
@@ -424,20 +433,25 @@ def plan_for_model(
         sliding_windows(config),
         floor,
         scores_prompt=bool(getattr(policy, "needs_prompt", False)),
-        kind=kind,
+        kind=kind or planned,
         head_from=head_from(policy),
+        planned=planned is not None,
     )
 
 
 def _calibrated_kind(model, memory, policy, plan_file) -> str | None:
-    """The kind of storage a calibrated plan gives this budget and policy; None: the built-in rule."""
+    """The kind of storage a calibrated plan gives this budget and policy: the user's own, else the
+    one kvevict ships for the model (``plans.shipped``); None: the built-in rule."""
     if plan_file is False or not isinstance(parse_memory(memory), float):
         return None
     own = None if policy.name == STREAM_POLICY else policy.name  # the default streaming policy's file is the model's
     path = plans.default_path(model, own) if plan_file is None else plan_file
     if plan_file is None and not path.exists():
+        data = plans.shipped(model, policy.name)
+    else:
+        data = plans.load(path, model)
+    if data is None:
         return None
-    data = plans.load(path, model)
     if data["policy"] != policy.name:
         return None
     return plans.nearest(data, parse_memory(memory))["storage"]

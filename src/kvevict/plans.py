@@ -1,6 +1,7 @@
 """Calibrated memory plans, read by ``memory=``: the JSON file ``kvevict calibrate`` writes per model
 (``kvevict.eval.calibrate`` measures it), keyed by the model's signature (its architecture and
-shapes), one entry per memory share: the storage that measured best there."""
+shapes), one entry per memory share: the storage that measured best there. kvevict ships the plans
+it measured for known models (``SHIPPED``), used where the user has calibrated none of their own."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ def signature_id(sig: dict) -> str:
     return f"{name}-{hashlib.sha256(json.dumps(sig, sort_keys=True).encode()).hexdigest()[:12]}"
 
 
+SHIPPED = Path(__file__).with_name("shipped_plans")  # plans measured for known models (package data)
 PLANS_ENV = "KVEVICT_PLANS"  # the folder of calibrated plans (default: plans/ in kvevict's cache)
 
 
@@ -73,6 +75,22 @@ def load(path, model) -> dict:
             f"this one is {signature_id(signature(model))}): {hint}."
         )
     return data
+
+
+def _same_model(a: dict, b: dict) -> bool:
+    """Two signatures of one architecture and shapes, whatever the dtype the weights were loaded in
+    (storage quality follows the keys' shape, and budgets count 16-bit bytes either way)."""
+    return {k: v for k, v in a.items() if k != "dtype"} == {k: v for k, v in b.items() if k != "dtype"}
+
+
+def shipped(model, policy: str) -> dict | None:
+    """The plan kvevict ships for this model and policy (``SHIPPED``), None where it ships none."""
+    sig = signature(model)
+    for path in sorted(SHIPPED.glob("*.json")):
+        data = json.loads(path.read_text())
+        if data.get("policy") == policy and _same_model(data.get("signature") or {}, sig):
+            return data
+    return None
 
 
 def nearest(plan: dict, memory: float) -> dict:
