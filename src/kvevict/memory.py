@@ -410,7 +410,8 @@ def plan_for_model(
     """``plan`` with the model's shape: head dimension, dtype, layers x KV heads, sliding windows,
     the policy's statistics. ``plan_file``: a plan ``kvevict calibrate`` wrote (a path), None for
     the model's own calibrated plan when it has one (``kvevict.plans.default_path``), else the one
-    kvevict ships for it (``kvevict.plans.shipped``), False for the built-in rule. A plan applies to fractional budgets and to the policy it was calibrated with.
+    kvevict ships for it (``kvevict.plans.shipped``), False for the built-in rule. A plan applies
+    to fractional budgets and to the policy it was calibrated with.
     ``kind``: the storage the caller named (``storage_kind``), over any plan."""
     config = text_config(model)
     d = head_dim_of(model)
