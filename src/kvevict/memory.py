@@ -126,6 +126,8 @@ def storage_kind(kv_bits=None, evicted_bits=None, evicted_budget=None) -> str | 
     return kind
 
 
+LONE_BITS = {"fp16": 16, "int8": 8, "int4": 4}  # a kind of storage that keeps one width of bits
+
 TOKEN_POLICY = "h2o"  # a token budget's default (no memory budget): the library's default policy
 
 
@@ -360,7 +362,7 @@ def plan(
             )
         return Plan(tokens, Storage(kv_bits=bits, group=group))
     ratio = {bits: slot(bits) / full for bits in (16, 8, 4)}
-    lone = {"fp16": 16, "int8": 8, "int4": 4}.get(kind or "")
+    lone = LONE_BITS.get(kind or "")
     if planned and lone is not None and memory > ratio[lone]:  # e.g. a plan's int4 at 20% asked for 50%
         kind = None
 
@@ -398,7 +400,7 @@ def plan(
             head = (PROMPT_HEAD_BYTES if scores_prompt else HEAD_BYTES) * memory / ratio[8]
         first = PromptShare(head, memory, ratio[8], (), floor, short, (head, (memory - head * ratio[8]) / ratio[4]))
         return Plan(first, Storage(kv_bits=8, group=group, evicted_bits=4, evicted_budget=first.partner()))
-    bits = {"fp16": 16, "int8": 8, "int4": 4}.get(kind)
+    bits = LONE_BITS.get(kind or "")
     if bits is None:
         raise ValueError(f"unknown kind of storage {kind!r} in a memory plan: fp16, int8, int4 or int8+int4.")
     return Plan(share(memory / ratio[bits], bits), Storage(kv_bits=bits, group=group))
@@ -421,7 +423,10 @@ def plan_for_model(
         getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     )
     head_id = 1 if getattr(policy, "adaptive", False) else 0  # a pooled slot says whose head it is (Tier.head)
-    planned = None if kind else _calibrated_kind(model, memory, policy, plan_file)
+    share = parse_memory(memory)
+    own = None if policy.name == STREAM_POLICY else policy.name  # the default streaming policy's file is the model's
+    consult = isinstance(share, float) and plan_file is not False  # a plan applies to a share only
+    planned = None if kind or not consult else plans.kind_for(model, share, policy.name, own, plan_file)
     return plan(
         memory,
         d,
@@ -438,21 +443,3 @@ def plan_for_model(
         head_from=head_from(policy),
         planned=planned is not None,
     )
-
-
-def _calibrated_kind(model, memory, policy, plan_file) -> str | None:
-    """The kind of storage a calibrated plan gives this budget and policy: the user's own, else the
-    one kvevict ships for the model (``plans.shipped``); None: the built-in rule."""
-    if plan_file is False or not isinstance(parse_memory(memory), float):
-        return None
-    own = None if policy.name == STREAM_POLICY else policy.name  # the default streaming policy's file is the model's
-    path = plans.default_path(model, own) if plan_file is None else plan_file
-    if plan_file is None and not path.exists():
-        data = plans.shipped(model, policy.name)
-    else:
-        data = plans.load(path, model)
-    if data is None:
-        return None
-    if data["policy"] != policy.name:
-        return None
-    return plans.nearest(data, parse_memory(memory))["storage"]

@@ -5,6 +5,7 @@ it measured for known models (``SHIPPED``), used where the user has calibrated n
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -83,14 +84,30 @@ def _same_model(a: dict, b: dict) -> bool:
     return {k: v for k, v in a.items() if k != "dtype"} == {k: v for k, v in b.items() if k != "dtype"}
 
 
+@functools.cache
+def _shipped_plans() -> tuple:
+    """The package's plan files, read once per process (``make_cache`` asks on every call)."""
+    return tuple(json.loads(path.read_text()) for path in sorted(SHIPPED.glob("*.json")))
+
+
 def shipped(model, policy: str) -> dict | None:
     """The plan kvevict ships for this model and policy (``SHIPPED``), None where it ships none."""
     sig = signature(model)
-    for path in sorted(SHIPPED.glob("*.json")):
-        data = json.loads(path.read_text())
+    for data in _shipped_plans():
         if data.get("policy") == policy and _same_model(data.get("signature") or {}, sig):
             return data
     return None
+
+
+def kind_for(model, share: float, policy: str, own: str | None, plan_file=None) -> str | None:
+    """The kind of storage a plan gives a memory ``share`` under ``policy``: the file ``plan_file``,
+    or (None) the model's own in ``default_path(model, own)``, else the one kvevict ships for it;
+    None where no plan for this policy applies (the built-in rule decides)."""
+    path = default_path(model, own) if plan_file is None else plan_file
+    data = shipped(model, policy) if plan_file is None and not path.exists() else load(path, model)
+    if data is None or data["policy"] != policy:
+        return None
+    return nearest(data, share)["storage"]
 
 
 def nearest(plan: dict, memory: float) -> dict:
