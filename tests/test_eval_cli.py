@@ -41,8 +41,23 @@ def test_policy_names_all_takes_every_registered_policy_once():
     assert {kvevict.POLICIES[n] for n in names} == set(kvevict.POLICIES.values())
     assert "h2o" in names
     assert policy_names("H2O, full,h2o", kvevict.POLICIES) == ["h2o"]
-    with pytest.raises(ValueError, match="at least one policy"):
+    with pytest.raises(ValueError, match="at least one policy besides full.*--policies full runs the peer alone"):
         policy_names("full", kvevict.POLICIES)
+    assert policy_names("full", kvevict.POLICIES, full_alone=True) == []  # a peer's presses beside the full cache
+    assert policy_names("h2o,full", kvevict.POLICIES, full_alone=True) == ["h2o"]
+    with pytest.raises(ValueError, match="at least one policy"):
+        policy_names(" , ", kvevict.POLICIES, full_alone=True)  # nothing named is still an error
+
+
+def test_eval_policies_full_alone_is_refused_without_a_peer_and_parsed_with_one():
+    from kvevict.cli import build_parser
+    from kvevict.commands.eval import parse_args
+
+    base = ["eval", "--policies", "full", "--budgets", "0.5", "--tasks", "passkey"]
+    with pytest.raises(ValueError, match="besides full"):
+        parse_args(build_parser().parse_args(base))
+    policies, budgets, *_ = parse_args(build_parser().parse_args(base + ["--peer", "kvpress"]))
+    assert policies == [] and budgets == [0.5]
 
 
 def test_summary_only_reads_existing_records(tmp_path, capsys):

@@ -113,3 +113,37 @@ def test_the_one_shot_default_is_per_model_where_measured():
     )
     assert not _observes("ada-snapkv", tiny, 0.2)  # named by the caller on another model: its own window
     assert pick_policy(False, True, qwen, 0.2) == "mas" and pick_policy(True, False, qwen) == "h2o"
+
+
+NO_BF16 = {"cpu_name": "test cpu", "avx2": True, "avx512_bf16": False, "amx_bf16": False}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_16_bit_dtype_on_a_cpu_that_emulates_it_warns_and_says_to_use_float32(dtype):
+    import torch
+
+    with pytest.warns(UserWarning, match=rf"{dtype} on this CPU \(test cpu\) runs emulated.*float32"):
+        assert models.warn_slow_cpu_dtype(getattr(torch, dtype), capabilities=NO_BF16)
+
+
+def test_no_warning_where_the_cpu_runs_the_dtype_or_the_model_is_not_on_the_cpu(recwarn):
+    import torch
+
+    assert not models.warn_slow_cpu_dtype(torch.bfloat16, capabilities={**NO_BF16, "avx512_bf16": True})
+    assert not models.warn_slow_cpu_dtype(torch.bfloat16, capabilities={**NO_BF16, "amx_bf16": True})
+    assert not models.warn_slow_cpu_dtype(torch.float32, capabilities=NO_BF16)
+    assert not models.warn_slow_cpu_dtype(torch.bfloat16, device="cuda", capabilities=NO_BF16)
+    assert not recwarn.list
+
+
+def test_load_model_warns_on_bfloat16_where_the_cpu_emulates_it(tmp_path, monkeypatch):
+    import torch
+
+    import kvevict
+    from tiny_chat_model import save_tiny_chat_model
+
+    folder = save_tiny_chat_model(tmp_path / "m")
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: dict(NO_BF16))
+    with pytest.warns(UserWarning, match="runs emulated"):
+        model, _ = kvevict.load_model(str(folder), dtype=torch.bfloat16)
+    assert model.dtype == torch.bfloat16  # a warning, not a refusal: bf16 still halves the weights

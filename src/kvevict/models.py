@@ -116,6 +116,36 @@ def check_model(name_or_path) -> None:
         raise ValueError(f"{name_or_path!r} has no config.json: give a Hugging Face model folder.")
 
 
+# 16-bit float matrix products the CPU runs natively; without them torch emulates the type
+_NATIVE_CPU = {"bfloat16": ("avx512_bf16", "amx_bf16"), "float16": ("avx512_fp16", "amx_fp16")}
+
+
+def warn_slow_cpu_dtype(dtype, device=None, capabilities=None) -> bool:
+    """Warn (and return True) when ``dtype`` is bfloat16 or float16 on a CPU without the
+    instructions that run it natively (AVX-512 BF16 / FP16 or AMX): torch then emulates the
+    16-bit products, and a prefill, bound by arithmetic, runs several times slower than in float32
+    (a decode step, bound by reading the weights, does not; benchmarks/cpu_dtype.py).
+    ``capabilities``: ``torch.cpu.get_capabilities()``, for tests."""
+    import warnings
+
+    import torch
+
+    name = str(dtype).removeprefix("torch.")
+    if name not in _NATIVE_CPU or (device is not None and torch.device(device).type != "cpu"):
+        return False
+    caps = torch.cpu.get_capabilities() if capabilities is None else capabilities
+    if any(caps.get(flag) for flag in _NATIVE_CPU[name]):
+        return False
+    warnings.warn(
+        f"{name} on this CPU ({caps.get('cpu_name', 'unknown')}) runs emulated: it has none of "
+        f"{', '.join(_NATIVE_CPU[name])}, so a prompt's prefill runs several times slower than in "
+        "float32 (benchmarks/cpu_dtype.py measures it). Load the model in float32 (--dtype float32, "
+        "dtype=torch.float32) unless its weights must take half the memory.",
+        stacklevel=3,
+    )
+    return True
+
+
 def load_model(name_or_path: str, dtype=None, device: str | None = None):
     """Return ``(model, tokenizer)`` in eval mode.
 
@@ -131,6 +161,7 @@ def load_model(name_or_path: str, dtype=None, device: str | None = None):
     hf_logging.set_verbosity_error()  # the GGUF conversion and generate() chatter hide the answer
     hf_logging.disable_progress_bar()
     check_model(name_or_path)
+    warn_slow_cpu_dtype(dtype or torch.float32, device)
     path = _convert_gguf(name_or_path) if name_or_path in KNOWN_MODELS else Path(name_or_path)
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)

@@ -41,7 +41,7 @@ def add_model_args(p, policy=True, prefill=True):
         default="float32",
         choices=sorted(DTYPES),
         help="the model's weights and activations (bfloat16: about 2x faster prefill on a CPU with "
-        "AVX-512 BF16 or AMX)",
+        "AVX-512 BF16 or AMX, about 5x slower on one without; kvevict warns there)",
     )
     p.add_argument(
         "--threads",

@@ -15,7 +15,7 @@ def add_arguments(p):
     p.add_argument(
         "--policies",
         default="all",
-        help="comma-separated policy names, or 'all' (every registered policy); full is always run. 'mem' / 'mem-NAME' / 'mem-NAME/BITS': the budgets are memory budgets, shares of a 16-bit stock cache, the policy picked by the plan (prompt-scoring where the task knows the prompt first, streaming on ppl) or NAME, spent as the plan says or at BITS (int8, int4, int8+int4)",
+        help="comma-separated policy names, or 'all' (every registered policy); full is always run ('full' alone with --peer: the peer's presses and the full cache only). 'mem' / 'mem-NAME' / 'mem-NAME/BITS': the budgets are memory budgets, shares of a 16-bit stock cache, the policy picked by the plan (prompt-scoring where the task knows the prompt first, streaming on ppl) or NAME, spent as the plan says or at BITS (int8, int4, int8+int4)",
     )
     p.add_argument(
         "--budgets", default="0.1,0.2,0.4,0.6", help="comma-separated fractions of the prompt (or ints: tokens)"
@@ -64,7 +64,7 @@ def parse_args(args):
     from ..eval.caches import policy_names
     from ..eval.tasks import task_names
 
-    policies = policy_names(args.policies, kvevict.POLICIES)
+    policies = policy_names(args.policies, kvevict.POLICIES, full_alone=bool(getattr(args, "peer", None)))
     budgets = [parse_budget(b) for b in args.budgets.split(",") if b.strip()]
     if not budgets:
         raise ValueError("give at least one budget, e.g. --budgets 0.1,0.2,0.4.")

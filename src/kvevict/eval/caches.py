@@ -85,11 +85,13 @@ def _recorded(name: str, model, tokenizer, prompt):
     return found[0].record(model, tokenizer, prompt, **found[1])
 
 
-def policy_names(requested: str | list[str], known: dict) -> list[str]:
+def policy_names(requested: str | list[str], known: dict, full_alone: bool = False) -> list[str]:
     """Policy names from ``"h2o,roco"`` or ``"all"`` (every registered policy, aliases once).
     Unknown names are a ValueError listing the known ones; 'full' is always run, never listed.
     A name may carry a storage (``h2o/int4``, ``full/int2``: quantized, nothing evicted), the
-    ``ada-`` prefix (head-adaptive budgets) and the ``+q`` suffix (question protected and observed)."""
+    ``ada-`` prefix (head-adaptive budgets) and the ``+q`` suffix (question protected and observed).
+    ``full_alone``: ``"full"`` alone is an empty list (a grid of the full cache and a peer's
+    presses), not an error."""
     items = requested.split(",") if isinstance(requested, str) else list(requested)
     items = [p.strip().lower() for p in items if p.strip()]
     if items == ["all"]:
@@ -127,6 +129,9 @@ def policy_names(requested: str | list[str], known: dict) -> list[str]:
     for p in items:
         if p != FULL and p not in out:
             out.append(p)
-    if not out:
-        raise ValueError(f"give at least one policy; known policies: {', '.join(sorted(known))}.")
+    if not out and not (full_alone and FULL in items):
+        raise ValueError(
+            f"give at least one policy besides full (the full cache always runs; with --peer, "
+            f"--policies full runs the peer alone); known policies: {', '.join(sorted(known))}."
+        )
     return out
