@@ -16,7 +16,6 @@ import copy
 import json
 import statistics
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -40,9 +39,8 @@ def run(model_name: str, dtypes: list[str], tokens: int, rounds: int, log=print)
     from kvevict.models import load_model
 
     model, _ = load_model(model_name)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the warning this benchmark measures
-        models = {d: model if d == "float32" else copy.deepcopy(model).to(getattr(torch, d)) for d in dtypes}
+    # loaded in float32 (no warning), then cast: the same weights in every dtype
+    models = {d: model if d == "float32" else copy.deepcopy(model).to(getattr(torch, d)) for d in dtypes}
     vocab = min(1000, model.config.get_text_config().vocab_size)
     ids = torch.randint(vocab // 10, vocab, (1, tokens), generator=torch.Generator().manual_seed(0))
     for m in models.values():

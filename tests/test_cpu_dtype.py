@@ -3,12 +3,22 @@ baseline of its own round."""
 
 import json
 
+import pytest
 from benchmarks.cpu_dtype import main
 
 from tiny_chat_model import save_tiny_chat_model
 
 
-def test_a_run_times_each_dtype_against_float32(tmp_path, capsys):
+@pytest.fixture
+def keep_threads():
+    import torch
+
+    threads = torch.get_num_threads()  # main() sets torch's threads for the whole process
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_a_run_times_each_dtype_against_float32(tmp_path, capsys, keep_threads):
     folder = save_tiny_chat_model(tmp_path / "m")
     out = tmp_path / "dtype.json"
     main(
@@ -37,8 +47,6 @@ def test_a_run_times_each_dtype_against_float32(tmp_path, capsys):
 
 
 def test_an_unknown_dtype_is_a_clear_error(tmp_path, capsys):
-    import pytest
-
     with pytest.raises(SystemExit):
         main(["--dtypes", "int8", "--out", str(tmp_path / "x.json")])
     assert "unknown dtype int8; choose from float32, bfloat16, float16" in capsys.readouterr().err
