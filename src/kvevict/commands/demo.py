@@ -67,10 +67,13 @@ def run(args):
                 f"{r.seconds:.2f} s",
             )
         )
+    import torch
+
+    threads = torch.get_num_threads()
     print(
         f"pass key {task.answer} hidden at depth {args.depth:.0%} of a {r.prompt_tokens}-token prompt; "
         f"budgeted caches get {memory:.0%} of a 16-bit stock cache's bytes "
-        f"({args.model}, {__import__('torch').get_num_threads()} threads)\n"
+        f"({args.model}, {threads} thread{'' if threads == 1 else 's'})\n"
     )
     head = ("cache", "answer", "found", "KV held (of 16-bit stock)", "time")
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
