@@ -36,7 +36,7 @@ def run(args):
     memory = parse_memory(args.memory)
     if not isinstance(memory, float):
         raise ValueError("the demo compares at a share of a 16-bit stock cache's bytes: give --memory as 0.2 or 20%.")
-    setup_threads(args)
+    threads = setup_threads(args)
     model, tok = load_model_args(args)
     build_kernel(model)
     task = passkey_prompt(haystack(tok, args.tokens), args.depth, seed=args.tokens)
@@ -67,9 +67,6 @@ def run(args):
                 f"{r.seconds:.2f} s",
             )
         )
-    import torch
-
-    threads = torch.get_num_threads()
     print(
         f"pass key {task.answer} hidden at depth {args.depth:.0%} of a {r.prompt_tokens}-token prompt; "
         f"budgeted caches get {memory:.0%} of a 16-bit stock cache's bytes "
