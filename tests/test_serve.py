@@ -273,7 +273,23 @@ def test_64_concurrent_requests_batched_none_lost_each_as_alone_memory_bounded(s
         async with openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="t", max_retries=0, timeout=120) as ac:
             return await asyncio.wait_for(asyncio.gather(*(one(ac, *a) for a in asks)), 150)
 
-    got = asyncio.run(main())
+    # Each round the worker admits what has queued. Held once, in the round after the first request's,
+    # until a batch's worth has queued, so that which requests arrive together (and are prefilled
+    # together, asserted below) does not hang on how fast the client sends them
+    admit = engine._admit
+
+    def gathered():
+        del engine._admit  # once
+        deadline = time.monotonic() + 60
+        while len(engine.admission.pending) < DEFAULTS["max_batch"] and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return admit()
+
+    engine._admit = gathered
+    try:
+        got = asyncio.run(main())
+    finally:
+        vars(engine).pop("_admit", None)
     assert len(got) == 64
     for (text, policy, budget, _), (answer, usage) in zip(asks, got):
         if isinstance(budget, float):  # a fraction of the prompt, never below the server's floor
