@@ -280,9 +280,7 @@ def test_64_concurrent_requests_batched_none_lost_each_as_alone_memory_bounded(s
 
     def gathered():
         del engine._admit  # once
-        deadline = time.monotonic() + 60
-        while len(engine.admission.pending) < DEFAULTS["max_batch"] and time.monotonic() < deadline:
-            time.sleep(0.005)
+        _wait(lambda: len(engine.admission.pending) >= DEFAULTS["max_batch"], timeout=60)
         return admit()
 
     engine._admit = gathered
