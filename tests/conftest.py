@@ -1,18 +1,74 @@
 import os
+import tempfile
+import time
 
 # the Triton kernel tests run in triton's CPU interpreter, which must be on before anything imports
 # triton (torch._dynamo, reached through transformers, does); TRITON_INTERPRET=0 tests on a GPU instead
 os.environ.setdefault("TRITON_INTERPRET", "1")
 # plans a user calibrated (kvevict calibrate) change what memory= picks: the tests see none of them
-import tempfile  # noqa: E402
-
 os.environ["KVEVICT_PLANS"] = tempfile.mkdtemp(prefix="kvevict-plans-")
+# Ray, where a test starts it (tests/test_ray.py), reads these when it is imported, and its processes
+# inherit them: its node's address is loopback (Ray's default is the address other machines reach
+# this one at), and Serve's controller gives its HTTP proxy the time a busy 2-core machine needs to
+# start it (it allows 5 s a readiness check, three times, then kills the proxy: ActorDiedError)
+for _name, _value in {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "300",
+    "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "300",
+}.items():
+    os.environ.setdefault(_name, _value)
 
-import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import (  # noqa: E402
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+def _others_busy_cores(seconds: float = 0.5) -> float:
+    """How many cores other processes keep busy now (from /proc/stat; 0 where there is none)."""
+
+    def busy_total():
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+        return sum(ticks) - ticks[3] - ticks[4], sum(ticks)  # all but idle and iowait
+
+    try:
+        b0, t0 = busy_total()
+        time.sleep(seconds)
+        b1, t1 = busy_total()
+    except (OSError, ValueError):
+        return 0.0
+    return (b1 - b0) / max(1, t1 - t0) * (os.cpu_count() or 1)
+
+
+# Two threads on a quiet machine; one where other processes keep the cores busy, since torch's threads
+# then wait for each other at every op (a tiny forward ran 2x slower on 2 threads than on 1 beside two
+# busy processes on 2 cores). KVEVICT_TEST_THREADS sets it.
+THREADS = int(os.environ.get("KVEVICT_TEST_THREADS", 0)) or (1 if _others_busy_cores() > 0.5 else 2)
+torch.set_num_threads(min(THREADS, os.cpu_count() or 1))
+
+# How long a test waits for what must happen (a server's answer, a subprocess, a condition). A wait
+# ends as soon as it can, so a generous deadline costs nothing when all is well; it only has to
+# outlast a busy 2-core machine, where torch can run tens of times slower than on a quiet one.
+DEADLINE = 600.0
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """The commands and servers a test runs set torch's thread count for the whole process (their
+    --threads): the next test gets the suite's own back."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3, max_position_embeddings=512)
 

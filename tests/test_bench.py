@@ -20,7 +20,7 @@ from benchmarks.cachebench.caches import (
 )
 from benchmarks.cachebench.stats import summary
 
-from conftest import tiny_model
+from conftest import DEADLINE, tiny_model
 
 GiB = 2**30
 
@@ -383,7 +383,7 @@ def test_the_script_runs_from_anywhere_with_kvevict_importable(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=DEADLINE,
     )
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.strip() == ("python benchmarks/bench.py: error: stream tokens must be a positive int, got 0.")

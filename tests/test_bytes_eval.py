@@ -122,7 +122,7 @@ def test_rows_pair_each_cell_with_the_full_cache_on_shared_samples():
     got = {r["policy"]: r for r in rows(recs)}
     assert got["h2o"]["diff"] == pytest.approx(-1 / 3) and got["h2o"]["bytes"] == pytest.approx(0.2)
     assert got["full/int4"]["diff"] == pytest.approx(1 / 3) and got["full/int4"]["n"] == 3
-    # a record from before issue 20 counted the full cache in the model's dtype (fp32): rescaled to 16 bits
+    # an old record (no bytes_basis) counted the full cache in the model's dtype (fp32): rescaled to 16 bits
     old = [{k: v for k, v in r.items() if k != "bytes_basis"} for r in recs]
     assert {r["policy"]: r for r in rows(old)}["h2o"]["bytes"] == pytest.approx(0.4)
     assert {r["policy"]: r for r in rows(old, legacy_dtype_bytes=2)}["h2o"]["bytes"] == pytest.approx(0.2)

@@ -1,5 +1,4 @@
-"""Issue 12, item 1: transformers' own chunked prefill (generate's prefill_chunk_size) is block
-prefill: the same kept sets as kvevict.prefill(mode="block"), with int and float budgets."""
+"""transformers' own chunked prefill (generate's prefill_chunk_size) is block prefill: the same kept sets as kvevict.prefill(mode="block"), with int and float budgets."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""Issue 2's required behaviour: exactness, real drop = simulation, memory bound, batching, errors."""
+"""The cache's core behaviour: exactness, real drop = simulation, memory bound, batching, errors."""
 
 import pytest
 import torch

@@ -9,16 +9,7 @@ from benchmarks.cpu_dtype import main
 from tiny_chat_model import save_tiny_chat_model
 
 
-@pytest.fixture
-def keep_threads():
-    import torch
-
-    threads = torch.get_num_threads()  # main() sets torch's threads for the whole process
-    yield
-    torch.set_num_threads(threads)
-
-
-def test_a_run_times_each_dtype_against_float32(tmp_path, capsys, keep_threads):
+def test_a_run_times_each_dtype_against_float32(tmp_path, capsys):  # conftest restores the threads main() sets
     folder = save_tiny_chat_model(tmp_path / "m")
     out = tmp_path / "dtype.json"
     main(

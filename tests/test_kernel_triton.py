@@ -20,6 +20,7 @@ import torch
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install 'kvevict[triton]')")
 
+from conftest import DEADLINE  # noqa: E402
 from kvevict.kernels.triton_decode import _factored, decode_attention_triton, interpreting, register  # noqa: E402
 from kvevict.storage.codes import dequantize, quantize  # noqa: E402
 
@@ -378,7 +379,7 @@ def test_compiles_for_an_h100_without_one():
     env["PYTHONPATH"] = os.pathsep.join(
         [os.path.dirname(os.path.dirname(__import__("kvevict").__file__)), env.get("PYTHONPATH", "")]
     )
-    done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=DEADLINE)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 
@@ -423,7 +424,7 @@ def test_the_sass_counts_show_what_the_switches_save(tmp_path):
             env=env,
             capture_output=True,
             text=True,
-            timeout=300,
+            timeout=DEADLINE,
         )
         assert done.returncode == 0, done.stderr[-3000:]
         got[name] = json.loads(out.read_text())

@@ -1,4 +1,4 @@
-"""Issue 18: fused decode attention over the cache's storage as stored (kvevict.kernels). Every
+"""Fused decode attention over the cache's storage as stored (kvevict.kernels). Every
 available backend must equal the torch reference; decoding through the compiled kernel must keep
 the same tokens and produce the same text as the torch path."""
 

@@ -16,6 +16,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window  # noqa: E402
 
 import kvevict  # noqa: E402
+from conftest import DEADLINE  # noqa: E402
 from kvevict.cli import main as kvevict_main  # noqa: E402
 from kvevict.eval.streaming import continuation_logprob  # noqa: E402
 from kvevict.lmeval import register  # noqa: E402
@@ -276,7 +277,7 @@ def test_python_m_checks_model_args_before_lm_eval_starts(folder, tmp_path):
         capture_output=True,
         text=True,
         env=env,
-        timeout=300,
+        timeout=DEADLINE,
     )
     assert run.returncode == 2, run.stderr[-2000:]
     assert "kvevict lm-eval: error: unknown model_args bogus" in run.stderr

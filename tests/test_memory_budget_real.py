@@ -1,4 +1,4 @@
-"""Issue 20 on the real SmolLM2-135M: the README's recommended call (``make_cache(model, memory=0.2)``,
+"""On the real SmolLM2-135M: the README's recommended call (``make_cache(model, memory=0.2)``,
 and ``generate(..., memory=0.2)``) never cuts a short chat, on an fp32 and a bf16 copy."""
 
 import torch

@@ -1,4 +1,4 @@
-"""Issue 3: every policy's choice on hand-built attention, the statistics the attention collects,
+"""Every policy's choice on hand-built attention, the statistics the attention collects,
 every policy x prefill mode on a padded GQA batch, block prefill's peak, exactness."""
 
 import pytest

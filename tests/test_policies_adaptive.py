@@ -1,4 +1,4 @@
-"""Issue 13: Ada-KV head-adaptive budgets (one pool of kv_heads x budget slots per sequence and
+"""Ada-KV head-adaptive budgets (one pool of kv_heads x budget slots per sequence and
 layer, shared by the heads) and question-aware prefill, on hand-built inputs with hand-computed
 kept sets, through the real attention and cache, and their errors."""
 

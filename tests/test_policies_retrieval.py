@@ -1,4 +1,4 @@
-"""Issue 13: the retrieval policies (key norm, KVzip) on hand-built inputs with hand-computed kept
+"""The retrieval policies (key norm, KVzip) on hand-built inputs with hand-computed kept
 sets, through the real attention and cache, and their errors."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""Issue 13's retrieval tasks (needle stated once, variable tracking) and the kvpress peer's
+"""The retrieval tasks (needle stated once, variable tracking) and the kvpress peer's
 checks: generators against their definitions, scoring, errors."""
 
 import re

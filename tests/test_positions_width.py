@@ -1,4 +1,4 @@
-"""Issue 18: a slot's position is int16 while every row's own positions fit, int32 once one passes
+"""A slot's position is int16 while every row's own positions fit, int32 once one passes
 32,767, and int16 again once it leaves. Padding and a batch history that outlived its rows (the
 batch's ``seen``) never widen; the server's admission counts the int32 positions of a batch with a
 row that may pass, so what it counts is exactly what the cache holds."""

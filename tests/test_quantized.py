@@ -1,4 +1,4 @@
-"""Issue 10: packed key/value storage (8/4/2 bits) and mixed precision under eviction."""
+"""Packed key/value storage (8/4/2 bits) and mixed precision under eviction."""
 
 import pytest
 import torch

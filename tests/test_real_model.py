@@ -7,6 +7,7 @@ import torch
 from transformers import DynamicCache
 
 import kvevict
+from conftest import DEADLINE
 
 
 def test_tokenizer_is_built_correctly_from_the_gguf(real_model):
@@ -65,7 +66,7 @@ def test_cli_generate_prints_answer_and_memory(tmp_path, real_model):
         ],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=DEADLINE,
     )
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
@@ -79,7 +80,7 @@ def test_cli_bad_input_is_one_clear_line(tmp_path):
         (["--prompt-file", str(tmp_path / "missing.txt")], "does not exist"),
     ):
         out = subprocess.run(
-            [sys.executable, "-m", "kvevict.cli", "generate", *args], capture_output=True, text=True, timeout=300
+            [sys.executable, "-m", "kvevict.cli", "generate", *args], capture_output=True, text=True, timeout=DEADLINE
         )
         assert out.returncode == 2
         assert message in out.stderr and "Traceback" not in out.stderr

@@ -1,11 +1,9 @@
-"""Issue 6: the OpenAI-compatible server, driven over loopback with the official openai client on a
-tiny random Llama with a character tokenizer (tests/tiny_chat_model.py)."""
+"""The OpenAI-compatible server, driven over loopback with the official openai client on a tiny
+random Llama with a character tokenizer (tests/tiny_chat_model.py)."""
 
 import asyncio
 import http.client
 import json
-import threading
-import time
 
 import pytest
 
@@ -15,25 +13,29 @@ pytest.importorskip("uvicorn")
 
 import kvevict  # noqa: E402
 from kvevict.generate import generate  # noqa: E402
+from kvevict.serve.metrics import OUTCOMES  # noqa: E402
 from kvevict.serve.server import ServerThread, build  # noqa: E402
-from kvevict.storage import page_slots, stat_bytes  # noqa: E402
-from tiny_chat_model import save_tiny_chat_model  # noqa: E402
-
-MODEL = "tiny"
-# kv_bits=None: rows in the model's dtype, compared with the library's cache (tests/test_serve_storage.py
-# covers the packed default)
-DEFAULTS = dict(model_id=MODEL, policy="h2o", budget=8, max_tokens=16, max_tokens_limit=480, max_batch=8, kv_bits=None)
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return str(save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat")))
-
-
-@pytest.fixture(scope="module")
-def reference(folder):
-    """A second copy of the model for answers computed alone (the server's copy is its worker's)."""
-    return kvevict.load_model(folder)
+from kvevict.storage import page_slots  # noqa: E402
+from serve_helpers import (  # noqa: E402,F401
+    DEADLINE,
+    DEFAULTS,
+    MODEL,
+    Gate,
+    arrived,
+    chat,
+    events,
+    folder,
+    get,
+    held_bytes,
+    in_background,
+    metric,
+    open_stream,
+    post,
+    reference,
+    result,
+    rows,
+    wait_until,
+)
 
 
 @pytest.fixture(scope="module")
@@ -45,63 +47,15 @@ def server(folder):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server[0].url + "/v1", api_key="test", max_retries=0, timeout=60)
-
-
-def chat(text):
-    return [{"role": "user", "content": text}]
-
-
-def token_bytes(model):
-    c = model.config
-    head_dim = c.hidden_size // c.num_attention_heads
-    return c.num_hidden_layers * c.num_key_value_heads * 2 * head_dim * 4  # K and V, fp32
-
-
-def held_bytes(model, slots: int, policy: str) -> int:
-    """What an evicting cache holds for one sequence of ``slots`` kept tokens: K and V, plus per slot
-    its position (2 bytes) and the policy's statistics (``stat_bytes``), plus a count per layer."""
-    c = model.config
-    stats = stat_bytes(kvevict.POLICIES[policy].stats)
-    per_slot = token_bytes(model) + c.num_hidden_layers * c.num_key_value_heads * (2 + stats)
-    return slots * per_slot + 8 * c.num_hidden_layers
-
-
-def metric(url, name, **labels):
-    text = _get(url, "/metrics")[1]
-    lab = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    want = f"{name}{{{lab}}}" if lab else name
-    for line in text.splitlines():
-        if line.split(" ")[0] == want:
-            return float(line.split(" ")[1])
-    return 0.0
-
-
-def _http(url, method, path, data=None):
-    """(status, body) of one plain HTTP request, for what the openai client hides."""
-    host, port = url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    conn.request(method, path, data, {"Content-Type": "application/json"} if data is not None else {})
-    resp = conn.getresponse()
-    body = resp.read().decode()
-    conn.close()
-    return resp.status, body
-
-
-def _get(url, path):
-    return _http(url, "GET", path)
-
-
-def _post(url, path, data):
-    return _http(url, "POST", path, data)
+    return openai.OpenAI(base_url=server[0].url + "/v1", api_key="test", max_retries=0, timeout=DEADLINE)
 
 
 def test_models_health_and_metrics_format(server, client):
     srv, _ = server
     assert [m.id for m in client.models.list().data] == [MODEL]
-    status, body = _get(srv.url, "/health")
+    status, body = get(srv.url, "/health")
     assert status == 200 and json.loads(body)["status"] == "ok"
-    status, text = _get(srv.url, "/metrics")
+    status, text = get(srv.url, "/metrics")
     assert status == 200
     for name in (
         "kvevict_requests_total",
@@ -111,6 +65,11 @@ def test_models_health_and_metrics_format(server, client):
         "kvevict_evicted_tokens_total",
     ):
         assert f"# TYPE {name} " in text
+    # every outcome's series is there from the start, at 0 (nothing has ended yet): a count of 0 is
+    # told from a series that is missing, which the tests' reads fail on
+    assert {o: metric(srv.url, "kvevict_requests_total", outcome=o) for o in OUTCOMES} == dict.fromkeys(OUTCOMES, 0)
+    with pytest.raises(AssertionError, match='no series kvevict_requests_total{outcome="lost"}'):
+        metric(srv.url, "kvevict_requests_total", outcome="lost")
     # the values move with a request: one completed, its tokens counted, evictions past an 8-token budget
     done0 = metric(srv.url, "kvevict_requests_total", outcome="completed")
     gen0, ev0 = metric(srv.url, "kvevict_generated_tokens_total"), metric(srv.url, "kvevict_evicted_tokens_total")
@@ -179,7 +138,7 @@ def test_streaming_equals_plain_and_ends_with_done(server, client):
     assert len({c.id for c in chunks}) == 1
     # the wire format itself: SSE events, the last one [DONE]
     host, port = srv.url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn = http.client.HTTPConnection(host, int(port), timeout=DEADLINE)
     conn.request(
         "POST",
         "/v1/completions",
@@ -222,7 +181,7 @@ def test_bad_input_is_400_with_a_clear_message(server, fields, message, param):
     srv, _ = server
     body = {"model": MODEL, "messages": chat("hello"), **fields}
     body = {k: v for k, v in body.items() if v is not None}
-    status, err = _post(srv.url, "/v1/chat/completions", json.dumps(body))
+    status, err = post(srv.url, "/v1/chat/completions", json.dumps(body))
     assert status == 400
     err = json.loads(err)["error"]
     assert message in err["message"] and err["param"] == param and err["type"] == "invalid_request_error"
@@ -236,7 +195,7 @@ def test_bad_input_through_the_client_then_server_still_serves(server, client):
         client.completions.create(model=MODEL, prompt=None)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.chat.completions.create(model="gpt-4", messages=chat("hi"))
-    assert _post(srv.url, "/v1/chat/completions", "{not json")[0] == 400
+    assert post(srv.url, "/v1/chat/completions", "{not json")[0] == 400
     r = client.chat.completions.create(model=MODEL, messages=chat("still there?"), max_tokens=4)
     assert r.usage.completion_tokens >= 1 and r.choices[0].finish_reason in ("stop", "length")
 
@@ -269,25 +228,19 @@ def test_64_concurrent_requests_batched_none_lost_each_as_alone_memory_bounded(s
             usage = c.usage or usage
         return "".join(parts), usage
 
-    async def main():
-        async with openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="t", max_retries=0, timeout=120) as ac:
-            return await asyncio.wait_for(asyncio.gather(*(one(ac, *a) for a in asks)), 150)
+    # The requests gather while the worker is held (the first at its prefill), then go: which ones
+    # are prefilled together (asserted below) does not hang on how fast the client sends them
+    async def main(gate):
+        async with openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="t", max_retries=0, timeout=DEADLINE) as ac:
+            tasks = [asyncio.create_task(one(ac, *a)) for a in asks]
+            gathered = await asyncio.to_thread(wait_until, lambda: arrived(engine) - arrived0 == len(asks))
+            gate.open()
+            assert gathered, "the 64 requests did not all reach the server"
+            return await asyncio.gather(*tasks)
 
-    # Each round the worker admits what has queued. Held once, in the round after the first request's,
-    # until a batch's worth has queued, so that which requests arrive together (and are prefilled
-    # together, asserted below) does not hang on how fast the client sends them
-    admit = engine._admit
-
-    def gathered():
-        del engine._admit  # once
-        _wait(lambda: len(engine.admission.pending) >= DEFAULTS["max_batch"], timeout=60)
-        return admit()
-
-    engine._admit = gathered
-    try:
-        got = asyncio.run(main())
-    finally:
-        vars(engine).pop("_admit", None)
+    arrived0 = arrived(engine)
+    with Gate(engine) as gate:
+        got = asyncio.run(main(gate))
     assert len(got) == 64
     for (text, policy, budget, _), (answer, usage) in zip(asks, got):
         if isinstance(budget, float):  # a fraction of the prompt, never below the server's floor
@@ -300,17 +253,17 @@ def test_64_concurrent_requests_batched_none_lost_each_as_alone_memory_bounded(s
             fed = usage.prompt_tokens + usage.completion_tokens - 1  # the last token is never fed
             assert usage.kv_bytes == held_bytes(model, page_slots(fed, usage.kv_budget_tokens), policy)
     assert len({a for a, _ in got}) > 8  # different prompts, different answers: nothing mixed up
-    events = list(engine.log)[log0:]
-    assert sum(e["event"] == "finish" for e in events) == 64
-    running = [e["running"] for e in events if e["event"] == "admit"]
+    log = events(engine)[log0:]
+    assert sum(e["event"] == "finish" for e in log) == 64
+    running = [e["running"] for e in log if e["event"] == "admit"]
     assert max(running) > 1 and max(running) < DEFAULTS["max_batch"]  # decoded together, never past max_batch
     # requests that arrive together are prefilled together (one forward, padded), and each answer
     # above still equals its answer alone
-    assert max(e["prefill"] for e in events if e["event"] == "admit") > 1
+    assert max(e["prefill"] for e in log if e["event"] == "admit") > 1
     assert metric(srv.url, "kvevict_kv_bytes_peak") <= engine.settings.kv_memory
     assert metric(srv.url, "kvevict_requests_total", outcome="completed") - completed0 == 64
     assert metric(srv.url, "kvevict_generated_tokens_total") - generated0 == sum(u.completion_tokens for _, u in got)
-    assert _wait(lambda: metric(srv.url, "kvevict_kv_bytes_held") == 0)  # nothing running, nothing held
+    assert wait_until(lambda: metric(srv.url, "kvevict_kv_bytes_held") == 0)  # nothing running, nothing held
 
 
 def test_seeded_sampling_repeats_and_stop_strings_cut(client):
@@ -346,83 +299,53 @@ def test_seeded_sampling_repeats_and_stop_strings_cut(client):
     assert streamed == cut
 
 
-def _last_id(engine):
-    return [e for e in engine.log if "id" in e][-1]["id"]
-
-
-def _wait(cond, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
-def open_stream(url, body):
-    """A streamed chat request read up to its third token; returns (the connection, its request id)."""
-    host, port = url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    conn.request(
-        "POST", "/v1/chat/completions", json.dumps({**body, "stream": True}), {"Content-Type": "application/json"}
-    )
-    resp = conn.getresponse()
-    events = []
-    while len(events) < 4:  # the role event and three tokens
-        line = resp.readline().decode()
-        events += [json.loads(line[6:])] if line.startswith("data: ") else []
-    return conn, events[0]["id"].removeprefix("chatcmpl-")
+LONG_TOKENS = 100  # what the requests that stay ask for: each ends only after the test's checks
 
 
 def test_client_disconnect_drops_its_sequence_and_frees_its_cache(folder):
     # max_batch 2: the two requests below share one batch (and one cache), the second joining the first
     app, engine = build(folder, {**DEFAULTS, "max_batch": 2, "policy": "full"})
-    long = {"model": MODEL, "messages": chat("Talk for a long time."), "max_tokens": 400, "ignore_eos": True}
-    with ServerThread(app) as srv:
-        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="t", max_retries=0, timeout=60)
-        stayer = {}
-        t = threading.Thread(
-            target=lambda: stayer.update(
-                r=client.chat.completions.create(
-                    model=MODEL, messages=long["messages"], max_tokens=400, extra_body={"ignore_eos": True}
-                )
-            )
-        )
-        t.start()
+    long = {"model": MODEL, "messages": chat("Talk for a long time."), "max_tokens": LONG_TOKENS, "ignore_eos": True}
+    kw = dict(model=MODEL, messages=long["messages"], max_tokens=LONG_TOKENS, extra_body={"ignore_eos": True})
+    with ServerThread(app) as srv, Gate(engine) as gate:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="t", max_retries=0, timeout=DEADLINE)
+        stayer = in_background(client.chat.completions.create, **kw)
+        assert gate.wait_held()  # at the stayer's prefill
         conn, leaver = open_stream(srv.url, long)
+        # both decode in one batch, then the worker is held while the leaver's client goes away
+        assert gate.run_until(lambda: len(rows(engine)) == 2)
+        handle = rows(engine)[leaver].handle
         conn.sock.close()  # the client goes away mid-stream
         conn.close()
-        t.join(60)
-        r = stayer["r"]
-        assert r.usage.completion_tokens == 400  # the other sequence went on to the end
-        drops = {e["id"]: e for e in engine.log if e["event"] == "finish"}
-        assert drops[leaver]["reason"] == "cancelled" and drops[leaver]["generated"] < 400
-        shrink = [e for e in engine.log if e["event"] == "shrink"]
+        assert wait_until(handle.cancelled.is_set)  # the server saw it, with the worker still held
+        gate.open()
+        r = result(*stayer)
+        assert r.usage.completion_tokens == LONG_TOKENS  # the other sequence went on to the end
+        drops = {e["id"]: e for e in events(engine, "finish")}
+        assert drops[leaver]["reason"] == "cancelled" and drops[leaver]["generated"] < LONG_TOKENS
+        assert drops[leaver]["loops_after_cancel"] <= 1  # dropped at the worker's next step
+        shrink = events(engine, "shrink")
         assert shrink and shrink[0]["size_before"] == 2 and shrink[0]["ids"] == [r.id.removeprefix("chatcmpl-")]
         # its half of the cache is gone (and the padding the stayer no longer needs)
         assert 0 < shrink[0]["kv_bytes"] * 2 <= shrink[0]["kv_bytes_before"]
         assert metric(srv.url, "kvevict_requests_total", outcome="cancelled") == 1
-        # a non-streamed request whose client gives up while it waits (both rows busy) is cancelled too
-        busy = [
-            threading.Thread(
-                target=client.chat.completions.create,
-                kwargs=dict(model=MODEL, messages=long["messages"], max_tokens=400, extra_body={"ignore_eos": True}),
-            )
-            for _ in range(2)
-        ]
-        for b in busy:
-            b.start()
-        assert _wait(lambda: metric(srv.url, "kvevict_running_sequences") == 2)
+        # a non-streamed request whose client gives up while it waits (both rows busy) is cancelled
+        # there, never admitted
+        gate.close()
+        before = arrived(engine)
+        busy = [in_background(client.chat.completions.create, **kw) for _ in range(2)]
+        assert wait_until(lambda: arrived(engine) == before + 2) and gate.wait_held()
         impatient = openai.OpenAI(base_url=srv.url + "/v1", api_key="t", max_retries=0, timeout=0.3)
         with pytest.raises(openai.APITimeoutError):
-            impatient.chat.completions.create(
-                model=MODEL, messages=chat("Never mind."), max_tokens=400, extra_body={"ignore_eos": True}
-            )
-        assert _wait(lambda: metric(srv.url, "kvevict_requests_total", outcome="cancelled") == 2)
-        assert [e["event"] for e in engine.log if e.get("id") == _last_id(engine)] == ["cancelled"]
-        for b in busy:
-            b.join(60)
-        assert _wait(lambda: metric(srv.url, "kvevict_running_sequences") == 0)
+            impatient.chat.completions.create(model=MODEL, messages=chat("Never mind."), max_tokens=7)
+        assert wait_until(lambda: arrived(engine) == before + 3)  # the worker is held: it waits
+        late = next(h for h in engine.admission.pending if h.req.max_tokens == 7)
+        assert wait_until(late.cancelled.is_set)
+        gate.open()
+        assert wait_until(lambda: metric(srv.url, "kvevict_requests_total", outcome="cancelled") == 2)
+        assert [e["event"] for e in events(engine) if e.get("id") == late.req.id] == ["cancelled"]
+        assert all(result(*b).usage.completion_tokens == LONG_TOKENS for b in busy)
+        assert wait_until(lambda: metric(srv.url, "kvevict_running_sequences") == 0)
         assert metric(srv.url, "kvevict_kv_bytes_held") == 0
 
 
@@ -430,24 +353,25 @@ def test_budget_round_lets_prompts_of_different_lengths_share_a_batch(folder, re
     model, tok = reference
     app, engine = build(folder, {**DEFAULTS, "max_batch": 2, "budget_round": 16, "min_budget": 1})
     texts = ["Short one.", "A slightly longer one."]  # 30 and 42 tokens: 9 and 13 tokens at 0.3
-    with ServerThread(app) as srv:
-        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="t", max_retries=0, timeout=60)
-        results = [None, None]
-
-        def ask(i):
-            results[i] = client.chat.completions.create(
-                model=MODEL, messages=chat(texts[i]), max_tokens=8, extra_body={"kv_budget": 0.3}
+    with ServerThread(app) as srv, Gate(engine) as gate:  # held until both have arrived: one batch
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="t", max_retries=0, timeout=DEADLINE)
+        asks = [
+            in_background(
+                client.chat.completions.create,
+                model=MODEL,
+                messages=chat(text),
+                max_tokens=8,
+                extra_body={"kv_budget": 0.3},
             )
-
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+            for text in texts
+        ]
+        assert wait_until(lambda: arrived(engine) == 2)
+        gate.open()
+        results = [result(*a) for a in asks]
     budgets = [r.usage.kv_budget_tokens for r in results]
     exact = [kvevict.budget.resolve_budget(0.3, r.usage.prompt_tokens) for r in results]
     assert exact[0] != exact[1] and budgets[0] == budgets[1] == -(-max(exact) // 16) * 16
-    assert max(e["size"] for e in engine.log if e["event"] == "join") == 2  # one batch, one cache
+    assert max(e["size"] for e in events(engine, "join")) == 2  # one batch, one cache
     for text, r in zip(texts, results):  # each as alone with the rounded token budget
         assert (
             r.choices[0].message.content.strip()

@@ -1,9 +1,9 @@
-"""Issue 11: serving that holds up. Continuous batching (join at the next step, leave at once),
+"""Serving that holds up. Continuous batching (join at the next step, leave at once),
 memory-bounded admission, defaults that keep short chats whole, and the review's faults, each
-driven over loopback with the official openai client (tiny model; the real one for the defaults)."""
+driven over loopback with the official openai client (tiny model; the real one for the defaults).
+A ``Gate`` holds the worker while the requests a test sends together arrive."""
 
 import asyncio
-import threading
 
 import pytest
 import torch
@@ -18,37 +18,64 @@ from kvevict.serve.detokenize import TextStream  # noqa: E402
 from kvevict.serve.sampling import next_token, pick_tokens  # noqa: E402
 from kvevict.serve.server import ServerThread, build  # noqa: E402
 from kvevict.storage import PAGE  # noqa: E402
-from test_serve import DEFAULTS, MODEL, _wait, chat, folder, held_bytes, metric, reference, token_bytes  # noqa: E402,F401
+from serve_helpers import (  # noqa: E402,F401
+    DEADLINE,
+    DEFAULTS,
+    MODEL,
+    Gate,
+    arrived,
+    chat,
+    events,
+    folder,
+    get,
+    held_bytes,
+    in_background,
+    metric,
+    reference,
+    result,
+    token_bytes,
+    wait_until,
+)
 from tiny_chat_model import char_tokenizer  # noqa: E402
 
 LONG = dict(max_tokens=300, extra_body={"ignore_eos": True})
 
 
-def _client(srv, timeout=60):
+def _client(srv, timeout=DEADLINE):
     return openai.OpenAI(base_url=srv.url + "/v1", api_key="t", max_retries=0, timeout=timeout)
 
 
+def _aclient(srv):
+    return openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="t", max_retries=0, timeout=DEADLINE)
+
+
 def _events(engine, kind):
-    return {e["id"]: e for e in engine.log if e["event"] == kind}
+    return {e["id"]: e for e in events(engine, kind)}
 
 
-def _in_background(fn, *args, **kwargs):
-    box = {}
-    t = threading.Thread(target=lambda: box.update(r=fn(*args, **kwargs)))
-    t.start()
-    return t, box
+async def _together(engine, gate, calls):
+    """Send ``calls`` (coroutines) at once with the worker held, let it go once all have arrived;
+    their results."""
+    before = arrived(engine)
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    gathered = await asyncio.to_thread(wait_until, lambda: arrived(engine) - before == len(tasks))
+    gate.open()
+    assert gathered, "the requests did not all reach the server"
+    return await asyncio.gather(*tasks)
 
 
 @pytest.mark.parametrize("policy", ["full", "h2o"])
 def test_a_request_arriving_mid_decode_joins_before_the_running_one_ends(folder, reference, policy):
     model, tok = reference
     app, engine = build(folder, {**DEFAULTS, "policy": policy})
-    with ServerThread(app) as srv:
+    with ServerThread(app) as srv, Gate(engine) as gate:
         client = _client(srv)
-        t, long = _in_background(client.chat.completions.create, model=MODEL, messages=chat("Go on and on."), **LONG)
-        assert _wait(lambda: metric(srv.url, "kvevict_running_sequences") == 1)
-        short = client.chat.completions.create(model=MODEL, messages=chat("Quick one?"), max_tokens=8)
-        t.join(60)
+        flight = in_background(client.chat.completions.create, model=MODEL, messages=chat("Go on and on."), **LONG)
+        assert gate.wait_held()  # at the long one's prefill
+        quick = in_background(client.chat.completions.create, model=MODEL, messages=chat("Quick one?"), max_tokens=8)
+        assert wait_until(lambda: arrived(engine) == 2)  # it waits while the long one is held
+        gate.open()
+        short, long = result(*quick), {"r": result(*flight)}
     a, b = long["r"].id.removeprefix("chatcmpl-"), short.id.removeprefix("chatcmpl-")
     admitted, finished = _events(engine, "admit"), _events(engine, "finish")
     # the timeline: b was admitted while a decoded, ran beside it, and left first
@@ -66,27 +93,32 @@ def test_admission_queues_when_memory_is_full_and_never_exceeds_it(folder, refer
     # room for two sequences at a budget of 8 tokens: a page of 32 slots each (kvevict.storage.paged)
     app, engine = build(folder, {**DEFAULTS, "max_batch": 8, "kv_memory": int(2.5 * PAGE * token_bytes(model))})
     texts = [f"Request number {i}, tell me something." for i in range(6)]
-    with ServerThread(app) as srv:
+    with ServerThread(app) as srv, Gate(engine) as gate:
 
         async def main():
-            async with openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="t", max_retries=0, timeout=120) as ac:
-                return await asyncio.gather(
-                    *(
+            async with _aclient(srv) as ac:
+                return await _together(
+                    engine,
+                    gate,
+                    [
                         ac.chat.completions.create(
                             model=MODEL, messages=chat(t), max_tokens=20, extra_body={"ignore_eos": True}
                         )
                         for t in texts
-                    )
+                    ],
                 )
 
         got = asyncio.run(main())
-        text = _metrics(srv.url)
+        text = get(srv.url, "/metrics")[1]
     assert all(r.usage.completion_tokens == 20 for r in got)  # none failed, none lost
     for t, r in zip(texts, got):
         assert r.choices[0].message.content == generate(model, tok, chat(t), "h2o", 8, max_new_tokens=20).text
-    admits = [e for e in engine.log if e["event"] == "admit"]
+    admits = events(engine, "admit")
     assert max(e["running"] for e in admits) == 1  # at most two at once
-    assert sum(e["waited"] > 0.01 for e in admits) >= 3  # the others queued
+    # all six were there from the start: four waited for memory, admitted only once a row had ended
+    log = events(engine)
+    first_end = next(i for i, e in enumerate(log) if e["event"] == "finish")
+    assert sum(e["event"] == "admit" for e in log[first_end:]) == 4
     assert engine.metrics.get("kvevict_kv_bytes_peak") <= engine.settings.kv_memory
     for name in (
         "kvevict_kv_bytes_held",
@@ -98,12 +130,6 @@ def test_admission_queues_when_memory_is_full_and_never_exceeds_it(folder, refer
         assert name in text
     assert f"kvevict_kv_memory_bytes {engine.settings.kv_memory}" in text
     assert "kvevict_time_to_first_token_seconds_count 6" in text
-
-
-def _metrics(url):
-    from test_serve import _get
-
-    return _get(url, "/metrics")[1]
 
 
 def test_a_request_bigger_than_the_whole_memory_is_a_400(folder):
@@ -182,7 +208,7 @@ def test_detokenizer_is_linear_and_equals_decoding_the_whole():
 
 
 def test_real_model_defaults_answer_a_short_chat_whole(real_model, tmp_path):
-    """The issue's first report: with no kv_* fields the server must not cut a 40-token chat."""
+    """With no kv_* fields the server must not cut a 40-token chat (it once did)."""
     app, engine = build("smollm2-135m", {"model_id": "smollm2-135m"})
     q = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
     with ServerThread(app) as srv:
@@ -217,24 +243,26 @@ def test_mixed_policies_and_budgets_share_one_batch_each_equal_its_answer_alone(
     model, tok = reference
     app, engine = build(folder, DEFAULTS)
     texts = [f"Mixed request {i}: name a colour." + " now" * i for i in range(len(MIXED))]
-    with ServerThread(app) as srv:
+    with ServerThread(app) as srv, Gate(engine) as gate:
         client = _client(srv)
-        t, long = _in_background(client.chat.completions.create, model=MODEL, messages=chat("Go on and on."), **LONG)
-        assert _wait(lambda: metric(srv.url, "kvevict_running_sequences") == 1)
+        flight = in_background(client.chat.completions.create, model=MODEL, messages=chat("Go on and on."), **LONG)
+        assert gate.wait_held()  # at the long one's prefill: the mixed ones arrive while it runs
 
         async def main():
-            async with openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="t", max_retries=0, timeout=120) as ac:
-                return await asyncio.gather(
-                    *(
+            async with _aclient(srv) as ac:
+                return await _together(
+                    engine,
+                    gate,
+                    [
                         ac.chat.completions.create(
                             model=MODEL, messages=chat(text), max_tokens=12, extra_body={"kv_policy": p, "kv_budget": b}
                         )
                         for text, (p, b) in zip(texts, MIXED)
-                    )
+                    ],
                 )
 
         got = asyncio.run(main())
-        t.join(60)
+        long = {"r": result(*flight)}
     for text, (policy, _b), r in zip(texts, MIXED, got):
         want = generate(model, tok, chat(text), policy, r.usage.kv_budget_tokens, max_new_tokens=12)
         assert r.choices[0].message.content.strip() == want.text, (policy, r.usage.kv_budget_tokens)
@@ -299,12 +327,14 @@ def test_64_clients_mixing_short_chats_and_long_prompts_short_ones_hold_their_ow
     memory = 3 * 256 * per_slot + 20 * 64 * per_slot  # three long prompts at a time, or many chats
     app, engine = build(folder, {**DEFAULTS, "budget": 256, "max_batch": 64, "kv_memory": memory})
     asks = [("Tell me a story. " * 25 if i % 4 == 0 else f"Hi {i}, name a colour.") for i in range(64)]
-    with ServerThread(app) as srv:
+    with ServerThread(app) as srv, Gate(engine) as gate:
 
         async def main():
-            async with openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="t", max_retries=0, timeout=300) as ac:
-                return await asyncio.gather(
-                    *(ac.chat.completions.create(model=MODEL, messages=chat(text), max_tokens=8) for text in asks)
+            async with _aclient(srv) as ac:
+                return await _together(
+                    engine,
+                    gate,
+                    [ac.chat.completions.create(model=MODEL, messages=chat(t), max_tokens=8) for t in asks],
                 )
 
         got = asyncio.run(main())
@@ -318,5 +348,5 @@ def test_64_clients_mixing_short_chats_and_long_prompts_short_ones_hold_their_ow
         fed = r.usage.prompt_tokens + r.usage.completion_tokens - 1
         assert r.usage.kv_bytes == held_bytes(model, page_slots(fed, 256), "h2o")
         (long_ids if len(text) > 100 else short_ids).add(r.id.removeprefix("chatcmpl-"))
-    joins = [e for e in engine.log if e["event"] == "join"]
+    joins = events(engine, "join")
     assert any(set(e["ids"]) & long_ids and len(set(e["ids"]) & short_ids) > 3 for e in joins)

@@ -1,7 +1,8 @@
-"""Issue 44: a server you can put on a host. API keys (401), a bounded wait queue (429), a
-per-request deadline (504), clients that go away (their row and pages freed within one decode
-step, seen through /metrics) and a drain that lets requests finish; over loopback with the openai
-client on the tiny chat model (tests/tiny_chat_model.py)."""
+"""A server you can put on a host. API keys (401), a bounded wait queue (429), a per-request
+deadline (504), clients that go away (their row and pages freed within one decode step, seen
+through /metrics) and a drain that lets requests finish; over loopback with the openai client on
+the tiny chat model (tests/tiny_chat_model.py). A ``Gate`` holds the worker wherever a test needs
+requests waiting or in flight."""
 
 import http.client
 import json
@@ -16,47 +17,32 @@ pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 
 from kvevict.serve.auth import key_matches  # noqa: E402
+from kvevict.serve.engine import Engine  # noqa: E402
 from kvevict.serve.server import ServerThread, build  # noqa: E402
-from test_serve import DEFAULTS, MODEL, _wait, chat, folder, metric, open_stream  # noqa: E402,F401
+from serve_helpers import (  # noqa: E402,F401
+    DEADLINE,
+    DEFAULTS,
+    MODEL,
+    Gate,
+    arrived,
+    chat,
+    events,
+    folder,
+    in_background,
+    metric,
+    open_stream,
+    request,
+    result,
+    rows,
+    wait_until,
+)
 
 KEY = "sk-kvevict-test-0123456789"
-LONG = {"model": MODEL, "messages": chat("Talk for a long time."), "max_tokens": 400, "ignore_eos": True}
+LONG = {"model": MODEL, "messages": chat("Talk for a long time."), "max_tokens": 100, "ignore_eos": True}
 
 
-def _client(srv, key="t", timeout=60):
+def _client(srv, key="t", timeout=DEADLINE):
     return openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0, timeout=timeout)
-
-
-def _slow(engine, seconds=0.01):
-    """Every model call of the server's worker takes at least ``seconds``: requests stay in flight
-    long enough to be cancelled, timed out or drained, whatever this machine's speed."""
-    engine.model.register_forward_pre_hook(lambda module, args: time.sleep(seconds))
-
-
-def _request(url, method, path, body=None, headers=None):
-    """(status, headers, body) of one plain HTTP request."""
-    host, port = url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=60)
-    data = None if body is None else json.dumps(body)
-    conn.request(method, path, data, {"Content-Type": "application/json", **(headers or {})})
-    resp = conn.getresponse()
-    out = resp.status, dict(resp.getheaders()), resp.read().decode()
-    conn.close()
-    return out
-
-
-def _in_background(fn, *args, **kwargs):
-    box = {}
-
-    def run():
-        try:
-            box["r"] = fn(*args, **kwargs)
-        except Exception as err:  # the test reads it
-            box["err"] = err
-
-    t = threading.Thread(target=run)
-    t.start()
-    return t, box
 
 
 def test_key_matches_only_a_bearer_token_equal_to_the_key():
@@ -76,7 +62,7 @@ def test_api_key_401_on_every_v1_route_health_open_metrics_keyed_by_flag(folder)
             ("GET", "/v1/nothing-here", None),
         ):
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
-                status, hdrs, text = _request(srv.url, method, path, data, headers)
+                status, hdrs, text = request(srv.url, method, path, data, headers)
                 err = json.loads(text)["error"]
                 assert status == 401 and hdrs["www-authenticate"] == "Bearer", (path, headers)
                 assert err["code"] == "invalid_api_key" and "--api-key" in err["message"]
@@ -87,62 +73,75 @@ def test_api_key_401_on_every_v1_route_health_open_metrics_keyed_by_flag(folder)
         r = _client(srv, key=KEY).chat.completions.create(model=MODEL, messages=chat("hi"), max_tokens=2)
         assert r.usage.completion_tokens >= 1  # the openai client's api_key= is all a user sets
         assert [m.id for m in _client(srv, key=KEY).models.list().data] == [MODEL]
-        assert _request(srv.url, "GET", "/health")[0] == 200
-        assert _request(srv.url, "GET", "/metrics")[0] == 200  # open unless protect_metrics
+        assert request(srv.url, "GET", "/health")[0] == 200
+        assert request(srv.url, "GET", "/metrics")[0] == 200  # open unless protect_metrics
     app, _ = build(folder, {**DEFAULTS, "api_key": KEY, "protect_metrics": True})
     with ServerThread(app) as srv:
-        assert _request(srv.url, "GET", "/metrics")[0] == 401
-        status, _, text = _request(srv.url, "GET", "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+        assert request(srv.url, "GET", "/metrics")[0] == 401
+        status, _, text = request(srv.url, "GET", "/metrics", headers={"Authorization": f"Bearer {KEY}"})
         assert status == 200 and "kvevict_requests_total" in text
-        assert _request(srv.url, "GET", "/health")[0] == 200
+        assert request(srv.url, "GET", "/health")[0] == 200
 
 
 def test_a_full_queue_answers_429_with_retry_after_and_the_queued_ones_complete(folder):
     app, engine = build(folder, {**DEFAULTS, "max_batch": 1, "max_queue": 1, "policy": "full"})
-    _slow(engine)
-    with ServerThread(app) as srv:
+    with ServerThread(app) as srv, Gate(engine) as gate:
         client = _client(srv)
         kw = dict(model=MODEL, messages=LONG["messages"], max_tokens=60, extra_body={"ignore_eos": True})
-        t1, first = _in_background(client.chat.completions.create, **kw)
-        assert _wait(lambda: metric(srv.url, "kvevict_running_sequences") == 1)
-        t2, second = _in_background(client.chat.completions.create, **kw)
-        assert _wait(lambda: metric(srv.url, "kvevict_queued_requests") == 1)
-        status, headers, text = _request(srv.url, "POST", "/v1/chat/completions", {**LONG, "max_tokens": 5})
+        first = in_background(client.chat.completions.create, **kw)
+        assert wait_until(lambda: arrived(engine) == 1)
+        # the first decodes, held at a step: the only slot stays taken
+        assert gate.run_until(lambda: engine.metrics.get("kvevict_running_sequences") == 1)
+        assert metric(srv.url, "kvevict_running_sequences") == 1
+        second = in_background(client.chat.completions.create, **kw)
+        assert wait_until(lambda: metric(srv.url, "kvevict_queued_requests") == 1)
+        status, headers, text = request(srv.url, "POST", "/v1/chat/completions", {**LONG, "max_tokens": 5})
         assert status == 429 and headers["retry-after"] == "1"
         err = json.loads(text)["error"]
         assert err["code"] == "queue_full" and "--max-queue 1" in err["message"]
         with pytest.raises(openai.RateLimitError):
             client.chat.completions.create(model=MODEL, messages=chat("me too"), max_tokens=5)
         assert metric(srv.url, "kvevict_requests_total", outcome="overloaded") == 2
-        t1.join(60)
-        t2.join(60)
-        assert first["r"].usage.completion_tokens == second["r"].usage.completion_tokens == 60  # none lost
+        gate.open()
+        assert result(*first).usage.completion_tokens == result(*second).usage.completion_tokens == 60  # none lost
         r = client.chat.completions.create(model=MODEL, messages=chat("room now?"), max_tokens=3)
         assert r.usage.completion_tokens >= 1
 
 
+def _past_deadline(handle) -> bool:
+    return time.monotonic() > handle.deadline
+
+
 def test_request_timeout_ends_running_and_queued_requests_with_504_and_frees_them(folder):
     app, engine = build(folder, {**DEFAULTS, "max_batch": 1, "request_timeout": 0.6})
-    # steps of 0.3 s: the running row is dropped at a step boundary after its deadline, by then the
-    # waiting one's deadline (submitted a moment later) has passed too, however busy this machine is
-    _slow(engine, 0.3)
-    with ServerThread(app) as srv:
-        t, queued = _in_background(_request, srv.url, "POST", "/v1/chat/completions", LONG)
-        status, headers, text = _request(srv.url, "POST", "/v1/chat/completions", LONG)
-        t.join(60)
-        for status, headers, text in ((status, headers, text), queued["r"]):
+    with ServerThread(app) as srv, Gate(engine) as gate:
+        # the worker is held at the first request's prefill while the second waits for the only
+        # slot, until both deadlines have passed: one then times out decoding, the other waiting
+        running = in_background(request, srv.url, "POST", "/v1/chat/completions", LONG)
+        assert gate.wait_held()
+        queued = in_background(request, srv.url, "POST", "/v1/chat/completions", LONG)
+        assert wait_until(lambda: len(engine.admission.pending) == 1)
+        assert wait_until(lambda: _past_deadline(engine.admission.pending[0]))  # the later of the two
+        gate.open()
+        for status, headers, text in (result(*running), result(*queued)):
             err = json.loads(text)["error"]
             assert status == 504 and err["type"] == "timeout" and "--request-timeout of 0.6 s" in err["message"]
             assert headers["x-should-retry"] == "false"  # the openai client would otherwise retry it twice
         # one timed out decoding, the other while it waited for the only slot
-        outs = [e for e in engine.log if e["event"] == "timeout" or e.get("reason") == "timeout"]
+        outs = [e for e in events(engine) if e["event"] == "timeout" or e.get("reason") == "timeout"]
         assert len(outs) == 2 and {e["event"] for e in outs} == {"timeout", "finish"}
         # streamed: an error event with the status as its code, then [DONE]
-        status, _, text = _request(srv.url, "POST", "/v1/chat/completions", {**LONG, "stream": True})
-        events = [e[6:] for e in text.split("\n\n") if e]
-        assert status == 200 and events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == 504
+        gate.close()
+        streamed = in_background(request, srv.url, "POST", "/v1/chat/completions", {**LONG, "stream": True})
+        assert gate.wait_held()  # at its prefill, its deadline counted from its arrival (the admit event's)
+        admit = events(engine, "admit")[-1]
+        assert wait_until(lambda: time.monotonic() > admit["t"] - admit["waited"] + 0.6)
+        gate.open()
+        status, _, text = result(*streamed)
+        stream = [e[6:] for e in text.split("\n\n") if e]
+        assert status == 200 and stream[-1] == "[DONE]" and json.loads(stream[-2])["error"]["code"] == 504
         assert metric(srv.url, "kvevict_requests_total", outcome="timeout") == 3
-        assert _wait(lambda: metric(srv.url, "kvevict_running_sequences") == 0)
+        assert wait_until(lambda: metric(srv.url, "kvevict_running_sequences") == 0)
         assert metric(srv.url, "kvevict_kv_bytes_held") == 0 and engine.pages.pages_in_use() == 0
 
 
@@ -151,32 +150,37 @@ def test_a_client_that_goes_away_frees_its_row_and_pages_within_one_decode_step(
     between the cancel and the drop), and /metrics shows the running rows and K/V bytes fall back
     to the one that stays."""
     app, engine = build(folder, {**DEFAULTS, "max_batch": 4})  # h2o rows: pages of the pool
-    _slow(engine, 0.02)
-    with ServerThread(app) as srv:
-        t, stayer = _in_background(
+    with ServerThread(app) as srv, Gate(engine) as gate:
+        stayer = in_background(
             _client(srv).chat.completions.create,
             model=MODEL,
             messages=chat("I stay."),
             max_tokens=300,
             extra_body={"ignore_eos": True},
         )
-        assert _wait(lambda: metric(srv.url, "kvevict_running_sequences") == 1)
+        assert wait_until(lambda: arrived(engine) == 1)
+        running = lambda n: lambda: engine.metrics.get("kvevict_running_sequences") == n  # noqa: E731
+        assert gate.run_until(running(1))  # the stayer decodes, held at a step
         alone = metric(srv.url, "kvevict_kv_bytes_held")
         for streamed in (True, False):
+            before = arrived(engine)
             if streamed:
-                conn, leaver = open_stream(srv.url, LONG)
+                conn, _ = open_stream(srv.url, LONG)
             else:
                 host, port = srv.url.removeprefix("http://").split(":")
-                conn = http.client.HTTPConnection(host, int(port), timeout=60)
+                conn = http.client.HTTPConnection(host, int(port), timeout=DEADLINE)
                 conn.request("POST", "/v1/chat/completions", json.dumps(LONG), {"Content-Type": "application/json"})
-                assert _wait(lambda: metric(srv.url, "kvevict_running_sequences") == 2)
-                leaver = [e for e in engine.log if e["event"] == "admit"][-1]["id"]
+            assert wait_until(lambda: arrived(engine) == before + 1)
+            leaver = engine.admission.pending[-1].req.id
+            assert gate.run_until(running(2))  # both decode, held at a step
             assert metric(srv.url, "kvevict_kv_bytes_held") > alone
             both = engine.pages.pages_in_use()
+            handle = rows(engine)[leaver].handle
             conn.sock.close()  # the client goes away
             conn.close()
-            assert _wait(lambda: metric(srv.url, "kvevict_running_sequences") == 1, 5)
-            gone = [e for e in engine.log if e["event"] == "finish" and e["id"] == leaver][-1]
+            assert wait_until(handle.cancelled.is_set)  # seen by the server while the worker is held
+            assert gate.run_until(running(1))
+            gone = [e for e in events(engine, "finish") if e["id"] == leaver][-1]
             assert gone["reason"] == "cancelled" and gone["generated"] < 300
             assert gone["loops_after_cancel"] <= 1, gone  # dropped at the worker's next step
             # at a budget of 8 tokens a row's storage stops growing at its first page: what is held
@@ -184,9 +188,9 @@ def test_a_client_that_goes_away_frees_its_row_and_pages_within_one_decode_step(
             assert metric(srv.url, "kvevict_kv_bytes_held") == alone
             assert 0 < 2 * engine.pages.pages_in_use() == both
         assert metric(srv.url, "kvevict_requests_total", outcome="cancelled") == 2
-        t.join(60)
-        assert stayer["r"].usage.completion_tokens == 300
-        assert _wait(lambda: metric(srv.url, "kvevict_kv_bytes_held") == 0)
+        gate.open()
+        assert result(*stayer).usage.completion_tokens == 300
+        assert wait_until(lambda: metric(srv.url, "kvevict_kv_bytes_held") == 0)
         assert engine.pages.pages_in_use() == 0
 
 
@@ -201,11 +205,11 @@ def test_the_idle_worker_gives_the_freed_heap_back_once_per_idle_spell(folder, m
     monkeypatch.setattr(heap, "trim", lambda: calls.append(time.monotonic()) or True)
     app, engine = build(folder, DEFAULTS)
     with ServerThread(app) as srv:
-        assert _wait(lambda: len(calls) == 1)  # idle from the start
+        assert wait_until(lambda: engine.trims == 1)  # idle from the start
         for n in (2, 3):
             out = _client(srv).chat.completions.create(model=MODEL, messages=chat("hi"), max_tokens=3)
             assert out.choices[0].message.content is not None
-            assert _wait(lambda: len(calls) == n)  # after the request, idle again: one more
+            assert wait_until(lambda: engine.trims == n)  # after the request, idle again: one more
             time.sleep(1.2)  # the worker wakes every 0.5 s while idle: no trim for those
             assert len(calls) == n and engine.trims == n
     monkeypatch.undo()
@@ -221,11 +225,11 @@ def test_the_trim_runs_outside_the_engines_lock(folder, monkeypatch):
     free, built, box = [], threading.Event(), {}
 
     def trim():  # the worker trims as soon as it starts, maybe before build() returns the engine
-        assert built.wait(10)
+        assert built.wait(DEADLINE)
         lock = box["engine"]._cond
 
-        def take():
-            if lock.acquire(timeout=2):
+        def take():  # a lock held by the trimming worker would never come free: no deadlock, a False
+            if lock.acquire(timeout=DEADLINE / 10):
                 lock.release()
                 got.append(True)
 
@@ -240,79 +244,87 @@ def test_the_trim_runs_outside_the_engines_lock(folder, monkeypatch):
     app, box["engine"] = build(folder, DEFAULTS)
     built.set()
     with ServerThread(app):
-        assert _wait(lambda: len(free) == 1)
+        assert wait_until(lambda: len(free) == 1)
     assert free == [True]
 
 
-def _three_in_flight(folder, seconds, max_tokens):
-    """A draining server with one batch slot, each model call at least ``seconds`` long, and three
-    requests of ``max_tokens`` in flight (one runs, two wait): (server, its thread, url, engine,
-    the requests' (thread, box))."""
+def _three_in_flight(folder, max_tokens):
+    """A draining server with one batch slot and three requests of ``max_tokens`` in flight, the
+    worker held at the first one's prefill with the other two waiting: (server, its thread, url,
+    engine, the gate, the requests' (thread, box))."""
     from kvevict.serve.drain import DrainingServer
 
     app, engine = build(folder, {**DEFAULTS, "max_batch": 1, "policy": "full"})
-    _slow(engine, seconds)
-    server = DrainingServer(uvicorn.Config(app, host="127.0.0.1", port=_port(), log_level="warning"), engine, 30)
+    gate = Gate(engine)
+    server = DrainingServer(uvicorn.Config(app, host="127.0.0.1", port=_port(), log_level="warning"), engine, DEADLINE)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    assert _wait(lambda: server.started)
+    assert wait_until(lambda: server.started)
     url = f"http://127.0.0.1:{server.config.port}"
     client = _client(type("S", (), {"url": url}))
     kw = dict(model=MODEL, messages=chat("finish me"), max_tokens=max_tokens, extra_body={"ignore_eos": True})
-    flights = [_in_background(client.chat.completions.create, **kw) for _ in range(3)]
-    assert _wait(lambda: metric(url, "kvevict_queued_requests") == 2)
-    return server, thread, url, engine, flights
+    flights = [in_background(client.chat.completions.create, **kw) for _ in range(3)]
+    assert wait_until(lambda: arrived(engine) == 3) and gate.wait_held()
+    assert metric(url, "kvevict_queued_requests") == 2
+    return server, thread, url, engine, gate, flights
 
 
 def test_drain_refuses_new_requests_503_finishes_those_in_flight_then_stops(folder):
     """In a thread (the signal itself is tested through the CLI in test_serve_cli.py): the drain is
     what SIGTERM starts."""
-    server, thread, url, engine, flights = _three_in_flight(folder, 0.01, 40)
+    server, thread, url, engine, gate, flights = _three_in_flight(folder, 40)
     server.handle_exit(signal.SIGTERM, None)
-    assert _wait(lambda: engine.draining)
-    status, headers, text = _request(url, "POST", "/v1/chat/completions", {**LONG, "max_tokens": 3})
+    assert wait_until(lambda: engine.draining)
+    status, headers, text = request(url, "POST", "/v1/chat/completions", {**LONG, "max_tokens": 3})
     assert status == 503 and "shutting down" in json.loads(text)["error"]["message"] and "retry-after" in headers
-    assert _request(url, "GET", "/health")[0] == 503
-    for t, box in flights:
-        t.join(60)
-        assert box["r"].usage.completion_tokens == 40  # running and queued alike finished
-    thread.join(30)
+    assert request(url, "GET", "/health")[0] == 503
+    gate.open()
+    for flight in flights:
+        assert result(*flight).usage.completion_tokens == 40  # running and queued alike finished
+    thread.join(DEADLINE)
     assert not thread.is_alive() and not engine.alive
 
 
-def test_drain_waits_for_the_last_request_while_it_prefills(folder):
+def test_drain_waits_for_the_last_request_while_it_prefills(folder, monkeypatch):
     """Admitted and still prefilling, a request neither waits nor runs: the drain must not take the
     engine for idle then and stop it under that request (it ended with 503 "shutting down")."""
-    # each prefill outlasts several of the drain's looks at the engine
-    server, thread, _, engine, flights = _three_in_flight(folder, 0.2, 6)
+    looks = []  # what the drain saw each time it asked whether the engine is idle
+    idle = Engine.idle
+    monkeypatch.setattr(Engine, "idle", property(lambda engine: looks.append(idle.fget(engine)) or looks[-1]))
+    server, thread, _, engine, gate, flights = _three_in_flight(folder, 6)
+    prefills = lambda: len(events(engine, "admit")) == 3  # noqa: E731
+    assert gate.run_until(prefills)  # the last request is admitted: held at its prefill
+    assert not engine.admission.pending and rows(engine) == {}  # it neither waits nor runs
     server.handle_exit(signal.SIGTERM, None)
-    for t, box in flights:
-        t.join(60)
-        assert "r" in box, box  # the request's error, or nothing when it is still running
-        assert box["r"].usage.completion_tokens == 6, box
-    thread.join(30)
-    assert not thread.is_alive() and not engine.alive
+    assert wait_until(lambda: len(looks) >= 3)  # the drain looked, more than once, while it prefilled
+    assert not any(looks) and engine.alive
+    gate.open()
+    for flight in flights:
+        assert result(*flight).usage.completion_tokens == 6
+    thread.join(DEADLINE)
+    assert not thread.is_alive() and not engine.alive and looks[-1]
 
 
 def test_drain_deadline_ends_what_is_still_running(folder):
     from kvevict.serve.drain import DrainingServer
 
     app, engine = build(folder, {**DEFAULTS, "policy": "full"})
-    _slow(engine, 0.02)
+    gate = Gate(engine)
     server = DrainingServer(uvicorn.Config(app, host="127.0.0.1", port=_port(), log_level="warning"), engine, 0.5)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    assert _wait(lambda: server.started)
+    assert wait_until(lambda: server.started)
     url = f"http://127.0.0.1:{server.config.port}"
-    t, box = _in_background(_request, url, "POST", "/v1/chat/completions", LONG)
-    assert _wait(lambda: metric(url, "kvevict_running_sequences") == 1)
-    started = time.monotonic()
+    flight = in_background(request, url, "POST", "/v1/chat/completions", LONG)
+    assert gate.run_until(lambda: engine.metrics.get("kvevict_running_sequences") == 1)  # held mid-decode
     server.handle_exit(signal.SIGTERM, None)
-    t.join(60)
-    thread.join(30)
-    status, _, text = box["r"]
+    assert wait_until(lambda: engine._stopping)  # the drain's 0.5 s passed with the request still running
+    gate.open()
+    status, _, text = result(*flight)
     assert status == 503 and "shutting down" in text
-    assert time.monotonic() - started < 10 and not thread.is_alive()
+    thread.join(DEADLINE)
+    assert not thread.is_alive()
+    assert not [e for e in events(engine, "finish") if e["reason"] == "length"]  # it never ran to its end
 
 
 def _port():

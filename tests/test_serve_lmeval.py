@@ -1,4 +1,4 @@
-"""Issue 44: lm-eval's ``local-completions`` model pointed at ``kvevict serve`` (echo + logprobs,
+"""lm-eval's ``local-completions`` model pointed at ``kvevict serve`` (echo + logprobs,
 the API key from OPENAI_API_KEY) scores a local multiple-choice task with the log-likelihoods
 ``kvevict lm-eval`` computes directly on the same full cache, request by request."""
 
@@ -11,8 +11,8 @@ pytest.importorskip("openai")
 pytest.importorskip("tenacity")  # lm-eval[api]: its API models need it
 
 from kvevict.serve.server import ServerThread, build  # noqa: E402
+from serve_helpers import DEFAULTS, folder  # noqa: E402,F401
 from test_lmeval import _tasks  # noqa: E402
-from test_serve import DEFAULTS, folder  # noqa: E402,F401
 
 
 def _logliks(out) -> dict:

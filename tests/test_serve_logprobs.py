@@ -1,4 +1,4 @@
-"""Issue 44: logprobs / top_logprobs on chat and completions, echo with logprobs on completions
+"""logprobs / top_logprobs on chat and completions, echo with logprobs on completions
 (lm-eval's local-completions scores log-likelihoods that way). The full cache's equal a direct
 forward's within 1e-4 (fp32); a budgeted cache's equal the same cache run alone, one row."""
 
@@ -13,7 +13,7 @@ pytest.importorskip("fastapi")
 
 from kvevict.serve.batch import DecodeBatch  # noqa: E402
 from kvevict.serve.server import ServerThread, build  # noqa: E402
-from test_serve import DEFAULTS, MODEL, _post, chat, folder, reference  # noqa: E402,F401
+from serve_helpers import DEADLINE, DEFAULTS, MODEL, chat, folder, post, reference  # noqa: E402,F401
 
 TOL = 1e-4
 
@@ -26,7 +26,7 @@ def server(folder):
 
 
 def _aclient(srv):
-    return openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="t", max_retries=0, timeout=120)
+    return openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="t", max_retries=0, timeout=DEADLINE)
 
 
 def _direct(model, ids: list[int]) -> torch.Tensor:
@@ -91,7 +91,7 @@ def test_completion_echo_logprobs_equal_a_direct_forward_full_cache(server, refe
 def test_chat_logprobs_full_cache_and_streamed_equal_plain(server, reference):
     srv, _ = server
     model, tok = reference
-    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="t", max_retries=0, timeout=60)
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="t", max_retries=0, timeout=DEADLINE)
     kw = dict(
         model=MODEL,
         messages=chat("Name a colour."),
@@ -176,14 +176,14 @@ BAD = [
 def test_unsupported_logprob_combinations_are_400s_that_say_so(server, path, fields, message, param):
     srv, _ = server
     body = {"model": MODEL, **({"messages": chat("hi")} if "chat" in path else {"prompt": "hi"}), **fields}
-    status, text = _post(srv.url, path, json.dumps(body))
+    status, text = post(srv.url, path, json.dumps(body))
     err = json.loads(text)["error"]
     assert status == 400 and message in err["message"] and err["param"] == param
 
 
 def test_echo_without_logprobs_returns_the_prompt_then_the_completion(server):
     srv, _ = server
-    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="t", max_retries=0, timeout=60)
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="t", max_retries=0, timeout=DEADLINE)
     plain = client.completions.create(model=MODEL, prompt="Echo me", max_tokens=5)
     echoed = client.completions.create(model=MODEL, prompt="Echo me", max_tokens=5, echo=True)
     assert echoed.choices[0].text == "Echo me" + plain.choices[0].text and echoed.choices[0].logprobs is None

@@ -15,7 +15,7 @@ from kvevict.generate import generate  # noqa: E402
 from kvevict.serve.batch import DecodeBatch  # noqa: E402
 from kvevict.serve.budgeter import Budgeter  # noqa: E402
 from kvevict.serve.server import ServerThread, build  # noqa: E402
-from test_serve import DEFAULTS, MODEL, chat, folder, reference  # noqa: E402,F401
+from serve_helpers import DEADLINE, DEFAULTS, MODEL, chat, folder, reference  # noqa: E402,F401
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -51,7 +51,7 @@ def test_a_packed_server_answers_as_the_library_and_holds_less(folder, reference
     for bits in (None, 8):
         app, engine = build(folder, {**DEFAULTS, "budget": 12, "kv_bits": bits})
         with ServerThread(app) as srv:
-            client = openai.OpenAI(base_url=srv.url + "/v1", api_key="t", max_retries=0, timeout=60)
+            client = openai.OpenAI(base_url=srv.url + "/v1", api_key="t", max_retries=0, timeout=DEADLINE)
             out = client.chat.completions.create(
                 model=MODEL, messages=chat("Tell me about the weather."), max_tokens=10
             )

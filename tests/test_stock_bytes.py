@@ -1,4 +1,4 @@
-"""Issue 20: every bytes ratio is a share of what a stock transformers cache holds in 16 bits
+"""Every bytes ratio is a share of what a stock transformers cache holds in 16 bits
 (sliding-window layers at their window), and a memory budget picks the policy too."""
 
 import copy

@@ -1,4 +1,4 @@
-"""Issue 12, item 2: endless streams. A tiny model (512 positions) streams 4x its position limit
+"""Endless streams. A tiny model (512 positions) streams 4x its position limit
 through a compact-position cache in flat storage, scored window by window (benchmarks/cachebench/stream.py)."""
 
 import math

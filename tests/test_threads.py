@@ -1,10 +1,9 @@
-"""Issue 12, item 4: the CLI and the server default to a thread count that does not stall next to
+"""The CLI and the server default to a thread count that does not stall next to
 a busy process (half the cores, or $OMP_NUM_THREADS), and say so."""
 
 import argparse
 import os
 
-import pytest
 import torch
 from benchmarks.threads import table
 
@@ -12,14 +11,7 @@ from kvevict.cli import main
 from kvevict.commands._common import default_threads, setup_threads
 
 
-@pytest.fixture
-def restore_threads():
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
-
-
-def test_default_is_half_the_usable_cores_or_omp_num_threads(monkeypatch, restore_threads):
+def test_default_is_half_the_usable_cores_or_omp_num_threads(monkeypatch):  # conftest restores the threads
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
     assert default_threads() == 8

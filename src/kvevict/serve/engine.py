@@ -50,6 +50,7 @@ class Engine:
         self.draining = False  # SIGTERM: new requests get 503, those admitted or waiting finish
         self.loops = 0  # worker loops so far: how soon a cancelled row leaves is counted in them
         self.trims = 0  # times the idle worker gave the freed heap back to the OS (``heap``)
+        self.received = 0  # requests taken into the queue so far (tests wait on it)
         self._thread = threading.Thread(target=self._run, name="kvevict-engine", daemon=True)
         # one attention implementation for every policy, "full" included (exact with a DynamicCache)
         register()
@@ -155,6 +156,7 @@ class Engine:
                     outcome="overloaded",
                 )
             self._pending.append(handle)
+            self.received += 1
             self.metrics.set("kvevict_queued_requests", len(self._pending))
             self._cond.notify_all()
         return handle

@@ -10,9 +10,14 @@ import threading
 import time
 from collections import deque
 
+# every way a request ends: each outcome's series is shown from the start (0 until one ends so), so
+# that a scraper, a dashboard or a test tells a count of 0 from a series that is not there
+OUTCOMES = ("completed", "cancelled", "timeout", "failed", "rejected", "overloaded", "draining", "unauthorized")
+LABELS = {"kvevict_requests_total": [(("outcome", o),) for o in OUTCOMES]}
+
 # name -> (type, help)
 SPECS = {
-    "kvevict_requests_total": ("counter", "Requests by outcome (completed, cancelled, failed, rejected)."),
+    "kvevict_requests_total": ("counter", "Requests by outcome (" + ", ".join(OUTCOMES) + ")."),
     "kvevict_prompt_tokens_total": ("counter", "Prompt tokens of completed or cancelled requests."),
     "kvevict_generated_tokens_total": ("counter", "Tokens generated."),
     "kvevict_tokens_per_second": ("gauge", "Tokens generated per second over the last 10 seconds."),
@@ -95,8 +100,9 @@ class Metrics:
                         f"{name}{sfx} {_num(self._values.get((name + sfx, ()), 0))}" for sfx in ("_sum", "_count")
                     ]
                     continue
-                samples = [(labels, v) for (n, labels), v in sorted(self._values.items()) if n == name]
-                for labels, v in samples or [((), 0)]:
+                values = {labels: v for (n, labels), v in self._values.items() if n == name}
+                values = {**dict.fromkeys(LABELS.get(name, ()), 0), **values}
+                for labels, v in sorted(values.items()) or [((), 0)]:
                     lab = ",".join(f'{k}="{val}"' for k, val in labels)
                     lines.append(f"{name}{{{lab}}} {_num(v)}" if lab else f"{name} {_num(v)}")
             return "\n".join(lines) + "\n"
