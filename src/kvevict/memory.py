@@ -330,7 +330,7 @@ def plan(
     ``PROMPT_FROM`` x r4 to r4, else int8, never int4 alone (see the module's rule); ``kind``:
     spend a fractional budget this way instead of by the rule ("fp16", "int8", "int4": evict and
     keep those bits; "int8+int4": two tiers, every token from r4, else three), as a calibrated plan
-    file or the caller's bits say (``kvevict.calibrate``, ``storage_kind``); ``head_from``: the
+    file or the caller's bits say (``kvevict.eval.calibrate``, ``storage_kind``); ``head_from``: the
     share of r4 from which a streaming policy keeps three tiers (``head_from(policy)``); ``planned``:
     ``kind`` is a calibrated plan's, measured at a nearby share, so the rule decides where that
     one kind of bits would keep every token with bytes to spare."""

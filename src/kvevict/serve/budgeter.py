@@ -2,7 +2,7 @@
 of every running batch, with it added, stay within ``Settings.kv_memory``; otherwise it waits.
 
 Budgeted rows of any policies and budgets share one ``EvictingCache``. Storage grows in pages
-(``tier.PAGE`` slots) as a sequence does, never past its budget. In the server each row's keys and
+(``storage.PAGE`` slots) as a sequence does, never past its budget. In the server each row's keys and
 values, and each slot's position and every policy's statistics beside them, are its own pages of
 one pool (``kvevict.storage.paged``): a row holds ``ceil(min(tokens, budget) / PAGE)`` pages per layer
 and per-slot tensor, whatever the other rows of its batch hold. What stays batch-wide is a page
