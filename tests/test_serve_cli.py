@@ -96,7 +96,6 @@ def test_sigterm_drains_503_for_new_requests_in_flight_ones_finish_exit_0(tmp_pa
                     return [c async for c in await ac.chat.completions.create(**kw, stream=True)]
 
                 first = asyncio.create_task(streamed())
-                await asyncio.sleep(0)  # the streamed one is sent first
                 rest = [asyncio.create_task(ac.chat.completions.create(**kw)) for _ in range(7)]
                 held = gate.with_name("gate.held")
                 queued = lambda: held.exists() and metric(url, "kvevict_queued_requests") == 7  # noqa: E731

@@ -94,7 +94,9 @@ def test_tree_rss_sums_a_process_and_its_children_and_is_zero_once_gone():
     import psutil
     from benchmarks.serve_load import tree_rss
 
-    code = "import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); print(c.pid, flush=True); time.sleep(30)"
+    # both stay until the test kills them, however long the measuring takes
+    stay = "import time; time.sleep(3600)"
+    code = f"import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', {stay!r}]); print(c.pid, flush=True); {stay}"
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         child = int(parent.stdout.readline())
