@@ -1,6 +1,8 @@
 """An independent, slow H2O reference for the tests: the stock DynamicCache keeps every key, and a
 registered eager attention masks out the keys H2O has evicted, per (sequence, layer, KV head),
-tracking accumulated scores in plain Python. Written from the paper's rule, not from kvevict."""
+tracking accumulated scores in plain Python. Written from the paper's rule, not from kvevict.
+``slack`` s: a decode step that finds more than ``budget`` tokens evicts down to budget - s + 1 at
+once (the prompt, down to the budget)."""
 
 import torch
 from transformers import AttentionInterface
@@ -10,8 +12,8 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 class H2OReference:
     NAME = "h2o_reference"
 
-    def __init__(self, budget, recent):
-        self.budget, self.recent = budget, recent
+    def __init__(self, budget, recent, slack=1):
+        self.budget, self.recent, self.slack = budget, recent, slack
         self.state = {}  # (layer, batch, head) -> {"kept": set(positions), "score": {pos: float}}
         AttentionInterface.register(self.NAME, self.attention)
         AttentionMaskInterface.register(self.NAME, eager_mask)
@@ -44,7 +46,8 @@ class H2OReference:
                 real = [j for j in range(n - q, n) if attention_mask is None or attention_mask[bi, 0, -1, j] == 0]
                 st["kept"].update(real)
                 last = n - 1
-                while len(st["kept"]) > self.budget:
+                keep = self.budget if q > 1 or len(st["kept"]) <= self.budget else self.budget - self.slack + 1
+                while len(st["kept"]) > keep:
                     old = [j for j in st["kept"] if j <= last - self.recent]
                     victim = min(old, key=lambda j: st["score"][j])
                     st["kept"].discard(victim)

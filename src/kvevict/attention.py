@@ -120,6 +120,8 @@ class _Segments:
     summary: tuple | None = None
     # the new keys' norms in the model's basis, where the cache stores keys rotated (kvevict.keyspace)
     knorm_new: torch.Tensor | None = None
+    # the queries in the stored keys' basis, rotated with the new keys (None: as the model made them)
+    query: torch.Tensor | None = None
 
 
 def generic_segments(key, value, q_len, info: PaddingInfo | None) -> _Segments:
@@ -165,10 +167,10 @@ def kvevict_attention(
     if layer is not None and layer.layer_idx == 0:  # once per forward, before anything is stored
         check_positions_follow(layer, kwargs.get("position_ids"), attention_mask)
     if layer is not None:
-        seg = layer.segments(value, attention_mask, q_len)
+        seg = layer.segments(value, attention_mask, q_len, query)
         wanted, params = layer.attention_request()
-        if layer.keyspace is not None:  # the stored keys' basis: same scores (kvevict.keyspace)
-            query = layer.keyspace.query(query)
+        if seg.query is not None:  # the stored keys' basis: same scores (kvevict.keyspace)
+            query = seg.query
     else:
         seg = generic_segments(key, value, q_len, attention_mask)
         wanted, params = (), {}

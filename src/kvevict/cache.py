@@ -41,13 +41,14 @@ class EvictingCache(Cache):
         storage: Storage | None = None,
         windows: list | None = None,
         pools=None,
+        slack: int = 1,
     ):
         windows = windows or [None] * num_layers
         budgets = layer_budgets(policy, budget, num_layers, windows)
         self.storage = storage or Storage()
         super().__init__(
             layers=[
-                EvictingLayer(policy, b, i, inv_freq, self.storage, w, pools)
+                EvictingLayer(policy, b, i, inv_freq, self.storage, w, pools, slack)
                 for i, (b, w) in enumerate(zip(budgets, windows))
             ]
         )
@@ -145,6 +146,7 @@ def make_cache(
     plan=None,
     pages=None,
     keys=None,
+    slack=None,
     **policy_params,
 ) -> EvictingCache:
     """A cache for ``model.generate(..., cache=cache)`` that keeps at most ``budget``
@@ -183,10 +185,17 @@ def make_cache(
     and move no bytes; None (default): each layer's storage is one rectangle as wide as its widest row.
     adaptive=True (a policy parameter; or the name ``ada-<policy>``, ``adakv`` = Ada-SnapKV): Ada-KV
     head-adaptive budgets, the layer's kv_heads x budget slots shared by its heads (see policies/adakv.py).
+    slack: evict in batches (default 1: every decode step ranks and evicts one token). With slack s a
+    full layer ranks once every s steps and evicts its s lowest tokens at once; the next s - 1 tokens
+    take the freed slots unranked. The budget stays the most a layer holds (its slots, every one
+    counted by ``kv_bytes``): it keeps between budget - s + 1 and budget tokens. Spec: ``h2o@0.2+slack=16``.
     Switches the model's attention to the ``kvevict`` implementation (exact with any other cache).
     """
     if isinstance(policy, str):
-        policy, budget, memory, kv_bits, evicted_bits = _from_spec(policy, budget, memory, kv_bits, evicted_bits)
+        policy, budget, memory, kv_bits, evicted_bits, slack = _from_spec(
+            policy, budget, memory, kv_bits, evicted_bits, slack
+        )
+    slack = check_slack(slack, budget if memory is None else None)
     budget = DEFAULT_BUDGET if budget is None and memory is None else budget
     if pages is not None and not isinstance(pages, Pools):  # before the model's attention is switched
         raise ValueError(
@@ -246,7 +255,14 @@ def make_cache(
     if model.config._attn_implementation != ATTN_NAME:
         raise ValueError(f"{type(model).__name__} refused attn_implementation={ATTN_NAME!r}; kvevict cannot hook it.")
     cache = EvictingCache(
-        pol, budget, num_layers, rope_inv_freq(model) if compact else None, storage, layer_windows(model), pages
+        pol,
+        budget,
+        num_layers,
+        rope_inv_freq(model) if compact else None,
+        storage,
+        layer_windows(model),
+        pages,
+        slack,
     )
     if not compact:  # compact positions never pass the cache size
         cache.max_positions = max_positions(model)
@@ -256,9 +272,26 @@ def make_cache(
 DEFAULT_BUDGET = 0.2  # a fifth of the prompt's tokens
 
 
-def _from_spec(text: str, budget, memory, kv_bits, evicted_bits):
-    """``make_cache``'s policy, budget, memory and bits from a cache spec; what the spec names must
-    not be given again as an argument."""
+def check_slack(slack, budget=None) -> int:
+    """``slack`` as an int >= 1 (None: 1); an int ``budget`` (tokens) must hold it. A share of the
+    prompt or a memory budget is known at the prompt: a layer left fewer slots turns over all of them."""
+    if slack is None:
+        return 1
+    if isinstance(slack, bool) or not isinstance(slack, int) or slack < 1:
+        raise ValueError(
+            f"slack must be a positive int number of slots evicted at once (1: one per step, e.g. 16), got {slack!r}."
+        )
+    if isinstance(budget, int) and not isinstance(budget, bool) and slack > budget:
+        raise ValueError(
+            f"slack={slack} frees more slots at once than the budget of {budget} tokens holds: "
+            f"give a slack of at most {budget}, or a larger budget."
+        )
+    return slack
+
+
+def _from_spec(text: str, budget, memory, kv_bits, evicted_bits, slack=None):
+    """``make_cache``'s policy, budget, memory, bits and slack from a cache spec; what the spec names
+    must not be given again as an argument."""
     spec = CacheSpec.parse(text)
     if spec.policy == FULL:
         raise ValueError(
@@ -271,11 +304,11 @@ def _from_spec(text: str, budget, memory, kv_bits, evicted_bits):
             "or pass question=N (the prompt's last N tokens)."
         )
     named = spec.cache_kwargs()
-    given = {"budget": budget, "memory": memory, "kv_bits": kv_bits, "evicted_bits": evicted_bits}
+    given = {"budget": budget, "memory": memory, "kv_bits": kv_bits, "evicted_bits": evicted_bits, "slack": slack}
     twice = sorted(k for k in named if given[k] is not None)
     if twice:
         raise ValueError(f"{text!r} names {', '.join(twice)} already: drop the argument or that part of the spec.")
     if spec.memory and spec.budget is None and memory is None:
         raise ValueError(f"{text!r} spends a memory budget: give memory= or write {spec.policy or ''}@memory=0.2.")
     given.update(named)
-    return spec.policy, given["budget"], given["memory"], given["kv_bits"], given["evicted_bits"]
+    return spec.policy, given["budget"], given["memory"], given["kv_bits"], given["evicted_bits"], given["slack"]

@@ -20,7 +20,7 @@ from .spec import FULL, CacheSpec
 from .stock import STOCK_BYTES
 
 # make_cache parameters that describe the cache, not the policy
-_CACHE_PARAMS = ("compact", "kv_bits", "group", "evicted_bits", "evicted_budget")
+_CACHE_PARAMS = ("compact", "kv_bits", "group", "evicted_bits", "evicted_budget", "slack")
 
 
 @dataclass
@@ -209,6 +209,8 @@ def generate(
         policy_params.update(kv_bits=spec.storage.kv_bits, evicted_bits=spec.storage.evicted_bits)
         if policy == FULL:  # nothing evicted: room for the prompt and the answer
             policy, budget = "h2o", ids.shape[1] + max_new_tokens
+    if spec is not None and spec.slack is not None:
+        policy_params["slack"] = spec.slack
     record_seconds, context = 0.0, None
     found = policy_class(policy)
     if found is not None and getattr(found[0], "needs_prompt", False):

@@ -44,15 +44,53 @@ def check_mask_length(mask_length: int, seen: int, new: int) -> None:
 
 def check_positions_follow(layer, position_ids, info) -> None:
     """Unpadded, the new tokens' positions go on from the tokens ``layer`` has seen (generate drops
-    an all-ones mask, so this is what tells a used cache given a new prompt)."""
+    an all-ones mask, so this is what tells a used cache given a new prompt). A forward of several
+    tokens is checked at once. A one-token forward is a decode step, which reads nothing back from
+    the device: its positions are compared there and the verdict copied to the host without waiting
+    (``layer.position_check``); the next forward reads it, so a wrong step fails the call before
+    generate returns anything of it."""
+    pending = getattr(layer, "position_check", None)
+    layer.position_check = None
+    if pending is not None:
+        pending.verdict()
     if position_ids is None or not layer.seen or layer._padded or (info is not None and info.padding is not None):
         return
     first = position_ids[..., 0]
+    if position_ids.shape[-1] == 1:
+        layer.position_check = _Deferred(first, layer.seen)
+        return
     if bool((first != layer.seen).any()):
-        raise ValueError(
-            f"the new tokens start at position {int(first.min())} but the cache has seen {layer.seen} "
-            f"tokens: the cache was filled with another sequence. {_NEW_CACHE}"
-        )
+        _wrong(int(first.min()), layer.seen)
+
+
+def _wrong(first: int, seen: int):
+    raise ValueError(
+        f"the new tokens start at position {first} but the cache has seen {seen} "
+        f"tokens: the cache was filled with another sequence. {_NEW_CACHE}"
+    )
+
+
+class _Deferred:
+    """A one-token step's positions check, read one forward later: the rows' first positions,
+    copied to the host asynchronously (one copy, no comparison on the device)."""
+
+    def __init__(self, first, seen: int) -> None:
+        import torch
+
+        cuda = first.device.type == "cuda"
+        self.host = torch.empty(first.shape, dtype=first.dtype, pin_memory=cuda)
+        self.host.copy_(first, non_blocking=cuda)
+        self.done = torch.cuda.Event() if cuda else None
+        if self.done is not None:
+            self.done.record()
+        self.seen = seen
+
+    def verdict(self) -> None:
+        if self.done is not None:
+            self.done.synchronize()  # recorded a step ago: long finished, nothing queued since is waited on
+        first = self.host.numpy()  # a host array: no device read
+        if (first != self.seen).any():
+            _wrong(int(first.min()), self.seen)
 
 
 def max_positions(model) -> int | None:

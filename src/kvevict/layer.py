@@ -47,8 +47,11 @@ class EvictingLayer(CacheLayerMixin):
         storage: "Storage | None" = None,
         window: int | None = None,
         pools=None,
+        slack: int = 1,
     ):
         super().__init__()
+        # batch eviction: one ranking frees ``slack`` slots for the next ``slack`` steps (``Tier._turn_over``)
+        self.slack = slack
         self.pools = pools  # a kvevict.storage.Pools: each row its own pages of a shared pool (None: rectangles)
         self.policy = policy
         self.window = window  # a sliding-window layer's ``sliding_window`` (None: global attention)
@@ -73,6 +76,8 @@ class EvictingLayer(CacheLayerMixin):
         self.pool: HeadPool | None = None  # Ada-KV: the heads share one row of slots
         self._new: tuple[torch.Tensor, torch.Tensor] | None = None  # update()'s keys and values, until absorbed
         self._padded = False  # whether any slot may hold padding (then attention needs the mask)
+        self.position_check = None  # the last decode step's positions check, read by the next forward
+        self._group: int | None = None  # query heads per KV head, once a forward has shown its queries
 
     # -- transformers' layer protocol -------------------------------------------------------
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -92,7 +97,15 @@ class EvictingLayer(CacheLayerMixin):
         self.prompt_end = None  # (b, 1, 1) real prompt tokens per row, where the question ends
         args = (b, h // self.shared, dk, value_states.shape[-1], self.dtype, self.device, policy.stats)
         self.tiers = [
-            Tier(self.budget * self.shared, *args, bits=st.kv_bits, group=st.group, heads=self.shared, pools=self.pools)
+            Tier(
+                self.budget * self.shared,
+                *args,
+                bits=st.kv_bits,
+                group=st.group,
+                heads=self.shared,
+                pools=self.pools,
+                slack=min(self.slack, self.budget),  # a share of a short prompt may leave fewer slots
+            )
         ]
         if st.evicted_bits is not None:
             check_group(st.group, dk, st.evicted_bits)
@@ -198,6 +211,7 @@ class EvictingLayer(CacheLayerMixin):
             self.storage,
             self.window,
             self.pools,
+            self.slack,
         )
         self.prompt_len = prompt_len
 
@@ -336,9 +350,13 @@ class EvictingLayer(CacheLayerMixin):
             extra += self.keyspace.nbytes()
         return sum(t.nbytes() for t in self.tiers) + self.n_real.nbytes + extra
 
-    def segments(self, value_view, info: PaddingInfo | None, q_len: int) -> _Segments:
+    def segments(self, value_view, info: PaddingInfo | None, q_len: int, query=None) -> _Segments:
+        """What attention reads this forward: the stored slots and the new tokens. ``query``: with
+        keys stored rotated, the queries are rotated with the new keys (``seg.query``)."""
         assert self._new is not None, "update() hands the new keys over before attention reads the segments"
         k_new, v_new = self._new
+        if query is not None:
+            self._group = query.shape[1] // k_new.shape[1]
         valid_new = None
         if info is not None and info.padding is not None:
             valid_new = info.real_upto(self.seen + q_len)[:, self.seen :]
@@ -347,7 +365,10 @@ class EvictingLayer(CacheLayerMixin):
         if self.keyspace is not None:  # stored and attended in the rotated basis (kvevict.keyspace)
             if "knorm" in self.tiers[0].stat_names:  # a key's norm, as the model made it
                 knorm_new = k_new.float().norm(dim=-1)
-            k_new = self.keyspace.enter(k_new, valid_new)
+            if query is None:
+                k_new = self.keyspace.enter(k_new, valid_new)
+            else:
+                k_new, query = self.keyspace.enter_with_query(k_new, query, valid_new)
             self._new = (k_new, v_new)
         if valid_new is None:
             pos_new = self.n_real[:, None] + torch.arange(q_len, device=self.device)
@@ -364,7 +385,7 @@ class EvictingLayer(CacheLayerMixin):
         return _Segments(
             pieces=pieces,
             pos_past=pos_past,
-            valid_past=valid_past if self._padded or self.shared > 1 else None,
+            valid_past=valid_past if self._padded or self.shared > 1 or self.tiers[0].holes else None,
             k_new=k_new,
             v_new=v_new,
             pos_new=pos_new,
@@ -372,6 +393,7 @@ class EvictingLayer(CacheLayerMixin):
             runs=runs,
             summary=None if self.summary is None else self.summary.term(k_new.dtype),
             knorm_new=knorm_new,
+            query=query if self.keyspace is not None else None,
         )
 
     def absorb(self, stats: dict, valid_new, pos_new) -> None:
@@ -393,7 +415,7 @@ class EvictingLayer(CacheLayerMixin):
             stats, new = self.pool.pooled(stats, new, n_past, self.tiers)
         offset, decay = 0, self.rows.decay()
         for tier in self.tiers:
-            tier.accumulate(stats, offset, decay, m)
+            tier.accumulate(stats, offset, decay, m, m * self._group if self._group else float("inf"))
             offset += tier.filled
         ctx = {
             "newest": (self.n_real - 1).view(-1, 1, 1),

@@ -6,6 +6,7 @@
                                                 (a spec whose budget a grid gives: "memory",
                                                 "NAME@memory")
              | POLICY ["+q"] ["/" STORAGE] ["@" BUDGET]
+             | SPEC "+slack=" N                 evicting N at once, every N steps (default 1)
     POLICY  := ["merge-"] ["ada-"] NAME         a registered policy (``kvevict.POLICIES``)
     "+q"    := the prompt's question protected and observed (``kvevict.generate.question_tokens``)
     STORAGE := KEPT ["+" EVICTED]               fp (the model's dtype), fp16, int8, int4, int2:
@@ -14,7 +15,7 @@
                                                 a share of a 16-bit stock cache (0.2, 20%) or 64MiB
 
 Examples: ``h2o@0.2``, ``snapkv+q/int8@512``, ``kvzip-pool@memory=0.2``, ``memory=0.1``,
-``full/int4``. A spec may leave its budget out (an eval grid gives it: ``CacheSpec.at``). Older
+``full/int4``, ``memory=0.2+slack=16``. A spec may leave its budget out (an eval grid gives it: ``CacheSpec.at``). Older
 spellings still read: ``mem``, ``mem-NAME[/BITS]`` (eval grids), ``stock`` and ``kvevict-full``
 (benchmarks), a trailing ``+q`` after the storage (``h2o/int4+q``).
 """
@@ -30,13 +31,15 @@ from .storage.config import Storage
 FULL = "full"
 QUESTION = "+q"
 MEMORY = "memory="
+SLACK = "+slack="
 _LEGACY_MEMORY = "mem"  # eval grids: "mem", "mem-NAME", "mem-NAME/BITS" (budget = a memory share)
 _LEGACY = {"stock": FULL, "none": FULL}
 
 GRAMMAR = (
     "POLICY[+q][/STORAGE][@BUDGET], full[/STORAGE] or memory=SHARE: e.g. h2o@0.2, snapkv+q/int8@512, "
     "kvzip-pool@memory=0.2, memory=0.1, full/int4 (STORAGE: fp, fp16, int8, int4, int2 or KEPT+EVICTED "
-    "such as int8+int4; BUDGET: tokens, a share of the prompt in (0, 1], or memory=SHARE / memory=64MiB)"
+    "such as int8+int4; BUDGET: tokens, a share of the prompt in (0, 1], or memory=SHARE / memory=64MiB; "
+    "a trailing +slack=N evicts N tokens at once)"
 )
 
 
@@ -45,13 +48,15 @@ class CacheSpec:
     """A cache by name. policy: "full", a policy name (``ada-``/``merge-`` prefixes kept), or None
     (a memory budget's plan picks it). storage: None when not named (the model's dtype; for "full",
     the stock cache), else the ``Storage`` named. budget: tokens (int), a share of the prompt
-    (float), or with ``memory`` a memory budget (a share of a 16-bit stock cache, or bytes)."""
+    (float), or with ``memory`` a memory budget (a share of a 16-bit stock cache, or bytes).
+    slack: tokens evicted at once (``make_cache``'s ``slack``), None when not named."""
 
     policy: str | None = FULL
     storage: Storage | None = None
     question: bool = False
     budget: int | float | str | None = None
     memory: bool = False
+    slack: int | None = None
 
     def __post_init__(self):
         if self.policy is None and not self.memory:
@@ -61,6 +66,8 @@ class CacheSpec:
                 "the full cache keeps every token: it takes no budget and no +q "
                 "(write full, or full/STORAGE for every token stored as STORAGE)."
             )
+        if self.slack is not None and (self.policy == FULL or isinstance(self.slack, bool) or self.slack < 1):
+            raise ValueError("+slack=N takes a positive int N and a cache that evicts (not full)")
 
     # -- reading and writing --------------------------------------------------------------------
     @classmethod
@@ -76,6 +83,9 @@ class CacheSpec:
             raise ValueError(f"cannot read the cache {text!r} ({err}); write {GRAMMAR}.") from None
 
     def __str__(self) -> str:
+        return self._text() + ("" if self.slack is None else f"{SLACK}{self.slack}")
+
+    def _text(self) -> str:
         if self.policy is None:
             head = ""
         else:
@@ -108,10 +118,17 @@ class CacheSpec:
             kw.update(kv_bits=self.storage.kv_bits, evicted_bits=self.storage.evicted_bits)
         if self.budget is not None:
             kw["memory" if self.memory else "budget"] = self.budget
+        if self.slack is not None:
+            kw["slack"] = self.slack
         return kw
 
 
 def _parse(raw: str) -> CacheSpec:
+    head, mark, slack = raw.rpartition(SLACK)
+    if mark:
+        if not slack.isdigit() or int(slack) < 1:
+            raise ValueError(f"+slack= takes a positive int number of tokens, got {slack!r}")
+        return replace(_parse(head), slack=int(slack))
     raw = _LEGACY.get(raw, raw)
     if raw == "kvevict-full" or raw.startswith("kvevict-full/"):  # benchmarks: kvevict, nothing evicted
         return CacheSpec(FULL, Storage.parse(raw.partition("/")[2] or "fp"))

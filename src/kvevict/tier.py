@@ -58,8 +58,16 @@ class Tier:
         group: int = 32,
         heads: int = 1,
         pools=None,
+        slack: int = 1,
     ):
         self.budget, self.filled, self.heads = budget, 0, heads
+        # batch eviction: once full, one ranking frees ``slack`` slots per entry a step brings and
+        # the next ``slack - 1`` steps write into them unranked (``_turn_over``); 1: every step ranks
+        self.slack = slack
+        self._free: torch.Tensor | None = None  # (b, h, (slack - 1) x entries) the freed slots, in use order
+        self._free_next = 0  # steps that took their slots of ``_free``
+        # some slot below a row's fill holds no token (freed by a batch eviction): attention masks it
+        self.holes = False
         self.capacity = 0  # slots allocated: pages, grown on demand up to ``budget``
         # slots each row has used: a row writes its next tokens at its own fill, so rows that joined
         # a batch at different lengths leave no holes (``fills`` on the host, ``fill`` its mirror);
@@ -164,8 +172,12 @@ class Tier:
         for f in self._meta.values():
             f.disown()
 
-    def accumulate(self, stats: dict, offset: int, decay: float, m: int) -> None:
-        """Add this step's statistics of this tier's slots (columns [offset, offset + filled))."""
+    def accumulate(self, stats: dict, offset: int, decay: float, m: int, added: float = float("inf")) -> None:
+        """Add this step's statistics of this tier's slots (columns [offset, offset + filled)).
+        ``added``: the most a statistic can grow by in this forward (``m`` queries x the query heads
+        of a KV head, each a probability or a 0/1 hit). Below 16 a float16 sum cannot pass its
+        maximum: 65504 + 16 would round to inf, anything less rounds back to 65504 (float16's step is
+        32 up there), so the clamp below is skipped, as in every decode step."""
         f = self.filled
         for name in self._stats:
             st = self.meta(name)
@@ -177,7 +189,7 @@ class Tier:
                 st[..., :f].mul_(decay**m).add_(got)
             else:
                 st[..., :f] += got
-            if st.dtype == torch.float16:  # a sum past float16's range stays the largest, not inf
+            if st.dtype == torch.float16 and added >= 16:  # a sum past float16's range stays the largest, not inf
                 st[..., :f].clamp_(max=FP16_MAX)
             self._meta[name].sync()  # paged: the rectangle is a copy of the pages
 
@@ -206,7 +218,7 @@ class Tier:
         cut to its valid entries (a host read)."""
         m = new["pos"].shape[-1]
         caps = self._caps_host or [self.budget] * len(self.fills)
-        real, adds = self._padding(new["pos"], caps)
+        real, adds = self._padding(new["pos"], caps, all_real)
         fills = [min(c, f + a) for f, c, a in zip(self.fills, caps, adds)]  # every row takes its free slots first
         self.reserve(max(fills, default=0))
         if fills != self.fills and self._crosses(fills):  # a row grows into a page: paged holders give it first
@@ -216,6 +228,8 @@ class Tier:
         gone = None
         if all(f + a <= c for f, c, a in zip(self.fills, caps, adds)):  # room everywhere: append at each row's fill
             self._append(new, real)
+        elif self.slack > 1 and all_real and self.caps is None and all(f >= c for f, c in zip(self.fills, caps)):
+            gone = self._turn_over(policy, new, ctx, protected_newcomer, want_evicted)
         elif m == 1:
             # a row with room: its free slots rank -inf and the first (its fill) is taken
             gone = self._replace_one(policy, new, ctx, protected_newcomer, want_evicted)
@@ -235,15 +249,15 @@ class Tier:
             return False
         return any(-(-f // page) > -(-o // page) for f, o in zip(fills, self.fills))
 
-    def _padding(self, pos: torch.Tensor, caps: list[int]) -> tuple[torch.Tensor | None, list[int]]:
+    def _padding(self, pos: torch.Tensor, caps: list[int], all_real: bool) -> tuple[torch.Tensor | None, list[int]]:
         """(which of the new entries are tokens (b, m), or None; the slots each row's entries
         take). Padding takes no slot when some entries are padding (a batch of prompts of different
         lengths) and every row appends: room for its tokens, and past them for its padding's
         unwritten entries. Else every entry takes a slot (padding ranked first to go). Decoding
-        (one entry per row) reads nothing from the device."""
+        (one entry per row, or ``all_real``: a batch eviction's tokens) reads nothing from the device."""
         m = pos.shape[-1]
         every = [m] * len(self.fills)
-        if m == 1 or self.heads > 1:  # a pooled tier's entries are (token, head) pairs: stored as given
+        if m == 1 or self.heads > 1 or all_real:  # a pooled tier's entries are (token, head) pairs: stored as given
             return None, every
         real = pos[:, 0] >= 0
         if bool(real.all()):
@@ -345,6 +359,44 @@ class Tier:
         self._write(targets, moved, move)
         return gone
 
+    def _turn_over(self, policy, new, ctx, protected_newcomer, want_evicted):
+        """Batch eviction (every row full, every entry a token): the new entries take slots freed
+        by the last ranking, in order, with nothing ranked; when none is left, one ranking of the
+        slots and the new entries evicts the ``slack x m`` lowest at once (``m`` entries a step: 1,
+        or a pooled tier's heads), the kept new entries take the first freed slots and the other
+        ``(slack - 1) x m`` are emptied for the next steps. The tier never holds more than its
+        budget, and ``slack = 1`` is ``_replace_one``/``_replace_many`` exactly."""
+        m = new["pos"].shape[-1]
+        if self._free is not None:  # a step between rankings: two indexed writes, no ranking
+            j = self._free_next * m
+            self._write(self._free[..., j : j + m], new, None)
+            self._free_next += 1
+            if (self._free_next + 1) * m > self._free.shape[-1]:
+                self._free, self.holes = None, False
+            return None
+        B, n = self.capacity, self.slack * m
+        if m == 1 and protected_newcomer and policy.keeps_newest(ctx["budget"]) and policy.independent:
+            out = self._priority(policy, None, ctx).topk(n, dim=-1, largest=False).indices  # slots only
+            gone = self._read(out) if want_evicted else None
+            self._write(out[..., :1], new, None)
+            free = out[..., 1:]
+        else:
+            prio = self._priority(policy, new, ctx)
+            out = prio.topk(n, dim=-1, largest=False).indices  # (b, h, n) evicted candidates
+            gone = self._evicted(out, new, all_real=not self.holes) if want_evicted else None
+            ev = torch.zeros(*prio.shape, dtype=torch.bool, device=prio.device).scatter_(-1, out, True)
+            # evicted slots first (in slot order), then kept ones; kept new entries first
+            targets = torch.argsort((~ev[..., :B]).to(torch.int8), dim=-1, stable=True)[..., :n]
+            sources = torch.argsort(ev[..., B:].to(torch.int8), dim=-1, stable=True)
+            kept = (~ev[..., B:]).sum(-1, keepdim=True)  # (b, h, 1) new entries kept; the other evicted slots free
+            moved = {k: t.gather(2, expand_index(sources, t)) for k, t in new.items()}
+            self._write(targets[..., :m], moved, torch.arange(m, device=prio.device) < kept)
+            free = targets.gather(-1, kept + torch.arange(n - m, device=prio.device))
+        if n > m:
+            self._meta["pos"].write(free, torch.full_like(free, -1), None)
+            self._free, self._free_next, self.holes = free, 0, True
+        return gone
+
     def _evicted(self, out, new: dict, all_real: bool = False) -> dict:
         """The entries of evicted candidates ``out`` (indices into slots + new), valid ones first,
         cut to the most valid ones any (sequence, head) has (every one, with ``all_real``)."""
@@ -362,7 +414,10 @@ class Tier:
         return {n: t.gather(2, expand_index(order, t)) for n, t in got.items()}
 
     def map_batch(self, fn) -> None:
-        """Apply ``fn`` to every per-row tensor (slots, then each row's fill and cap); ``fit`` after."""
+        """Apply ``fn`` to every per-row tensor (slots, then each row's fill and cap); ``fit`` after.
+        Slots a batch eviction freed stay empty (ranked first to be taken) but are no longer handed
+        out in order: rows that join may be at another step of their turn-over."""
+        self._free = None
         self._map_slots(fn)
         self.fill = fn(self.fill)
         if self.caps is not None:

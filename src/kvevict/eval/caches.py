@@ -53,6 +53,8 @@ def new_cache(model, policy: str, budget, sequence=None, covering: int | None = 
             "(use it with passkey, needle, vartrack, narrativeqa)."
         )
     bits = {} if spec.storage is None else {"kv_bits": spec.storage.kv_bits, "evicted_bits": spec.storage.evicted_bits}
+    if spec.slack is not None:
+        bits["slack"] = spec.slack
     if spec.memory:
         # a prompt handed over before the cache exists is known, as in ``generate``: the plan's
         # prompt-scoring policy, recorded on it; a streamed text gets the streaming one

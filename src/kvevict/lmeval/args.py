@@ -27,6 +27,7 @@ class Settings:
     kv_bits: int | None = None
     evicted_bits: int | None = None
     recent: int | None = None
+    slack: int | None = None  # tokens evicted at once (make_cache's slack)
     prefill: str = "full"  # full, token or block (with stride)
     stride: int | None = None
     chunk: int = 32  # loglikelihood_rolling: tokens fed per forward (the cache evicts between chunks)
@@ -41,7 +42,7 @@ class Settings:
     def cache_params(self) -> dict:
         """Keyword arguments for make_cache besides the policy and budget."""
         out = dict(self.policy_params)
-        for name in ("memory", "kv_bits", "evicted_bits", "recent"):
+        for name in ("memory", "kv_bits", "evicted_bits", "recent", "slack"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         return out

@@ -11,7 +11,7 @@ from ..generate import dynamic_kv_bytes
 from ..policies import policy_class
 
 # make_cache arguments that describe the storage, not the policy (kept apart from a recorded policy)
-_STORAGE = ("memory", "kv_bits", "evicted_bits", "compact", "group", "evicted_budget")
+_STORAGE = ("memory", "kv_bits", "evicted_bits", "compact", "group", "evicted_budget", "slack")
 
 
 def needs_prompt(policy: str) -> bool:

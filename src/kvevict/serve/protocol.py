@@ -229,10 +229,11 @@ def _kv_fields(body, settings: Settings, prompt_len: int, layers: int):
         spec = CacheSpec.parse(policy)
     except ValueError as err:
         raise BadRequest(f"kv_policy: {err}", "kv_policy") from None
-    if spec.memory or spec.storage is not None or spec.question:
+    if spec.memory or spec.storage is not None or spec.question or spec.slack is not None:
         raise BadRequest(
             "kv_policy names a policy and its token budget (h2o@0.2, h2o@512): the storage is the server's "
-            "(--kv-bits), the server's memory is its --kv-memory, and a request has no question to protect.",
+            "(--kv-bits), the server's memory is its --kv-memory, a request has no question to protect, "
+            "and eviction's slack is the server's.",
             "kv_policy",
         )
     policy, budget = spec.policy, body.get("kv_budget", settings.budget)

@@ -31,7 +31,7 @@ import weakref
 import torch
 
 from ..kernels.runs import Run
-from .codes import dequantize, quantize
+from .codes import dequantize, quantize_pair
 from .interface import Piece
 from .rect import DenseStore, PackedStore, _Packed, _spans, trailing
 
@@ -370,7 +370,7 @@ class PagedStore(_PageRows):
     def write(self, idx, k, v, take=None) -> None:
         where = self._where(idx)
         if self.packed:
-            srcs = [*quantize(k, self.bits, self.group), *quantize(v, self.bits, self.group)]
+            srcs = quantize_pair(k, v, self.bits, self.group)
         else:
             srcs = [k.to(self.pool.tensors[0].dtype), v.to(self.pool.tensors[1].dtype)]
         for t, src in zip(self.pool.tensors, srcs):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.runs import Run
-from .codes import dequantize, quantize
+from .codes import dequantize, quantize_pair
 from .interface import Piece
 
 CHUNK = 2048  # slots dequantized at once when attention reads a packed store
@@ -138,9 +138,9 @@ class PackedStore:
     disown = DenseStore.disown
 
     def write(self, idx, k, v, take=None) -> None:
-        for part, x in ((self.k, k), (self.v, v)):
-            for store, src in zip(part.tensors(), quantize(x, self.bits, self.group)):
-                scatter(store, idx, src, take)
+        stores = (*self.k.tensors(), *self.v.tensors())
+        for store, src in zip(stores, quantize_pair(k, v, self.bits, self.group)):
+            scatter(store, idx, src, take)
 
     def _deq(self, part: _Packed, sl) -> torch.Tensor:
         return dequantize(part.codes[sl], part.zero[sl], part.step[sl], self.bits, self.group, self.compute_dtype)

@@ -1,0 +1,158 @@
+"""Eviction in batches (``slack``): a full layer ranks once every ``slack`` steps and evicts that
+many tokens at once; the steps between write into the freed slots unranked. The budget stays the
+most a layer holds, so the memory bound is the same as evicting one token a step."""
+
+import pytest
+import torch
+
+import kvevict
+from conftest import tiny_model
+from h2o_reference import H2OReference
+
+
+def _decode(model, spec, prompt, steps, **kw):
+    """The cache and, after each decode step, every layer's tokens held per (row, KV head)."""
+    cache = kvevict.make_cache(model, spec, **kw)
+    cache.set_prompt_length(prompt.shape[1])
+    held, tokens = [], []
+    with torch.no_grad():
+        tok = model(prompt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        for _ in range(steps):
+            tok = model(tok, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            tokens.append(tok)
+            held.append([(t.pos[..., : t.filled] >= 0).sum(-1) for layer in cache.layers for t in layer.tiers[:1]])
+    return cache, held, torch.cat(tokens, 1)
+
+
+@pytest.mark.parametrize("slack", [1, 3, 5])
+@pytest.mark.parametrize("arch", ["llama-gqa", "qwen2"])
+def test_batch_eviction_matches_the_reference_that_evicts_slack_tokens_at_once(arch, slack):
+    budget, recent, new = 12, 4, 25
+    model = tiny_model(arch)
+    torch.manual_seed(2)
+    prompt = torch.randint(0, 128, (2, 20))
+    kw = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    cache = kvevict.make_cache(model, "h2o", budget=budget, recent=recent, slack=slack)
+    got = model.generate(prompt, cache=cache, **kw)
+    ref = H2OReference(budget, recent, slack)
+    model.set_attn_implementation(ref.NAME)
+    assert torch.equal(got, model.generate(prompt, **kw))
+    if slack > 1:  # and the batches changed the answer, else the reference proves nothing of them
+        one = kvevict.make_cache(model, "h2o", budget=budget, recent=recent)
+        assert not torch.equal(got, model.generate(prompt, cache=one, **kw))
+
+
+@pytest.mark.parametrize(
+    "spec", ["h2o@12", "snapkv/int4@12", "ada-snapkv/int8+int4@12", "tova@12", "merge-h2o@12", "h2o/fp+int4@12"]
+)
+def test_slack_one_is_todays_eviction_token_for_token(spec):
+    model = tiny_model("qwen2")
+    torch.manual_seed(0)
+    prompt = torch.randint(0, 128, (2, 30))
+    a, held_a, tok_a = _decode(model, spec, prompt, 12)
+    b, held_b, tok_b = _decode(model, spec + "+slack=1", prompt, 12)
+    assert torch.equal(tok_a, tok_b)
+    assert all(torch.equal(x, y) for ha, hb in zip(held_a, held_b) for x, y in zip(ha, hb))
+    for la, lb in zip(a.layers, b.layers):
+        for ta, tb in zip(la.tiers, lb.tiers):
+            assert torch.equal(ta.pos, tb.pos)
+
+
+@pytest.mark.parametrize("spec", ["h2o@12", "snapkv/int8@12", "ada-snapkv/int8+int4@12", "h2o/int4+int2@12"])
+def test_a_layer_holds_its_budget_at_most_and_turns_over_slack_tokens_at_once(spec):
+    slack, steps = 4, 16
+    model = tiny_model("qwen2")
+    torch.manual_seed(0)
+    prompt = torch.randint(0, 128, (2, 30))
+    cache, held, _ = _decode(model, f"{spec}+slack={slack}", prompt, steps)
+    one, _, _ = _decode(model, spec, prompt, steps)
+    pooled = cache.layers[0].shared  # Ada-KV: the heads' slots in one row, each step brings one per head
+    budget = cache.layers[0].budget * pooled
+    # each step: the first ranks (budget - s + 1 left after the new token), the next s - 1 add one each
+    want = [budget - (slack - 1 - i % slack) * pooled for i in range(steps)]
+    for step, layers in enumerate(held):
+        for h in layers:
+            assert (h == want[step]).all(), (step, h.tolist(), want[step])
+    # the free slots are slots the budget holds: every byte counted, the same bytes as one a step
+    assert cache.kv_bytes() == one.kv_bytes()
+
+
+def test_a_memory_budget_with_slack_holds_the_bytes_of_one_a_step():
+    model = tiny_model("qwen2")
+    torch.manual_seed(0)
+    prompt = torch.randint(0, 128, (2, 400))
+    held = {}
+    for slack in (1, 16):
+        cache, _, _ = _decode(model, f"h2o/int4@memory=0.25+slack={slack}", prompt, 32)
+        assert cache.layers[0].tiers[0].slack == slack
+        held[slack] = cache.kv_bytes()
+    assert held[16] == held[1]
+    # the plan's bytes: up to one slot of rounding per layer, row and KV head
+    t = cache.layers[0].tiers[0]
+    rows_heads = 2 * cache.layers[0].dims[0]
+    rounding = len(cache.layers) * rows_heads * t.nbytes() / (rows_heads * t.capacity)
+    assert 0.8 * 0.25 * cache.full_kv_bytes() <= held[16] <= 0.25 * cache.full_kv_bytes() + rounding
+
+
+def test_rows_that_leave_mid_turn_over_leave_the_rest_within_budget_and_unchanged_bytes():
+    model = tiny_model("qwen2")
+    torch.manual_seed(0)
+    prompt = torch.randint(0, 128, (3, 30))
+    cache = kvevict.make_cache(model, "h2o@12+slack=5")
+    with torch.no_grad():
+        tok = model(prompt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        for _ in range(3):  # a ranking, then two of its four free slots taken
+            tok = model(tok, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        cache.batch_select_indices(torch.tensor([0, 2]))
+        tok = tok[[0, 2]]
+        before = cache.kv_bytes()
+        for _ in range(12):
+            tok = model(tok, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            for layer in cache.layers:
+                t = layer.tiers[0]
+                held = (t.pos[..., : t.filled] >= 0).sum(-1)
+                assert (held <= 12).all() and (held >= 12 - 5 + 1).all()
+                assert t.pos.unique().numel() - 1 <= t.pos.shape[-1]  # no position held twice in a head
+        assert cache.kv_bytes() == before
+
+
+def test_a_paged_cache_turns_over_as_a_rectangle_does():
+    from kvevict.storage import Pools
+
+    model = tiny_model("qwen2")
+    torch.manual_seed(0)
+    prompt = torch.randint(0, 128, (2, 30))
+    _, held_r, tok_r = _decode(model, "h2o/int4@12+slack=4", prompt, 10)
+    _, held_p, tok_p = _decode(model, "h2o/int4@12+slack=4", prompt, 10, pages=Pools())
+    assert torch.equal(tok_r, tok_p)
+    assert all(torch.equal(x, y) for hr, hp in zip(held_r, held_p) for x, y in zip(hr, hp))
+
+
+@pytest.mark.parametrize("slack", [0, -2, 1.5, True, "4"])
+def test_a_slack_that_is_not_a_positive_int_says_what_to_give(slack):
+    model = tiny_model("qwen2")
+    with pytest.raises(ValueError, match="slack must be a positive int"):
+        kvevict.make_cache(model, "h2o", budget=12, slack=slack)
+
+
+def test_a_slack_larger_than_the_budget_says_what_to_give():
+    model = tiny_model("qwen2")
+    with pytest.raises(ValueError, match="at most 12"):
+        kvevict.make_cache(model, "h2o@12+slack=13")
+    with pytest.raises(ValueError, match="names slack already"):
+        kvevict.make_cache(model, "h2o@12+slack=4", slack=2)
+    with pytest.raises(ValueError, match=r"\+slack= takes a positive int"):
+        kvevict.make_cache(model, "h2o@12+slack=0")
+
+
+def test_the_spec_reads_and_prints_slack():
+    from kvevict.spec import CacheSpec
+
+    for text in ("h2o@0.2+slack=16", "memory=0.2+slack=8", "ada-snapkv/int8+int4@memory=0.2+slack=4"):
+        assert str(CacheSpec.parse(text)) == text
+    assert CacheSpec.parse("snapkv+q/int8@512+slack=32").cache_kwargs() == {
+        "kv_bits": 8,
+        "evicted_bits": None,
+        "budget": 512,
+        "slack": 32,
+    }
