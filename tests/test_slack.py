@@ -42,20 +42,23 @@ def test_batch_eviction_matches_the_reference_that_evicts_slack_tokens_at_once(a
         assert not torch.equal(got, model.generate(prompt, cache=one, **kw))
 
 
-@pytest.mark.parametrize(
-    "spec", ["h2o@12", "snapkv/int4@12", "ada-snapkv/int8+int4@12", "tova@12", "merge-h2o@12", "h2o/fp+int4@12"]
-)
-def test_slack_one_is_todays_eviction_token_for_token(spec):
+@pytest.mark.parametrize("spec", ["h2o", "snapkv/int4", "ada-snapkv/int8+int4", "tova", "merge-h2o", "h2o/fp+int4"])
+def test_slack_one_evicts_every_step_and_the_default_batches_a_layer_of_128_tokens(spec):
     model = tiny_model("qwen2")
     torch.manual_seed(0)
-    prompt = torch.randint(0, 128, (2, 30))
-    a, held_a, tok_a = _decode(model, spec, prompt, 12)
-    b, held_b, tok_b = _decode(model, spec + "+slack=1", prompt, 12)
-    assert torch.equal(tok_a, tok_b)
-    assert all(torch.equal(x, y) for ha, hb in zip(held_a, held_b) for x, y in zip(ha, hb))
-    for la, lb in zip(a.layers, b.layers):
-        for ta, tb in zip(la.tiers, lb.tiers):
-            assert torch.equal(ta.pos, tb.pos)
+    prompt = torch.randint(0, 128, (2, 300))
+    one, held_one, _ = _decode(model, f"{spec}@150+slack=1", prompt, 20)
+    auto, held_auto, _ = _decode(model, f"{spec}@150", prompt, 20)
+    pooled = one.layers[0].shared
+    for layers in held_one:  # full after every step: one in, one out
+        assert all((h == 150 * pooled).all() for h in layers)
+    assert auto.layers[0].tiers[0].slack == 16  # the default at 128 tokens and more
+    want = [(150 - (15 - i % 16)) * pooled for i in range(20)]
+    for step, layers in enumerate(held_auto):
+        assert all((h == want[step]).all() for h in layers), step
+    assert kvevict.make_cache(model, f"{spec}@127").layers[0].slack is None  # resolved per layer, at the prompt
+    small, _, _ = _decode(model, f"{spec}@127", prompt, 1)
+    assert small.layers[0].tiers[0].slack == 1
 
 
 @pytest.mark.parametrize("spec", ["h2o@12", "snapkv/int8@12", "ada-snapkv/int8+int4@12", "h2o/int4+int2@12"])
@@ -156,3 +159,46 @@ def test_the_spec_reads_and_prints_slack():
         "budget": 512,
         "slack": 32,
     }
+
+
+def _garble_free_slots(cache) -> int:
+    """Overwrite the stored keys and values of every slot that holds no token; how many there were."""
+    n = 0
+    for layer in cache.layers:
+        for t in layer.tiers:
+            hole = (t.pos < 0)[..., : t.capacity]
+            n += int(hole.sum())
+            store = t.store
+            parts = [store.keys, store.values] if hasattr(store, "keys") and not hasattr(store, "k") else []
+            if hasattr(store, "k"):  # packed: codes, zeros and steps of K and V
+                parts = [*store.k.tensors(), *store.v.tensors()]
+            for p in parts:
+                p[hole] = (255 if p.dtype == torch.uint8 else 1e4) if p.dtype != torch.bool else True
+    return n
+
+
+@pytest.mark.parametrize("leave", [False, True])  # and after a row left mid-turn-over
+@pytest.mark.parametrize(
+    "spec", ["h2o@12", "snapkv/int8@12", "ada-snapkv/int8+int4@12", "merge-h2o/int4@12", "h2o/int8+int4@12"]
+)
+def test_the_slots_a_turn_over_freed_are_never_attended(spec, leave):
+    model = tiny_model("qwen2")
+    torch.manual_seed(0)
+    prompt = torch.randint(0, 128, (3, 30))
+    out = []
+    for garble in (False, True):
+        cache = kvevict.make_cache(model, f"{spec}+slack=4")
+        with torch.no_grad():
+            tok = model(prompt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            tok = model(tok, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)  # a ranking: 3 slots freed
+            if leave:
+                cache.batch_select_indices(torch.tensor([0, 2]))
+                tok = tok[[0, 2]]
+            logits = []
+            for step in range(6):  # past the next ranking
+                if garble:
+                    assert _garble_free_slots(cache) > 0 or step > 1
+                logits.append(model(tok, cache=cache, use_cache=True).logits)
+                tok = logits[-1][:, -1:].argmax(-1)
+        out.append(torch.cat(logits, 1))
+    assert torch.equal(out[0], out[1])

@@ -305,15 +305,18 @@ def _attend_fused(query, seg: _Segments, scale, window, softcap, wanted, observe
         real = seg.valid_new[:, -1].view(b, 1, 1)
         out = out * real.view(b, 1, 1, 1)
         pg = None if pg is None else pg * real
+    # one query: a sum of its probabilities (H2O's), or of the observed queries' (SnapKV's, the
+    # query being observed), is pg itself (a fresh tensor), bit for bit
+    alone = pg is not None and (wanted == ("sum",) or (wanted == ("obs",) and observe > 0))
     stats = {
         name: torch.zeros(b, hkv, n_past + 1, dtype=torch.float32, device=query.device)
         for name in wanted
-        if name != "last" and wanted != ("sum",)
+        if name != "last" and not alone
     }
     if "knorm" in stats:
         stats["knorm"][..., n_past:] = _knorm_new(seg)
-    if wanted == ("sum",):  # H2O: pg is the statistic itself (a fresh tensor)
-        stats["sum"] = pg
+    if alone:
+        stats[wanted[0]] = pg
     elif pg is not None and stats:
         need_seen = "hits" in stats or "hits_ema" in stats
         seen = _seen(hide_past, hide_new, None, 1, n_past, 0, 1, query.device) if need_seen else None

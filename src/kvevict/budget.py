@@ -51,3 +51,15 @@ def layer_budgets(policy: Policy, budget, num_layers: int, windows: list | None 
         nominal = 1 << 20
         return [budget * b / nominal for b in schedule(nominal, num_layers)]
     return schedule(budget, num_layers)
+
+
+# Eviction in batches by default: a layer of at least SLACK_BUDGET tokens ranks once every SLACK
+# steps (``make_cache(slack=None)``); smaller ones every step, so a turn-over never passes an eighth
+# of what a layer keeps (docs/results/families.md, "Evicting in batches").
+SLACK = 16
+SLACK_BUDGET = 8 * SLACK
+
+
+def default_slack(budget: int) -> int:
+    """The slack a layer of ``budget`` tokens (its own: PyramidKV's, a window's) evicts in."""
+    return SLACK if budget >= SLACK_BUDGET else 1

@@ -41,7 +41,7 @@ class EvictingCache(Cache):
         storage: Storage | None = None,
         windows: list | None = None,
         pools=None,
-        slack: int = 1,
+        slack: int | None = None,
     ):
         windows = windows or [None] * num_layers
         budgets = layer_budgets(policy, budget, num_layers, windows)
@@ -185,10 +185,12 @@ def make_cache(
     and move no bytes; None (default): each layer's storage is one rectangle as wide as its widest row.
     adaptive=True (a policy parameter; or the name ``ada-<policy>``, ``adakv`` = Ada-SnapKV): Ada-KV
     head-adaptive budgets, the layer's kv_heads x budget slots shared by its heads (see policies/adakv.py).
-    slack: evict in batches (default 1: every decode step ranks and evicts one token). With slack s a
-    full layer ranks once every s steps and evicts its s lowest tokens at once; the next s - 1 tokens
-    take the freed slots unranked. The budget stays the most a layer holds (its slots, every one
-    counted by ``kv_bytes``): it keeps between budget - s + 1 and budget tokens. Spec: ``h2o@0.2+slack=16``.
+    slack: evict in batches. With slack s a full layer ranks once every s decode steps and evicts its
+    s lowest tokens at once; the next s - 1 tokens take the freed slots unranked (1: every step ranks
+    and evicts one token). The budget stays the most a layer holds (its slots, every one counted by
+    ``kv_bytes``): it keeps between budget - s + 1 and budget tokens. None (default):
+    ``kvevict.budget.default_slack``, 16 for a layer of 128 tokens or more, else 1. Spec:
+    ``h2o@0.2+slack=16``.
     Switches the model's attention to the ``kvevict`` implementation (exact with any other cache).
     """
     if isinstance(policy, str):
@@ -272,11 +274,12 @@ def make_cache(
 DEFAULT_BUDGET = 0.2  # a fifth of the prompt's tokens
 
 
-def check_slack(slack, budget=None) -> int:
-    """``slack`` as an int >= 1 (None: 1); an int ``budget`` (tokens) must hold it. A share of the
-    prompt or a memory budget is known at the prompt: a layer left fewer slots turns over all of them."""
+def check_slack(slack, budget=None) -> int | None:
+    """``slack`` as an int >= 1, or None (each layer's ``default_slack``); an int ``budget`` (tokens)
+    must hold it. A share of the prompt or a memory budget is known at the prompt: a layer left
+    fewer slots turns over all of them."""
     if slack is None:
-        return 1
+        return None
     if isinstance(slack, bool) or not isinstance(slack, int) or slack < 1:
         raise ValueError(
             f"slack must be a positive int number of slots evicted at once (1: one per step, e.g. 16), got {slack!r}."

@@ -17,7 +17,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from .attention import PaddingInfo, _Segments, hand_off
-from .budget import resolve_budget
+from .budget import default_slack, resolve_budget
 from .headpool import HeadPool, cat_slots
 from .keyspace import KeySpace
 from .merge import Summary
@@ -47,10 +47,11 @@ class EvictingLayer(CacheLayerMixin):
         storage: "Storage | None" = None,
         window: int | None = None,
         pools=None,
-        slack: int = 1,
+        slack: int | None = None,
     ):
         super().__init__()
-        # batch eviction: one ranking frees ``slack`` slots for the next ``slack`` steps (``Tier._turn_over``)
+        # batch eviction: one ranking frees ``slack`` slots for the next ``slack`` steps
+        # (``Tier._turn_over``); None: ``budget.default_slack`` of the layer's budget
         self.slack = slack
         self.pools = pools  # a kvevict.storage.Pools: each row its own pages of a shared pool (None: rectangles)
         self.policy = policy
@@ -104,7 +105,8 @@ class EvictingLayer(CacheLayerMixin):
                 group=st.group,
                 heads=self.shared,
                 pools=self.pools,
-                slack=min(self.slack, self.budget),  # a share of a short prompt may leave fewer slots
+                # a share of a short prompt may leave fewer slots than the slack asked
+                slack=default_slack(self.budget) if self.slack is None else min(self.slack, self.budget),
             )
         ]
         if st.evicted_bits is not None:
@@ -218,6 +220,10 @@ class EvictingLayer(CacheLayerMixin):
     def _map_batch(self, fn) -> None:
         if not self.is_initialized:
             return
+        if any(t.holes for t in self.tiers):
+            # slots a turn-over freed stay empty below the rows' fills, no longer handed out in
+            # order: from now on the layer masks and checks its slots as a padded batch does
+            self._padded = True
         for tier in self.tiers:
             tier.map_batch(fn)
             tier.fit()  # rows with the widest budget may have left: storage narrows to the rest's
@@ -378,7 +384,7 @@ class EvictingLayer(CacheLayerMixin):
         pos_past = cat_slots([t.pos[:, :, : t.filled] for t in self.tiers]).long()
         valid_past = cat_slots([t.valid[:, :, : t.filled] for t in self.tiers])
         if self.pool is not None:  # one row for every head: each head sees its own slots only
-            valid_past = self.pool.visible(self.tiers, valid_past, self._padded)
+            valid_past = self.pool.visible(self.tiers, valid_past, self._padded or self.tiers[0].holes)
         if self.compact is not None:
             pieces, pos_past = self.compact.apply(pieces, pos_past, valid_past, self.n_real, self.keyspace)
         runs = [t.store.run(t.filled) for t in self.tiers] if q_len == 1 and self.compact is None else None
