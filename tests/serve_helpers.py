@@ -34,6 +34,11 @@ def reference(folder):
     return kvevict.load_model(folder)
 
 
+def alone(policy: str) -> str:
+    """The cache a request's answer alone is computed with: the server evicts one token a step."""
+    return policy if policy == "full" else f"{policy}+slack=1"
+
+
 def chat(text):
     return [{"role": "user", "content": text}]
 

@@ -21,6 +21,7 @@ from serve_helpers import (  # noqa: E402,F401
     DEFAULTS,
     MODEL,
     Gate,
+    alone,
     arrived,
     chat,
     events,
@@ -246,7 +247,7 @@ def test_64_concurrent_requests_batched_none_lost_each_as_alone_memory_bounded(s
         if isinstance(budget, float):  # a fraction of the prompt, never below the server's floor
             floor = engine.settings.min_budget
             assert usage.kv_budget_tokens == max(floor, kvevict.budget.resolve_budget(budget, usage.prompt_tokens))
-        want = generate(model, tok, chat(text), policy, usage.kv_budget_tokens, max_new_tokens=12)
+        want = generate(model, tok, chat(text), alone(policy), usage.kv_budget_tokens, max_new_tokens=12)
         assert answer.strip() == want.text, (text, policy, budget)
         assert usage.completion_tokens == want.new_tokens and usage.prompt_tokens == want.prompt_tokens
         if budget is not None:  # the memory bound: the budget, not the context
@@ -375,5 +376,5 @@ def test_budget_round_lets_prompts_of_different_lengths_share_a_batch(folder, re
     for text, r in zip(texts, results):  # each as alone with the rounded token budget
         assert (
             r.choices[0].message.content.strip()
-            == generate(model, tok, chat(text), "h2o", budgets[0], max_new_tokens=8).text
+            == generate(model, tok, chat(text), alone("h2o"), budgets[0], max_new_tokens=8).text
         )

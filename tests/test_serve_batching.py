@@ -23,6 +23,7 @@ from serve_helpers import (  # noqa: E402,F401
     DEFAULTS,
     MODEL,
     Gate,
+    alone,
     arrived,
     chat,
     events,
@@ -83,7 +84,7 @@ def test_a_request_arriving_mid_decode_joins_before_the_running_one_ends(folder,
     assert admitted[b]["running"] == 1
     assert (
         short.choices[0].message.content.strip()
-        == generate(model, tok, chat("Quick one?"), policy, DEFAULTS["budget"], max_new_tokens=8).text
+        == generate(model, tok, chat("Quick one?"), alone(policy), DEFAULTS["budget"], max_new_tokens=8).text
     )
     assert _events(engine, "join")[b]["size"] == 2  # one cache: it joined the running batch
 
@@ -264,7 +265,7 @@ def test_mixed_policies_and_budgets_share_one_batch_each_equal_its_answer_alone(
         got = asyncio.run(main())
         long = {"r": result(*flight)}
     for text, (policy, _b), r in zip(texts, MIXED, got):
-        want = generate(model, tok, chat(text), policy, r.usage.kv_budget_tokens, max_new_tokens=12)
+        want = generate(model, tok, chat(text), alone(policy), r.usage.kv_budget_tokens, max_new_tokens=12)
         assert r.choices[0].message.content.strip() == want.text, (policy, r.usage.kv_budget_tokens)
         assert r.usage.completion_tokens == want.new_tokens > 1
     assert len({r.usage.kv_budget_tokens for r in got} | {8}) == 6  # six budgets, four policies

@@ -43,7 +43,7 @@ def test_batch_eviction_matches_the_reference_that_evicts_slack_tokens_at_once(a
 
 
 @pytest.mark.parametrize("spec", ["h2o", "snapkv/int4", "ada-snapkv/int8+int4", "tova", "merge-h2o", "h2o/fp+int4"])
-def test_slack_one_evicts_every_step_and_the_default_batches_a_layer_of_128_tokens(spec):
+def test_slack_one_evicts_every_step_and_the_default_a_sixteenth_of_the_budget(spec):
     model = tiny_model("qwen2")
     torch.manual_seed(0)
     prompt = torch.randint(0, 128, (2, 300))
@@ -52,13 +52,14 @@ def test_slack_one_evicts_every_step_and_the_default_batches_a_layer_of_128_toke
     pooled = one.layers[0].shared
     for layers in held_one:  # full after every step: one in, one out
         assert all((h == 150 * pooled).all() for h in layers)
-    assert auto.layers[0].tiers[0].slack == 16  # the default at 128 tokens and more
-    want = [(150 - (15 - i % 16)) * pooled for i in range(20)]
+    assert auto.layers[0].tiers[0].slack == 9  # 150 // 16
+    want = [(150 - (8 - i % 9)) * pooled for i in range(20)]
     for step, layers in enumerate(held_auto):
         assert all((h == want[step]).all() for h in layers), step
     assert kvevict.make_cache(model, f"{spec}@127").layers[0].slack is None  # resolved per layer, at the prompt
-    small, _, _ = _decode(model, f"{spec}@127", prompt, 1)
-    assert small.layers[0].tiers[0].slack == 1
+    for budget, slack in ((31, 1), (32, 2), (256, 16), (280, 16)):
+        cache, _, _ = _decode(model, f"{spec}@{budget}", prompt, 1)
+        assert cache.layers[0].tiers[0].slack == slack, budget
 
 
 @pytest.mark.parametrize("spec", ["h2o@12", "snapkv/int8@12", "ada-snapkv/int8+int4@12", "h2o/int4+int2@12"])
@@ -202,3 +203,95 @@ def test_the_slots_a_turn_over_freed_are_never_attended(spec, leave):
                 tok = logits[-1][:, -1:].argmax(-1)
         out.append(torch.cat(logits, 1))
     assert torch.equal(out[0], out[1])
+
+
+def _with_recent(model, spec, prompt, steps):
+    cache = kvevict.make_cache(model, spec)
+    with torch.no_grad():
+        tok = model(prompt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        logits = []
+        for _ in range(steps):
+            logits.append(model(tok, cache=cache, use_cache=True).logits)
+            tok = logits[-1][:, -1:].argmax(-1)
+    return cache, torch.cat(logits, 1)
+
+
+@pytest.mark.parametrize("spec", ["h2o/int4@450", "snapkv/int8@450", "ada-snapkv/int4@450", "h2o/int8+int4@450"])
+def test_packed_tokens_between_rankings_wait_in_full_precision_and_are_quantized_as_one_group(spec):
+    from kvevict.storage.codes import quantize_pair
+
+    model = tiny_model("qwen2")
+    torch.manual_seed(0)
+    prompt = torch.randint(0, 128, (2, 500))
+    cache, _ = _with_recent(model, spec + "+slack=4", prompt, 4)  # a ranking, then 3 tokens waiting
+    t = cache.layers[0].tiers[0]
+    assert t.recent is not None and t.recent.filled == 3 * cache.layers[0].shared
+    r = t.recent
+    k, v = r.store.keys[:, :, : r.filled].clone(), r.store.values[:, :, : r.filled].clone()
+    pos, slots = r.pos[..., : r.filled].clone(), t._free[..., : r.filled].clone()
+    stats = {n: r.meta(n)[..., : r.filled].clone() for n in r.stat_names}
+    assert stats and all((s > 0).any() for s in stats.values())  # attention scored them while they waited
+    assert (t.pos.gather(-1, slots) == -1).all()  # their slots wait empty, hidden from attention
+    t.flush()
+    assert r.filled == 0 and torch.equal(t.pos.gather(-1, slots).long(), pos.long())
+    assert all(torch.equal(t.meta(n).gather(-1, slots), s) for n, s in stats.items())
+    want = quantize_pair(k, v, t.store.bits, t.store.group)  # the reference, token by token the same
+    got = [
+        p.gather(2, slots[..., None].expand(*slots.shape, p.shape[-1]))
+        for p in (*t.store.k.tensors(), *t.store.v.tensors())
+    ]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("spec", ["h2o/int4@450", "ada-snapkv/int8+int4@450", "merge-h2o/int4@450"])
+def test_a_recent_tiers_slots_and_the_freed_ones_are_never_attended(spec):
+    model = tiny_model("qwen2")
+    torch.manual_seed(0)
+    prompt = torch.randint(0, 128, (2, 500))
+    out = []
+    for garble in (False, True):
+        cache = kvevict.make_cache(model, f"{spec}+slack=4")
+        with torch.no_grad():
+            tok = model(prompt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            logits = []
+            for _ in range(9):  # rankings at steps 0, 4 and 8
+                if garble:
+                    _garble_free_slots(cache)
+                logits.append(model(tok, cache=cache, use_cache=True).logits)
+                tok = logits[-1][:, -1:].argmax(-1)
+        assert cache.layers[0].tiers[0].recent is not None
+        out.append(torch.cat(logits, 1))
+    assert torch.equal(out[0], out[1])
+
+
+def test_a_memory_budget_holds_the_recent_tier_too():
+    model = tiny_model("qwen2").to(torch.bfloat16)  # a recent tier costs 2 bytes a value, as on real models
+    torch.manual_seed(0)
+    prompt = torch.randint(0, 128, (2, 2000))
+    for spec in ("h2o/int4@memory=0.25", "ada-snapkv/int4@memory=0.2"):
+        share = 0.25 if "0.25" in spec else 0.2
+        cache, _ = _with_recent(model, spec, prompt, 20)
+        t = cache.layers[0].tiers[0]
+        assert t.slack == 16 and t.recent is not None
+        one, _ = _with_recent(model, spec + "+slack=1", prompt, 20)
+        assert cache.layers[0].budget < one.layers[0].budget  # the recent tier's bytes came out of the slots
+        assert cache.kv_bytes() <= one.kv_bytes() + len(cache.layers) * 2 * t.nbytes() / (2 * t.capacity)
+        assert cache.kv_bytes() <= share * cache.full_kv_bytes()
+
+
+def test_a_sliding_layer_evicts_every_step_as_the_stock_cache_does():
+    from transformers import DynamicCache
+
+    from test_sliding import W, _padded, tiny_gemma3
+
+    model = tiny_gemma3()
+    ids, mask = _padded()
+    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        ref = model.generate(ids, cache=DynamicCache(config=model.config), **kw)
+        cache = kvevict.make_cache(model, "h2o@1000+slack=8")
+        got = model.generate(ids, cache=cache, **kw)
+    assert torch.equal(got.sequences, ref.sequences)
+    assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(got.logits, ref.logits))
+    assert [layer.tiers[0].slack for layer in cache.layers] == [1, 1, 1, 8]  # W - 1 = 7 slots slide
+    assert W - 1 < 8

@@ -199,6 +199,7 @@ def test_a_two_tier_plan_floors_the_tokens_of_both_tiers_together(memory):
             assert layer.storage.label == "int8" and len(layer.tiers) == 1 and layer.tiers[0].budget == MIN_TOKENS
             continue
         head, tail = (t.budget for t in layer.tiers)
+        head += layer.recent_cost  # the int8 slots that hold a recent tier's bytes (Tier.recent)
         assert layer.storage.label == "int8+int4" and share <= 1.0
         # the floor bounds what both tiers keep, not the int8 tier alone
         assert head + tail == min(n, max(MIN_TOKENS, math.ceil(share * n - 1e-9)))

@@ -53,13 +53,14 @@ def layer_budgets(policy: Policy, budget, num_layers: int, windows: list | None 
     return schedule(budget, num_layers)
 
 
-# Eviction in batches by default: a layer of at least SLACK_BUDGET tokens ranks once every SLACK
-# steps (``make_cache(slack=None)``); smaller ones every step, so a turn-over never passes an eighth
-# of what a layer keeps (docs/results/families.md, "Evicting in batches").
+# Eviction in batches by default: a layer ranks once every SLACK steps, or every budget / SHARE
+# steps when that is fewer, so a turn-over never evicts more than a sixteenth of what a layer keeps
+# (docs/results/families.md, "Evicting in batches"). A layer of fewer than 2 x SHARE tokens
+# evicts one a step.
 SLACK = 16
-SLACK_BUDGET = 8 * SLACK
+SLACK_SHARE = 16
 
 
 def default_slack(budget: int) -> int:
     """The slack a layer of ``budget`` tokens (its own: PyramidKV's, a window's) evicts in."""
-    return SLACK if budget >= SLACK_BUDGET else 1
+    return max(1, min(SLACK, budget // SLACK_SHARE))

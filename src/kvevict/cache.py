@@ -189,7 +189,8 @@ def make_cache(
     s lowest tokens at once; the next s - 1 tokens take the freed slots unranked (1: every step ranks
     and evicts one token). The budget stays the most a layer holds (its slots, every one counted by
     ``kv_bytes``): it keeps between budget - s + 1 and budget tokens. None (default):
-    ``kvevict.budget.default_slack``, 16 for a layer of 128 tokens or more, else 1. Spec:
+    ``kvevict.budget.default_slack``, a sixteenth of the layer's budget, at most 16 (1 below 32 tokens,
+    and in sliding-window layers, whose window moves a token a step). Spec:
     ``h2o@0.2+slack=16``.
     Switches the model's attention to the ``kvevict`` implementation (exact with any other cache).
     """

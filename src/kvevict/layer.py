@@ -13,6 +13,8 @@ keys in a rotated basis (``keyspace.KeySpace``), compact positions (``rope``), p
 
 from __future__ import annotations
 
+import math
+
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -25,9 +27,12 @@ from .policies import Policy
 from .policies.window import Windowed, window_recency
 from .rope import CompactPositions
 from .rows import Rows, shareable
+from .stats import stat_bytes
 from .storage import Storage, check_group
 from .storage.rect import DenseStore
 from .tier import POS16_MAX, Tier
+
+RECENT_SHARE = 16  # a recent tier (Tier.recent) costs at most 1 / 16 of the bytes of the tokens kept
 
 
 class EvictingLayer(CacheLayerMixin):
@@ -59,6 +64,8 @@ class EvictingLayer(CacheLayerMixin):
         # compact positions (keys re-rotated to their rank each step), or None
         self.compact = None if inv_freq is None else CompactPositions(inv_freq)
         self.budget_spec = budget
+        self.memory_plan = hasattr(budget, "storage_for")  # a memory plan's share (set_prompt_length resolves it)
+        self.recent_cost = 0
         self.layer_idx = layer_idx
         self.storage = storage or Storage()
         self.budget: int | None = None
@@ -96,6 +103,19 @@ class EvictingLayer(CacheLayerMixin):
         self.pool = HeadPool(h, self.device) if policy.adaptive and h > 1 else None
         self.shared = 1 if self.pool is None else h
         self.prompt_end = None  # (b, 1, 1) real prompt tokens per row, where the question ends
+        # a share of a short prompt may leave fewer slots than the slack asked; a sliding layer's
+        # window moves a token a step, and what leaves it must leave at once (as the stock cache's)
+        slack = default_slack(self.budget) if self.slack is None else min(self.slack, self.budget)
+        slack = 1 if self.window is not None else slack
+        # a recent tier where its bytes are at most a sixteenth of the kept tokens' (RECENT_SHARE);
+        # a memory plan holds it too, in as many fewer slots as it takes
+        recent = self.compact is None and slack > 1 and st.kv_bits in (8, 4, 2)
+        cost = self._recent_slots(slack, dk, value_states.shape[-1], policy) if recent else 0
+        recent = recent and cost * RECENT_SHARE <= self.budget
+        self.recent_cost = cost if recent and self.memory_plan else 0  # the slots a memory plan gave up
+        if self.recent_cost:
+            self.budget -= self.recent_cost
+            policy.check(self.budget)
         args = (b, h // self.shared, dk, value_states.shape[-1], self.dtype, self.device, policy.stats)
         self.tiers = [
             Tier(
@@ -105,10 +125,12 @@ class EvictingLayer(CacheLayerMixin):
                 group=st.group,
                 heads=self.shared,
                 pools=self.pools,
-                # a share of a short prompt may leave fewer slots than the slack asked
-                slack=default_slack(self.budget) if self.slack is None else min(self.slack, self.budget),
+                slack=slack,
+                recent=recent,
             )
         ]
+        if self.recent_cost:  # a memory plan spends its bytes from the start, as planned
+            self.tiers[0].make_recent()
         if st.evicted_bits is not None:
             check_group(st.group, dk, st.evicted_bits)
             check_group(st.group, value_states.shape[-1], st.evicted_bits)
@@ -135,6 +157,14 @@ class EvictingLayer(CacheLayerMixin):
         self.keyspace = KeySpace() if st.rotates_keys else None
         self._expose()
         self.is_initialized = True
+
+    def _recent_slots(self, slack: int, dk: int, dv: int, policy) -> int:
+        """The packed slots a recent tier's bytes take (``Tier.recent``: slack - 1 tokens a head in
+        the model's dtype), which a memory budget gives up so that it holds them too."""
+        stats = stat_bytes(policy.stats) + (1 if self.shared > 1 else 0)  # a pooled slot's head id
+        dense = Storage(kv_bits=16).slot_bytes(dk, dv, 2, stats)  # 16 bits: Tier.recent
+        packed = self.storage.slot_bytes(dk, dv, self.dtype.itemsize, stats)
+        return math.ceil((slack - 1) * dense / packed)
 
     def _summary(self, b, h, dk, dv) -> "Summary | None":
         """The evicted tokens' mean slot (``kvevict.merge``) when the policy asks for it (``merge``).
@@ -174,7 +204,7 @@ class EvictingLayer(CacheLayerMixin):
                 "make a new cache for a new batch."
             )
         self._new = (key_states, value_states)
-        held = sum(t.filled for t in self.tiers) // self.shared  # per (sequence, KV head), on average
+        held = sum(t.filled for t in self._parts()) // self.shared  # per (sequence, KV head), on average
         # entries this layer holds during this step: stored slots + the incoming tokens
         self.peak_entries = max(self.peak_entries, held + key_states.shape[2])
         t0 = self.tiers[0]
@@ -203,7 +233,7 @@ class EvictingLayer(CacheLayerMixin):
         return -1  # any number of tokens can stream through
 
     def reset(self) -> None:
-        prompt_len = self.prompt_len
+        prompt_len, memory_plan = self.prompt_len, self.memory_plan
         type(self).__init__(
             self,
             self.policy,
@@ -215,11 +245,17 @@ class EvictingLayer(CacheLayerMixin):
             self.pools,
             self.slack,
         )
-        self.prompt_len = prompt_len
+        self.prompt_len, self.memory_plan = prompt_len, memory_plan
+
+    def _parts(self) -> list:
+        """The tiers as attention reads them: each, then its recent tier's waiting tokens."""
+        return [p for t in self.tiers for p in t.parts()]
 
     def _map_batch(self, fn) -> None:
         if not self.is_initialized:
             return
+        for tier in self.tiers:
+            tier.settle()
         if any(t.holes for t in self.tiers):
             # slots a turn-over freed stay empty below the rows' fills, no longer handed out in
             # order: from now on the layer masks and checks its slots as a padded batch does
@@ -281,6 +317,8 @@ class EvictingLayer(CacheLayerMixin):
         past its own budget stay unavailable (``Tier.caps``); each row evicts by its own policy
         (``rows.Rows``). ``seen`` becomes the longer history: the caller left-pads the shorter
         rows' attention masks to it."""
+        for tier in (*self.tiers, *other.tiers):  # waiting tokens to their slots before any tier widens
+            tier.settle()
         for mine, their in zip(self.tiers, other.tiers):
             names = tuple(dict.fromkeys((*mine.stat_names, *their.stat_names)))
             width = max(mine.budget, their.budget)
@@ -380,14 +418,18 @@ class EvictingLayer(CacheLayerMixin):
             pos_new = self.n_real[:, None] + torch.arange(q_len, device=self.device)
         else:
             pos_new = self.n_real[:, None] + valid_new.long().cumsum(1) - 1
-        pieces = [p for t in self.tiers for p in t.store.pieces(t.filled)]
-        pos_past = cat_slots([t.pos[:, :, : t.filled] for t in self.tiers]).long()
-        valid_past = cat_slots([t.valid[:, :, : t.filled] for t in self.tiers])
+        if q_len > 1:  # a prompt or a chunk: the tokens waiting in a recent tier to their slots first
+            for t in self.tiers:
+                t.flush()
+        parts = self._parts()
+        pieces = [p for t in parts for p in t.store.pieces(t.filled)]
+        pos_past = cat_slots([t.pos[:, :, : t.filled] for t in parts]).long()
+        valid_past = cat_slots([t.valid[:, :, : t.filled] for t in parts])
         if self.pool is not None:  # one row for every head: each head sees its own slots only
-            valid_past = self.pool.visible(self.tiers, valid_past, self._padded or self.tiers[0].holes)
+            valid_past = self.pool.visible(parts, valid_past, self._padded or self.tiers[0].holes)
         if self.compact is not None:
             pieces, pos_past = self.compact.apply(pieces, pos_past, valid_past, self.n_real, self.keyspace)
-        runs = [t.store.run(t.filled) for t in self.tiers] if q_len == 1 and self.compact is None else None
+        runs = [t.store.run(t.filled) for t in parts] if q_len == 1 and self.compact is None else None
         return _Segments(
             pieces=pieces,
             pos_past=pos_past,
@@ -411,16 +453,17 @@ class EvictingLayer(CacheLayerMixin):
         self.n_real += m if valid_new is None else valid_new.sum(1)
         if self.prompt_end is None and self.policy.question:  # the first forward: the prompt, or its first chunk
             self.prompt_end = (self.n_real + ((self.prompt_len or m) - m)).view(-1, 1, 1)
-        n_past = sum(t.filled for t in self.tiers)
+        parts = self._parts()  # as segments() laid them out for attention
+        n_past = sum(t.filled for t in parts)
         self._fit_positions(m)
         if valid_new is not None:  # a padding token's position is -1: a slot that holds no token
             pos_new = pos_new.masked_fill(~valid_new, -1)
         new = {"k": k_new, "v": v_new, "pos": pos_new.view(-1, 1, m).expand(b, h, m)}
         new.update({n: stats[n][..., n_past:] for n in self.tiers[0].stat_names})
         if self.pool is not None:
-            stats, new = self.pool.pooled(stats, new, n_past, self.tiers)
+            stats, new = self.pool.pooled(stats, new, n_past, parts)
         offset, decay = 0, self.rows.decay()
-        for tier in self.tiers:
+        for tier in parts:
             tier.accumulate(stats, offset, decay, m, m * self._group if self._group else float("inf"))
             offset += tier.filled
         ctx = {

@@ -59,6 +59,7 @@ class Tier:
         heads: int = 1,
         pools=None,
         slack: int = 1,
+        recent: bool = False,
     ):
         self.budget, self.filled, self.heads = budget, 0, heads
         # batch eviction: once full, one ranking frees ``slack`` slots per entry a step brings and
@@ -93,6 +94,14 @@ class Tier:
         self._stats = tuple(stats)
         for n in stats:
             self._meta[n] = self._field(b, stat_dtype(n), 0)
+        # packed and evicting in batches (``recent``): the tokens written between two rankings wait
+        # in 16 bits (the model's dtype, or float16), as KIVI's residual does, and are quantized as one group into the
+        # slots they stand for when the next ranking comes (``flush``): no quantization per step
+        # made at the first ranking, so that a tier that never fills holds no byte of it
+        self.recent: Tier | None = None
+        self._recent_args = None
+        if recent and slack > 1 and bits in (8, 4, 2):
+            self._recent_args = ((slack - 1) * heads, h, dk, dv, dtype, device, tuple(stats), heads)
 
     def _field(self, b, dtype, empty):
         """A new per-slot tensor of ``b`` rows, every slot ``empty``, as many slots as the tier's."""
@@ -148,6 +157,8 @@ class Tier:
         """Make room for positions up to ``last`` (int16 -> int32 once a sequence passes 32,767)."""
         if last > POS16_MAX and self.pos_dtype == torch.int16:
             self._meta["pos"] = self._meta["pos"].astype(self.pools, torch.int32)
+        if self.recent is not None:
+            self.recent.widen_positions(last)
 
     def narrow_positions(self, last: int) -> None:
         """Back to int16 once every position held is at most ``last`` <= 32,767 (the rows past it left)."""
@@ -219,6 +230,7 @@ class Tier:
         m = new["pos"].shape[-1]
         caps = self._caps_host or [self.budget] * len(self.fills)
         real, adds = self._padding(new["pos"], caps, all_real)
+        turned = False
         fills = [min(c, f + a) for f, c, a in zip(self.fills, caps, adds)]  # every row takes its free slots first
         self.reserve(max(fills, default=0))
         if fills != self.fills and self._crosses(fills):  # a row grows into a page: paged holders give it first
@@ -230,6 +242,7 @@ class Tier:
             self._append(new, real)
         elif self.slack > 1 and all_real and self.caps is None and all(f >= c for f, c in zip(self.fills, caps)):
             gone = self._turn_over(policy, new, ctx, protected_newcomer, want_evicted)
+            turned = True
         elif m == 1:
             # a row with room: its free slots rank -inf and the first (its fill) is taken
             gone = self._replace_one(policy, new, ctx, protected_newcomer, want_evicted)
@@ -237,6 +250,8 @@ class Tier:
             gone = self._replace_many(policy, new, ctx, want_evicted, all_real)
         if fills != self.fills:  # a full cache decoding (the steady state) changes nothing here
             self._set_fills(fills)
+        if not turned:  # the steps between rankings are over: their tokens to their slots
+            self.flush()
         return gone
 
     def _crosses(self, fills: list[int]) -> bool:
@@ -367,13 +382,17 @@ class Tier:
         ``(slack - 1) x m`` are emptied for the next steps. The tier never holds more than its
         budget, and ``slack = 1`` is ``_replace_one``/``_replace_many`` exactly."""
         m = new["pos"].shape[-1]
-        if self._free is not None:  # a step between rankings: two indexed writes, no ranking
+        if self._free is not None and (self._free_next + 1) * m <= self._free.shape[-1]:
+            # a step between rankings: no ranking; the entries to the recent tier, else to their slots
             j = self._free_next * m
-            self._write(self._free[..., j : j + m], new, None)
+            if self.recent is not None:
+                self.recent._put(j, new)
+            else:
+                self._write(self._free[..., j : j + m], new, None)
+                self.holes = (self._free_next + 2) * m <= self._free.shape[-1]
             self._free_next += 1
-            if (self._free_next + 1) * m > self._free.shape[-1]:
-                self._free, self.holes = None, False
             return None
+        self.flush()
         B, n = self.capacity, self.slack * m
         if m == 1 and protected_newcomer and policy.keeps_newest(ctx["budget"]) and policy.independent:
             out = self._priority(policy, None, ctx).topk(n, dim=-1, largest=False).indices  # slots only
@@ -395,7 +414,50 @@ class Tier:
         if n > m:
             self._meta["pos"].write(free, torch.full_like(free, -1), None)
             self._free, self._free_next, self.holes = free, 0, True
+            self.make_recent()
         return gone
+
+    def make_recent(self) -> None:
+        """The recent tier, if this tier is to have one and has none yet."""
+        if self._recent_args is None or self.recent is not None:
+            return
+        slots, h, dk, dv, dtype, device, stats, heads = self._recent_args
+        # 16 bits, as the stock cache the budgets are shares of: the model's dtype, or float16
+        bits = 16 if dtype.itemsize > 2 else None
+        self.recent = Tier(slots, len(self.fills), h, dk, dv, dtype, device, stats, bits=bits, heads=heads)
+        self.recent.grow_to(slots)
+
+    def _put(self, j: int, new: dict) -> None:
+        """Write entries ``new`` (b, h, m) at columns j .. j + m of every row: slices, no index (a
+        recent tier, which every row fills alike)."""
+        m = new["pos"].shape[-1]
+        self.store.keys[:, :, j : j + m] = new["k"]
+        self.store.values[:, :, j : j + m] = new["v"]
+        for name in self.names():
+            self.meta(name)[..., j : j + m] = new[name]
+        self._set_fills([j + m] * len(self.fills))
+
+    def flush(self) -> None:
+        """The recent tier's tokens into the slots they stand for (the first of ``_free``): keys and
+        values quantized as one group, their bookkeeping with them; the recent tier empties."""
+        r = self.recent
+        if r is None or not r.filled:
+            return
+        assert self._free is not None, "a recent tier fills only between two rankings"
+        n = r.filled
+        got = {"k": r.store.keys[:, :, :n], "v": r.store.values[:, :, :n]}
+        got.update({name: r.meta(name)[..., :n] for name in r.names()})
+        self._write(self._free[..., :n], got, None)
+        r.meta("pos")[..., :n] = -1
+        r._set_fills([0] * len(r.fills))
+        self.holes = n < self._free.shape[-1]
+
+    def settle(self) -> None:
+        """Before the batch changes: the recent tokens to their slots, and no recent tier any more
+        (rows that join may be at another step of their turn-over)."""
+        self.flush()
+        self.recent, self._recent_args = None, None
+        self._free = None
 
     def _evicted(self, out, new: dict, all_real: bool = False) -> dict:
         """The entries of evicted candidates ``out`` (indices into slots + new), valid ones first,
@@ -417,7 +479,7 @@ class Tier:
         """Apply ``fn`` to every per-row tensor (slots, then each row's fill and cap); ``fit`` after.
         Slots a batch eviction freed stay empty (ranked first to be taken) but are no longer handed
         out in order: rows that join may be at another step of their turn-over."""
-        self._free = None
+        self.settle()
         self._map_slots(fn)
         self.fill = fn(self.fill)
         if self.caps is not None:
@@ -500,5 +562,11 @@ class Tier:
             self._set_fills([min(f, n) for f in self.fills])
 
     def nbytes(self) -> int:
-        """Every byte this tier holds: keys and values (codes, steps, zeros), positions, statistics."""
-        return self.store.nbytes() + sum(f.nbytes() for f in self._meta.values())
+        """Every byte this tier holds: keys and values (codes, steps, zeros), positions, statistics,
+        and its recent tier's."""
+        own = self.store.nbytes() + sum(f.nbytes() for f in self._meta.values())
+        return own + (0 if self.recent is None else self.recent.nbytes())
+
+    def parts(self) -> list:
+        """What attention reads of this tier: itself, then its recent tier's tokens if it holds any."""
+        return [self] if self.recent is None or not self.recent.filled else [self, self.recent]

@@ -61,7 +61,9 @@ class DecodeBatch:
             # kvevict attention is exact with a DynamicCache, so the model keeps one implementation
             cache = DynamicCache(config=model.config)
         else:
-            cache = make_cache(model, policy, budget_tokens, recent=recent, kv_bits=kv_bits, pages=pages)
+            # one eviction a step: rows joined at other lengths evict apart, so a row's answer is
+            # the one it gets alone with slack=1, whatever batch it is in
+            cache = make_cache(model, policy, budget_tokens, recent=recent, kv_bits=kv_bits, pages=pages, slack=1)
         n = max(len(p) for p in prompts)
         ids = torch.tensor([[0] * (n - len(p)) + list(p) for p in prompts], dtype=torch.long)
         mask = torch.tensor([[0] * (n - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)

@@ -71,7 +71,7 @@ class Budgeter:
         self.wide_of = {}  # policy -> per layer, the bytes per slot int32 positions add (``wide`` rows)
         for name in POLICIES:
             try:
-                small, big = (self._probe(make_cache(model, name, b, kv_bits=kv_bits), b) for b in PROBES)
+                small, big = (self._probe(make_cache(model, name, b, kv_bits=kv_bits, slack=1), b) for b in PROBES)
             except (ValueError, TypeError):  # a policy that cannot serve (the oracle needs a recording)
                 continue
             self.slots_of[name] = [_line(a, b) for a, b in zip(small.layers, big.layers)]
