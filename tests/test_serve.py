@@ -230,13 +230,19 @@ def test_64_concurrent_requests_batched_none_lost_each_as_alone_memory_bounded(s
         return "".join(parts), usage
 
     # The requests gather while the worker is held (the first at its prefill), then go: which ones
-    # are prefilled together (asserted below) does not hang on how fast the client sends them
+    # are prefilled together (asserted below) does not hang on how fast the client sends them. Each
+    # is sent once the one before it is queued, so the queue holds them in the order asked, whatever
+    # the machine's load: the first batch taken holds two of each kind (a prefill group of two)
     async def main(gate):
         async with openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="t", max_retries=0, timeout=DEADLINE) as ac:
-            tasks = [asyncio.create_task(one(ac, *a)) for a in asks]
-            gathered = await asyncio.to_thread(wait_until, lambda: arrived(engine) - arrived0 == len(asks))
+            tasks = []
+            for i, a in enumerate(asks):
+                tasks.append(asyncio.create_task(one(ac, *a)))
+                queued = await asyncio.to_thread(wait_until, lambda i=i: arrived(engine) - arrived0 > i)
+                assert queued, f"request {i} did not reach the server"
+                if i == 0:  # the first alone, held at its prefill: the rest queue behind it
+                    assert await asyncio.to_thread(gate.wait_held), "the worker did not take the first request"
             gate.open()
-            assert gathered, "the 64 requests did not all reach the server"
             return await asyncio.gather(*tasks)
 
     arrived0 = arrived(engine)
