@@ -1,6 +1,7 @@
 """bf16 generation on one GPU at Qwen2.5-Coder-1.5B's shape (28 layers, 12 query / 2 KV heads, head
 dim 128, vocabulary 151,936): budgeted caches against the stock transformers ``DynamicCache`` with
-SDPA, each on the same random prompts.
+SDPA in eager mode (what most users run) and transformers' fast path, a ``StaticCache`` whose decode
+step ``generate`` compiles (``static-compiled``: CUDA graphs on a GPU), each on the same random prompts.
 
     python benchmarks/gpu_generate.py --out results/gpu_generate.json     # needs a CUDA GPU
     python benchmarks/gpu_generate.py --tiny --device cpu                 # tiny shapes, any machine
@@ -55,6 +56,10 @@ QWEN_1_5B = dict(
 TINY = dict(QWEN_1_5B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=512, bos_token_id=0, eos_token_id=1)  # fmt: skip
 STOCK = "stock"
+# transformers' fast path: a StaticCache, its decode step compiled by generate itself (CUDA graphs
+# on a GPU, ``mode="reduce-overhead"``); what a user who wants speed runs
+STATIC = "static-compiled"
+STATIC_ROOM = 512  # the most new tokens a StaticCache made by ``fill`` has room for
 
 
 def build_model(args, device):
@@ -85,11 +90,14 @@ def allocated(device) -> int:
     return torch.cuda.memory_allocated() if device.type == "cuda" else 0
 
 
-def new_cache(model, spec: str, pages=None):
-    from transformers import DynamicCache
+def new_cache(model, spec: str, pages=None, length: int = 0):
+    """A stock ``DynamicCache``, a ``StaticCache`` of ``length`` positions, or a kvevict cache."""
+    from transformers import DynamicCache, StaticCache
 
-    if spec == STOCK:
+    if spec in (STOCK, STATIC):
         model.set_attn_implementation("sdpa")
+        if spec == STATIC:
+            return StaticCache(config=model.config, max_cache_len=length)
         return DynamicCache(config=model.config)
     from kvevict import make_cache
 
@@ -105,7 +113,7 @@ def cache_bytes(cache) -> int:
 @torch.no_grad()
 def fill(model, spec, ids, pages=None):
     """A cache holding ``ids`` but their last token (generate feeds that one)."""
-    cache = new_cache(model, spec, pages)
+    cache = new_cache(model, spec, pages, length=ids.shape[1] + STATIC_ROOM)
     if hasattr(cache, "set_prompt_length"):
         cache.set_prompt_length(ids.shape[1])
     model(ids[:, :-1], cache=cache, use_cache=True, logits_to_keep=1)
@@ -113,6 +121,13 @@ def fill(model, spec, ids, pages=None):
 
 
 def decode(model, cache, ids, new):
+    from transformers import CompileConfig, StaticCache
+
+    # a StaticCache is compiled by generate on a GPU; elsewhere only when asked (a CPU check of the script)
+    compile_config = None
+    if isinstance(cache, StaticCache) and ids.device.type != "cuda":
+        compile_config = CompileConfig(mode="default")
+        compile_config._compile_all_devices = True  # a flag, not a field, of transformers' CompileConfig
     return model.generate(
         ids,
         attention_mask=torch.ones_like(ids),
@@ -121,6 +136,7 @@ def decode(model, cache, ids, new):
         max_new_tokens=new,
         min_new_tokens=new,
         pad_token_id=0,
+        compile_config=compile_config,
     )
 
 
@@ -320,8 +336,12 @@ def main(argv=None):
     p.add_argument("--tiny", action="store_true", help="tiny widths, and lengths unless given (a check that it runs)")
     p.add_argument("--layers", type=int, default=0, help="decoder layers of the random model (0: the shape's own)")
     p.add_argument("--contexts", default="8192,32704", help="prompt tokens (32,704 + 64 new = the 32K positions)")
-    p.add_argument("--batches", default="1,8")
-    p.add_argument("--caches", default=f"{STOCK};ada-snapkv@memory=0.2")
+    p.add_argument("--batches", default="8", help="batch sizes (8: the issue's targets; 1,8 for both)")
+    p.add_argument(
+        "--caches",
+        default=f"{STOCK};{STATIC};memory=0.2",
+        help=f"';'-separated: {STOCK} (DynamicCache, eager), {STATIC} (StaticCache, compiled), or cache specs",
+    )
     p.add_argument("--new", type=int, default=64, help="tokens generated per prompt")
     p.add_argument("--rounds", type=int, default=3, help="rounds per configuration, the first a warm-up")
     p.add_argument("--fit-context", type=int, default=8192)
@@ -387,7 +407,7 @@ def main(argv=None):
             report["runs"] = rows
             out.write_text(json.dumps(report, indent=1))
     if device.type == "cuda" and args.fit_gib > 0:
-        for c in caches:
+        for c in (c for c in caches if c != STATIC):  # its rows are allocated whole: the stock cache's fit
             report["fit"][c] = fit(model, c, args, device, weights, gen)
             print(f"fit {c}: {report['fit'][c]}", flush=True)
             out.write_text(json.dumps(report, indent=1))

@@ -65,9 +65,7 @@ def paged(parts: tuple, page: int, table: torch.Tensor) -> tuple:
 
 def build(args, device):
     """{name: (fn, kv bytes, reference out or None)}: every configuration's one-layer call."""
-    from kvevict.kernels.reference import decode_attention_reference
     from kvevict.kernels.triton_decode import decode_attention_triton
-    from kvevict.storage.codes import dequantize, quantize
 
     b, hq, hkv, d, n = args.batch, args.heads, args.kv_heads, args.head_dim, args.context
     g, scale, dt = hq // hkv, d**-0.5, torch.bfloat16
@@ -106,85 +104,92 @@ def build(args, device):
         dense().view(b, hq, 1, d),
     )
     for bits in (8, 4):
-        kq, vq = quantize(keys, bits, args.group), quantize(values, bits, args.group)
-        # the exact dequantized values, in fp32: every path's error against them
-        kd, vd = (
-            torch.cat([dequantize(*x, bits, args.group, torch.float32), y.float()], 2)
-            for x, y in ((kq, k_new), (vq, v_new))
-        )
-        ref = sdpa(qg.float(), kd, vd, scale=scale).reshape(b, hq, 1, d)
-        del kd, vd
-        nbytes = sum(t.nbytes for t in kq + vq)
-        run = make_run(bits, args.group, kq, vq, n)
-        configs[f"triton int{bits}"] = (triton_call([run]), nbytes, ref)
-        # every channel dequantized in registers before the products (the path before factoring)
-        configs[f"triton int{bits} registers"] = (triton_call([run], factored=False), nbytes, ref)
-        if bits != 4:
-            continue
-        # out only, what a policy that collects no statistics asks for (and all SDPA computes)
-        configs["triton int4 out only"] = (triton_call([run], pg=False), nbytes, ref)
-        # the cache's own layout: pages of PAGE slots through a page table
-        cols = -(-n // args.page)  # each row's pages scattered in a random order, as a pool gives them out
-        table = torch.randperm(b * cols, generator=gen, device=device).view(b, cols)
-        pk, pv = paged(kq, args.page, table), paged(vq, args.page, table)
-        configs[f"triton int4 paged {args.page}"] = (
-            triton_call([make_run(4, args.group, pk, pv, n, table, args.page)]),
-            nbytes,
-            ref,
-        )
-        # no fused kernel: dequantize into a float copy, then attend (the torch reference)
-        configs["torch int4 (copy)"] = (
-            lambda run=run: decode_attention_reference(q, [run], k_new, v_new, None, scale),
-            nbytes,
-            ref,
-        )
-        for split, warps, block, prefetch, regs, magic, fold, vpairs, trans, pg in itertools.product(
-            args.splits,
-            args.warps,
-            args.blocks,
-            args.prefetch,
-            args.regs,
-            args.magic,
-            args.fold,
-            args.vpairs,
-            args.trans,
-            args.pg,
+        configs.update(packed_configs(args, bits, (q, k_new, v_new, keys, values), triton_call, gen))
+    return configs
+
+
+def packed_configs(args, bits: int, tensors: tuple, triton_call, gen) -> dict:
+    """``build``'s configurations of the keys and values packed at ``bits``; for int4 also out only,
+    paged, the torch reference's copy and the ``--splits`` ... ``--pg`` sweep (``sweep_configs``).
+    ``tensors``: (q, k_new, v_new, keys, values)."""
+    from kvevict.kernels.reference import decode_attention_reference
+    from kvevict.storage.codes import dequantize, quantize
+
+    q, k_new, v_new, keys, values = tensors
+    (b, hkv, n, d), hq = keys.shape, q.shape[1]
+    scale, qg = d**-0.5, q.view(b, hkv, hq // hkv, d)
+    kq, vq = quantize(keys, bits, args.group), quantize(values, bits, args.group)
+    # the exact dequantized values, in fp32: every path's error against them
+    kd, vd = (
+        torch.cat([dequantize(*x, bits, args.group, torch.float32), y.float()], 2)
+        for x, y in ((kq, k_new), (vq, v_new))
+    )
+    ref = torch.nn.functional.scaled_dot_product_attention(qg.float(), kd, vd, scale=scale).reshape(b, hq, 1, d)
+    del kd, vd
+    nbytes = sum(t.nbytes for t in kq + vq)
+    run = make_run(bits, args.group, kq, vq, n)
+    configs = {f"triton int{bits}": (triton_call([run]), nbytes, ref)}
+    # every channel dequantized in registers before the products (the path before factoring)
+    configs[f"triton int{bits} registers"] = (triton_call([run], factored=False), nbytes, ref)
+    if bits != 4:
+        return configs
+    # out only, what a policy that collects no statistics asks for (and all SDPA computes)
+    configs["triton int4 out only"] = (triton_call([run], pg=False), nbytes, ref)
+    # the cache's own layout: pages of PAGE slots through a page table
+    cols = -(-n // args.page)  # each row's pages scattered in a random order, as a pool gives them out
+    table = torch.randperm(b * cols, generator=gen, device=keys.device).view(b, cols)
+    pk, pv = paged(kq, args.page, table), paged(vq, args.page, table)
+    configs[f"triton int4 paged {args.page}"] = (
+        triton_call([make_run(4, args.group, pk, pv, n, table, args.page)]),
+        nbytes,
+        ref,
+    )
+    # no fused kernel: dequantize into a float copy, then attend (the torch reference)
+    configs["torch int4 (copy)"] = (
+        lambda run=run: decode_attention_reference(q, [run], k_new, v_new, None, scale),
+        nbytes,
+        ref,
+    )
+    configs.update({name: (fn, nbytes, ref) for name, fn in sweep_configs(args, run, triton_call).items()})
+    return configs
+
+
+def sweep_configs(args, run, triton_call) -> dict:
+    """{name: fn}: int4 at every combination of the ``--splits`` ... ``--pg`` lists but the defaults
+    (those are "triton int4" and "triton int4 out only")."""
+    configs = {}
+    for split, warps, block, prefetch, regs, magic, fold, vpairs, trans, pg in itertools.product(
+        args.splits,
+        args.warps,
+        args.blocks,
+        args.prefetch,
+        args.regs,
+        args.magic,
+        args.fold,
+        args.vpairs,
+        args.trans,
+        args.pg,
+    ):
+        if (split, warps, block, prefetch, regs, magic, fold, vpairs, trans) == (
+            args.split,
+            None,
+            None,
+            True,
+            None,
+            True,
+            True,
+            True,
+            None,
         ):
-            if (split, warps, block, prefetch, regs, magic, fold, vpairs, trans) == (
-                args.split,
-                None,
-                None,
-                True,
-                None,
-                True,
-                True,
-                True,
-                None,
-            ):
-                continue  # "triton int4" and "triton int4 out only"
-            name = (
-                f"int4 s{split or '-'} w{warps or '-'} b{block or '-'}{'' if prefetch else ' no-pf'}"
-                f"{f' r{regs}' if regs else ''}{'' if magic else ' no-magic'}{'' if fold else ' no-fold'}"
-                f"{'' if vpairs else ' no-vpairs'}{' trans' if trans else ' no-trans' if trans is False else ''}"
-                f"{'' if pg else ' out-only'}"
-            )
-            configs[name] = (
-                triton_call(
-                    [run],
-                    split,
-                    warps,
-                    block,
-                    prefetch=prefetch,
-                    regs=regs,
-                    magic=magic,
-                    fold=fold,
-                    vpairs=vpairs,
-                    trans=trans,
-                    pg=pg,
-                ),
-                nbytes,
-                ref,
-            )
+            continue  # "triton int4" and "triton int4 out only"
+        name = (
+            f"int4 s{split or '-'} w{warps or '-'} b{block or '-'}{'' if prefetch else ' no-pf'}"
+            f"{f' r{regs}' if regs else ''}{'' if magic else ' no-magic'}{'' if fold else ' no-fold'}"
+            f"{'' if vpairs else ' no-vpairs'}{' trans' if trans else ' no-trans' if trans is False else ''}"
+            f"{'' if pg else ' out-only'}"
+        )
+        tune = dict(regs=regs, magic=magic, fold=fold, vpairs=vpairs, trans=trans, pg=pg)
+        configs[name] = triton_call([run], split, warps, block, prefetch=prefetch, **tune)
     return configs
 
 
@@ -232,7 +237,8 @@ def capture(fn, iters: int):
     return graph
 
 
-def main(argv=None) -> int:
+def parse(argv=None) -> argparse.Namespace:
+    """The command line, its sweep lists checked and parsed (``p.error`` names a bad one)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--context", type=int, default=32768, help="stored tokens per sequence")
     p.add_argument("--batch", type=int, default=8)
@@ -282,6 +288,11 @@ def main(argv=None) -> int:
                 p.error(f"--{name} takes comma-separated {'1 / 0' if name in flags else 'whole numbers'}, got {x!r}.")
             got.append(bool(int(x)) if name in flags else int(x) or None)
         setattr(args, name, got or default)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
     try:
         import triton
     except ImportError:
@@ -314,16 +325,32 @@ def main(argv=None) -> int:
             if ref is not None:
                 out, _ = fn()
                 errors[name] = float((out.float() - ref.float()).abs().max())
-        names = list(configs)
-        graphs = {name: capture(configs[name][0], args.iters) for name in names} if cuda else {}
-        ms = {name: [] for name in names}
-        gms = {name: [] for name in names}
-        host = {name: [] for name in names}
-        for r in range(args.rounds):
-            for name in names[r % len(names) :] + names[: r % len(names)]:
-                ms[name].append(time_call(configs[name][0], args.iters, cuda, host=host[name]))
-                if cuda:
-                    gms[name].append(time_call(configs[name][0], args.iters, cuda, graphs[name]))
+        ms, gms, host = measure(args, configs, cuda)
+    rows = table_rows(args, configs, errors, (ms, gms, host), cuda)
+    report(args, rows, cuda, triton.__version__)
+    return 0
+
+
+def measure(args, configs: dict, cuda: bool) -> tuple:
+    """({name: ms per call, each round}, the same from a CUDA graph, {name: host ms per call}): the
+    configurations timed in ``--rounds`` interleaved rounds, each round in a rotated order."""
+    names = list(configs)
+    graphs = {name: capture(configs[name][0], args.iters) for name in names} if cuda else {}
+    ms = {name: [] for name in names}
+    gms = {name: [] for name in names}
+    host = {name: [] for name in names}
+    for r in range(args.rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            ms[name].append(time_call(configs[name][0], args.iters, cuda, host=host[name]))
+            if cuda:
+                gms[name].append(time_call(configs[name][0], args.iters, cuda, graphs[name]))
+    return ms, gms, host
+
+
+def table_rows(args, configs: dict, errors: dict, times: tuple, cuda: bool) -> list:
+    """One row a configuration: its medians, its ratios to the first (dense SDPA), its rounds."""
+    ms, gms, host = times
+    names = list(configs)
     dense = names[0]
     rows = []
     for name in names:
@@ -346,12 +373,17 @@ def main(argv=None) -> int:
                 graph_ms_per_layer_rounds=[round(x, 4) for x in gms[name]],
             )
         rows.append(row)
+    return rows
+
+
+def report(args, rows: list, cuda: bool, triton_version: str) -> None:
+    """The rows written to ``--out`` as JSON and printed as a table, with the int4 target's verdict."""
     where = torch.cuda.get_device_name() if cuda else "CPU, triton interpreter (timings mean nothing)"
     config = {k: v for k, v in vars(args).items() if k != "out"}  # what was measured, not where it went
-    result = {"device": where, "torch": torch.__version__, "triton": triton.__version__, "config": config, "rows": rows}
+    result = {"device": where, "torch": torch.__version__, "triton": triton_version, "config": config, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"{where}; torch {torch.__version__}, triton {triton.__version__}")
+    print(f"{where}; torch {torch.__version__}, triton {triton_version}")
     print(
         f"batch {args.batch}, context {args.context}, {args.heads} query / {args.kv_heads} KV heads, head dim "
         f"{args.head_dim}; one layer timed x {args.layers}; median of {args.rounds} rounds of {args.iters} calls"
@@ -380,7 +412,6 @@ def main(argv=None) -> int:
                     f"({row[key]:.3f}x)"
                 )
     print(f"written to {args.out}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -7,10 +7,11 @@ instruction: how much work one tile of keys costs a thread, where no GPU is lent
     python benchmarks/triton_sass.py                          # today's defaults, sm_90
     python benchmarks/triton_sass.py '{"fold": false, "vpairs": false}' --out runs/sass.json
 
-The JSON object names ``kvevict.kernels.triton_decode.plan``'s switches. The counts depend on the
-installed triton (the kernel's layouts are its choice): the report names its version. It reaches
-into triton's compiler the way triton's own launcher does (its argument specialization: 16-byte
-alignment, ints equal to 1), which is not a public interface: tested with triton 3.6 and 3.9.
+The JSON object names ``kvevict.kernels.triton_decode.plan``'s switches (``Switches``' fields). The
+counts depend on the installed triton (the kernel's layouts are its choice): the report names its
+version. It reaches into triton's compiler the way triton's own launcher does (its argument
+specialization: 16-byte alignment, ints equal to 1), which is not a public interface: tested with
+triton 3.6 and 3.9.
 """
 
 from __future__ import annotations

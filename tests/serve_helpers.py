@@ -154,7 +154,7 @@ def arrived(engine) -> int:
 def rows(engine) -> dict:
     """The running rows by request id: their handles and tokens generated (read while the worker
     is held at the gate, when nothing changes them)."""
-    return {r.req.id: r for run in list(engine._running) for r in run.rows}
+    return {r.req.id: r for run in list(engine.work.running) for r in run.rows}
 
 
 class Gate:

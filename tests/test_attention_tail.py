@@ -6,6 +6,7 @@ import torch
 
 from kvevict import attention
 from kvevict.attention import attend, generic_segments
+from kvevict.stats import NOT_FROM_PG, STATS, Stat
 
 
 def _explicit(query, key, value, scale):
@@ -91,3 +92,47 @@ def test_padding_a_window_or_a_softcap_keep_the_explicit_path():
     )
     seg = generic_segments(key, value, q, padded)
     assert attention._scored_tail(seg, q, 0, None, None, ("obs",), 8) == q
+
+
+class _Peak(Stat):
+    """max_t a_t(i): a statistic declared in a test, as kvevict.stats declares its own."""
+
+    def start(self, f):
+        return f.zeros()
+
+    def add(self, col, ch):
+        m = ch.pg.amax(2)
+        torch.maximum(col[..., : m.shape[-1]], m, out=col[..., : m.shape[-1]])
+        return col
+
+
+@pytest.mark.parametrize("chunk_elements", [1 << 21, 64])
+def test_a_declared_statistic_computes_itself_in_every_chunk(chunk_elements, monkeypatch):
+    monkeypatch.setitem(STATS, "peak", _Peak("peak", "max_t a_t(i)", torch.float16))
+    monkeypatch.setattr(attention, "_CHUNK_ELEMENTS", chunk_elements)  # 64: one query a chunk
+    query, key, value = _inputs()
+    q, scale = query.shape[2], query.shape[-1] ** -0.5
+    seg = generic_segments(key, value, q, None)
+    assert attention._scored_tail(seg, q, 0, None, None, ("peak", "last"), 8) == q  # it reads every query
+    out, stats = attend(query, seg, scale, None, None, ("peak", "sum", "last"))
+    want_out, pg = _explicit(query, key, value, scale)
+    torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(stats["peak"], pg.amax(2), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(stats["sum"], pg.sum(2), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(stats["last"], pg[:, :, -1], atol=1e-5, rtol=1e-4)
+
+
+def test_what_a_statistic_needs_is_declared_with_it():
+    assert NOT_FROM_PG == {"knorm", "expected"}  # from the keys, or the queries: no probabilities
+    assert all(s.from_pg == bool(s.needs & {"pg", "probs"}) for s in STATS.values())
+    assert {n for n, s in STATS.items() if "seen" in s.needs} == {"hits", "hits_ema"}
+    assert {n for n, s in STATS.items() if s.needs & {"probs", "queries"}} <= {
+        n for n, s in STATS.items() if not s.fused
+    }
+    assert {n: s.scored(8) for n, s in STATS.items() if s.scored(8) is not None} == {
+        "obs": 8,
+        "max": 8,
+        "last": 1,
+        "knorm": 0,
+        "expected": 0,
+    }

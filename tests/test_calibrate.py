@@ -92,7 +92,7 @@ def test_a_sliding_model_s_candidates_spend_the_bytes_as_memory_does():
     dense, sliding = dict(candidates(0.3, 8, 4, 2, group=8)), dict(candidates(0.3, 8, 4, 2, group=8, windows=windows))
     assert "int8+int4" in dense and "int8+int4" not in sliding  # memory= keeps int4 alone on a sliding model
     for n in (500, 2000):  # token budgets solved per layer: under the dense share, a sliding layer being cheap
-        assert sliding["int4"].tokens(n) < float(dense["int4"]) * n
+        assert sliding["int4"].resolve(n) < float(dense["int4"]) * n
 
 
 @pytest.fixture(scope="module")

@@ -46,3 +46,18 @@ def test_rows_entered_a_few_at_a_time_make_one_batch_that_decodes():
         else:
             assert cache.layers[0].n_real.shape[0] == 5
         assert gg.decode(model, cache, ids, 3).shape == (5, 35)
+
+
+def test_the_compiled_baseline_is_a_static_cache_with_room_for_the_answer():
+    from transformers import StaticCache
+
+    class Args:
+        model, tiny, layers = "", True, 0
+
+    model = gg.build_model(Args, torch.device("cpu"))
+    ids = torch.randint(0, model.config.vocab_size, (2, 20))
+    cache = gg.fill(model, gg.STATIC, ids)
+    assert isinstance(cache, StaticCache) and cache.get_seq_length() == 19
+    assert cache.get_max_length() == 20 + gg.STATIC_ROOM
+    # its bytes are what it allocated up front, the whole room
+    assert gg.cache_bytes(cache) == 2 * 2 * 2 * 16 * (20 + gg.STATIC_ROOM) * 2 * 2

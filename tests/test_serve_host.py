@@ -226,7 +226,7 @@ def test_the_trim_runs_outside_the_engines_lock(folder, monkeypatch):
 
     def trim():  # the worker trims as soon as it starts, maybe before build() returns the engine
         assert built.wait(DEADLINE)
-        lock = box["engine"]._cond
+        lock = box["engine"].work.cond
 
         def take():  # a lock held by the trimming worker would never come free: no deadlock, a False
             if lock.acquire(timeout=DEADLINE / 10):
@@ -318,7 +318,7 @@ def test_drain_deadline_ends_what_is_still_running(folder):
     flight = in_background(request, url, "POST", "/v1/chat/completions", LONG)
     assert gate.run_until(lambda: engine.metrics.get("kvevict_running_sequences") == 1)  # held mid-decode
     server.handle_exit(signal.SIGTERM, None)
-    assert wait_until(lambda: engine._stopping)  # the drain's 0.5 s passed with the request still running
+    assert wait_until(lambda: engine.work.stopping)  # the drain's 0.5 s passed with the request still running
     gate.open()
     status, _, text = result(*flight)
     assert status == 503 and "shutting down" in text

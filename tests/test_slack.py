@@ -228,7 +228,7 @@ def test_packed_tokens_between_rankings_wait_in_full_precision_and_are_quantized
     assert t.recent is not None and t.recent.filled == 3 * cache.layers[0].shared
     r = t.recent
     k, v = r.store.keys[:, :, : r.filled].clone(), r.store.values[:, :, : r.filled].clone()
-    pos, slots = r.pos[..., : r.filled].clone(), t._free[..., : r.filled].clone()
+    pos, slots = r.pos[..., : r.filled].clone(), t.turnover.free[..., : r.filled].clone()
     stats = {n: r.meta(n)[..., : r.filled].clone() for n in r.stat_names}
     assert stats and all((s > 0).any() for s in stats.values())  # attention scored them while they waited
     assert (t.pos.gather(-1, slots) == -1).all()  # their slots wait empty, hidden from attention

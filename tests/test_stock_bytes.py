@@ -11,7 +11,7 @@ from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig, Mist
 import kvevict
 from conftest import tiny_model
 from kvevict.generate import dynamic_kv_bytes, generate
-from kvevict.memory import MIN_TOKENS, PromptShare, plan_for_model
+from kvevict.memory import MIN_TOKENS, MemoryPlan, plan_for_model
 from kvevict.policies import make_policy
 from kvevict.stock import stock_kv_bytes, stock_windows
 from kvevict.storage import Storage
@@ -165,13 +165,13 @@ def test_a_prompt_scoring_policy_keeps_int4_alone_only_on_a_sliding_model(memory
     sliding = plan(memory, 64, 64, 4, 0, windows=(511, None), scores_prompt=True, floor=1)
     assert sliding.storage == Storage(kv_bits=8)
     for n in (600, 2000, 8000):
-        b = sliding.budget._tokens(n)
+        b = sliding.budget._own(n)
         coarse = memory < r4 and b + min(511, b) < 0.9 * n
         assert sliding.budget.coarser(n) == coarse and sliding.budget.storage_for(n, sliding.storage).kv_bits == (
             4 if coarse else 8
         )
         if coarse:  # the int4 plan's tokens: the same bytes, solved per layer
-            b4 = sliding.budget.tokens(n)
+            b4 = sliding.budget.resolve(n)
             assert (b4 + min(511, b4)) * r4 <= memory * (n + 511) < (b4 + 1 + min(511, b4 + 1)) * r4
 
 
@@ -211,10 +211,10 @@ def test_a_two_tier_plan_floors_the_tokens_of_both_tiers_together(memory):
 def test_a_sliding_model_plans_its_budget_in_bytes():
     model = gemma3()  # five layers of six keep at most 15 tokens in the stock cache
     p = plan_for_model(model, 0.3, make_policy("h2o"), group=8)
-    assert isinstance(p.budget, PromptShare) and p.storage.kv_bits == 4
+    assert isinstance(p.budget, MemoryPlan) and p.storage.kv_bits == 4
     windows = stock_windows(model.config)
     for n in (2000, 6000):
-        b = p.budget.tokens(n)
+        b = p.budget.resolve(n)
 
         def slots(budget):  # a sliding layer holds min(window, budget)
             return sum(budget if w is None else min(w, budget) for w in windows)
@@ -223,7 +223,7 @@ def test_a_sliding_model_plans_its_budget_in_bytes():
         assert slots(b) * p.budget.ratio <= 0.3 * stock < slots(b + 1) * p.budget.ratio
         # under the share a dense model would keep: the stock cache it is a share of holds less
         assert MIN_TOKENS < b < float(p.budget) * n
-    assert p.budget.tokens(100) == MIN_TOKENS  # a short prompt: the floor
+    assert p.budget.resolve(100) == MIN_TOKENS  # a short prompt: the floor
     # three tiers are solved for every layer alike: a sliding model keeps int4 alone below r4,
     # even where a calibrated plan asks for int8 + int4
     for kind in (None, "int8+int4"):

@@ -34,15 +34,15 @@ def instrument(timers: ExclusiveTimers) -> None:
     from transformers import AttentionInterface
     from transformers.cache_utils import DynamicLayer
 
-    from kvevict import POLICIES, attention, cache, tier
+    from kvevict import POLICIES, attention, cache, stats, tier, turnover
     from kvevict.policies import Policy
 
     mapping = AttentionInterface._global_mapping
     timers.wrap_mapping(mapping, attention.ATTN_NAME, "attention", "attention.kvevict_attention")
     timers.wrap_mapping(mapping, "sdpa", "attention", "transformers sdpa_attention_forward")
     timers.wrap(DynamicLayer, "update", "cache write", "DynamicLayer.update (torch.cat)")
-    for fn, label in (("attend", "attention"), ("_accumulate", "score bookkeeping")):
-        timers.wrap(attention, fn, label, f"attention.{fn}")
+    timers.wrap(attention, "attend", "attention", "attention.attend")
+    timers.wrap(stats.Collection, "add", "score bookkeeping", "stats.Collection.add")
     for fn in ("_chunk_mask", "_hidden", "_seen"):  # mask helpers (names vary across versions)
         if hasattr(attention, fn):
             timers.wrap(attention, fn, "attention", f"attention.{fn}")
@@ -52,9 +52,10 @@ def instrument(timers: ExclusiveTimers) -> None:
         ("_replace_one", "eviction"),
         ("_replace_many", "eviction"),
         ("candidates", "eviction"),
-        ("_write", "cache write"),
+        ("write", "cache write"),
     ):
         timers.wrap(tier.Tier, fn, label, f"tier.Tier.{fn}")
+    timers.wrap(turnover.Turnover, "step", "eviction", "turnover.Turnover.step")
     for cls in {Policy, *POLICIES.values()}:
         for fn in ("priority", "score", "protected"):
             if fn in cls.__dict__:

@@ -16,7 +16,9 @@ that layer the per-key attention statistics its policy asks for:
                  the last w queries of a forward of m queries as a Gaussian per query head g)
 
 where a_t(i) is the softmax probability query t gives key i, summed over the query heads that
-share key i's KV head (GQA). Queries are processed in chunks, so at most ``chunk x n`` scores
+share key i's KV head (GQA). Each statistic computes itself (``kvevict.stats``: its ``Stat``
+starts a column, adds each chunk of scored queries to it, finishes it); attention scores the
+chunks and hands them over. Queries are processed in chunks, so at most ``chunk x n`` scores
 exist at once; no ``n x n`` matrix is ever built, not even as a mask: our mask function passes the
 2-D padding mask through instead of expanding it.
 """
@@ -32,7 +34,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from .input_checks import check_mask_length, check_positions_follow
 from .kernels import decode_attention, resolve_backend
-from .stats import FUSED_CANNOT, NOT_FROM_PG
+from .stats import FUSED_CANNOT, Chunk, Collection
 from .storage.interface import Piece
 from .tail import scored_tail as _scored_tail
 from .tail import sdpa_causal as _sdpa_causal
@@ -183,7 +185,8 @@ def kvevict_attention(
 
 def attend(query, seg: _Segments, scale, window, softcap, wanted=(), observe=0, gamma=1.0, block=0):
     """Chunked softmax attention. Returns output (b, q, hq, d) and a dict of per-key statistics
-    over the concatenated keys [past, new] of shape (b, hkv, n_past + q).
+    over the concatenated keys [past, new] of shape (b, hkv, n_past + q), each computed by its
+    declaration in ``kvevict.stats`` from the chunks of scored queries.
 
     observe: how many of the last queries count for "obs"; gamma: decay per query for "hits_ema";
     block: with "blocks" wanted, column sums per block of ``block`` query positions,
@@ -198,174 +201,93 @@ def attend(query, seg: _Segments, scale, window, softcap, wanted=(), observe=0, 
     dev = query.device
     tail = _scored_tail(seg, q, n_past, window, softcap, wanted, observe)
     qs = (query * scale).view(b, hkv, g, q, d)  # scaling the few query rows beats scaling every score
-    kn_t = seg.k_new.transpose(-1, -2)
-    stats = {
-        name: torch.zeros(b, hkv, n_all, dtype=torch.float32, device=dev)
-        for name in wanted
-        if name not in ("last", "blocks")
-    }
-    if "knorm" in stats:  # written once: zero for stored keys, so the cache's running sum keeps it
-        stats["knorm"][..., n_past:] = _knorm_new(seg)
-    if "blocks" in wanted:
-        n_blocks = int(seg.pos_new.max()) // block + 1
-        stats["blocks"] = torch.zeros(b, hkv, n_blocks, n_all, dtype=torch.float32, device=dev)
-    need_seen = "hits" in stats or "hits_ema" in stats
+    f = Collection(wanted, seg, qs, b, g, q, n_past, observe, gamma, block)
     if tail < q:  # the earlier queries need their output only: SDPA's, no scores kept
         out = _sdpa_causal(query, seg.k_new, seg.v_new, scale).reshape(b, hkv, g, q, d)
     else:
         out = torch.empty(b, hkv, g, q, d, dtype=query.dtype, device=dev)
     chunk = max(1, min(tail, _CHUNK_ELEMENTS // max(1, b * hq * n_all)))
     idx = torch.arange(q, device=dev)
-    last_row = None
+    kn_t = seg.k_new.transpose(-1, -2)
     for s in range(q - tail, q, chunk):
         e = min(q, s + chunk)
-        c = e - s
-        # one GEMM per KV head for all its query heads; causal: this chunk sees new keys [0, e) only
-        qc = qs[:, :, :, s:e].reshape(b, hkv, g * c, d)
-        scores = torch.matmul(qc, kn_t[..., :e])
-        if n_past:
-            scores = torch.cat([torch.matmul(qc, p.keys().transpose(-1, -2)) for p in seg.pieces] + [scores], dim=-1)
-        if seg.summary is not None:  # one more column, last: the evicted tokens' mean key
-            scores = torch.cat([scores, torch.matmul(qc, seg.summary[0].transpose(-1, -2))], dim=-1)
-        if scores.dtype != torch.float32:
-            scores = scores.float()
-        if softcap is not None:
-            scores = torch.tanh(scores / softcap) * softcap
-        extra = 0 if seg.summary is None else 1
-        if seg.summary is not None:  # n copies of it: + log n after the softcap (-inf where nothing was evicted)
-            scores[..., -1:] += seg.summary[2]
-        s5 = scores.view(b, hkv, g, c, n_past + e + extra)
-        hide_past, hide_new, later = _hidden(seg, s, e, window, idx)
-        if hide_past is not None:
-            s5[..., :n_past].masked_fill_(hide_past, float("-inf"))
-        if hide_new is not None:
-            s5[..., n_past : n_past + e].masked_fill_(hide_new, float("-inf"))
-        if later is not None:  # causality only bites on the chunk's own diagonal block
-            s5[..., n_past + s : n_past + e].masked_fill_(later, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).view(b, hkv, g, c, n_past + e + extra)
-        if seg.valid_new is not None:  # padding queries (fully masked rows give NaN) count for nothing
-            probs = torch.where(seg.valid_new[:, None, None, s:e, None], probs, 0.0)
-        pc = probs.to(query.dtype).view(b, hkv, g * c, n_past + e + extra)
-        o = torch.matmul(pc[..., n_past : n_past + e], seg.v_new[:, :, :e])
-        if seg.summary is not None:
-            o += pc[..., -1:] * seg.summary[1]
-            probs = probs[..., :-1]  # the statistics are the kept keys'
-        off = 0
-        for p in seg.pieces:
-            o += torch.matmul(pc[..., off : off + p.n], p.values())
-            off += p.n
-        out[:, :, :, s:e] = o.view(b, hkv, g, c, d)
-        if "max" in stats and e > q - observe:
-            m = probs[:, :, :, max(s, q - observe) - s :].amax(dim=(2, 3))
-            torch.maximum(stats["max"][..., : m.shape[-1]], m, out=stats["max"][..., : m.shape[-1]])
-        if wanted == ("sum",):  # H2O: one pass over the chunk, summed over heads and queries at once
-            stats["sum"][..., : n_past + e] += probs.sum(dim=(2, 3))
-        elif stats or "last" in wanted:
-            pg = probs.sum(2)  # (b, hkv, c, n_past + e): summed over the query heads of each KV group
-            seen = _seen(hide_past, hide_new, later, c, n_past, s, e, dev) if need_seen else None
-            _accumulate(stats, pg, seen, seg.valid_new, s, e, q, g, observe, gamma)
-            if "blocks" in stats:
-                bi = (seg.pos_new[:, s:e] // block).view(seg.pos_new.shape[0], 1, c, 1).expand_as(pg)
-                stats["blocks"][..., : pg.shape[-1]].scatter_add_(2, bi, pg)
-            if e == q:
-                last_row = pg[:, :, -1]
-    if "last" in wanted:
-        assert last_row is not None  # the last chunk (e == q) sets it when "last" is wanted
-        stats["last"] = torch.nn.functional.pad(last_row, (0, n_all - last_row.shape[-1]))
-    if "expected" in stats:
-        stats["expected"] += _expected_attention(qs, seg, observe or q)
-    return out.view(b, hq, q, d).transpose(1, 2).contiguous(), stats
+        hidden = _hidden(seg, s, e, window, idx)
+        probs, o = _score_chunk(qs, kn_t, seg, s, e, n_past, softcap, hidden)
+        out[:, :, :, s:e] = o
+        seen = _seen(hidden, e - s, n_past, s, e, dev) if "seen" in f.needs else None
+        f.add(Chunk(f, s, e, probs=probs, seen=seen))
+    return out.view(b, hq, q, d).transpose(1, 2).contiguous(), f.finish()
+
+
+def _score_chunk(qs, kn_t, seg: _Segments, s, e, n_past, softcap, hidden):
+    """Queries [s, e) over the past and new keys [0, e): their probabilities per query head
+    (b, hkv, g, c, n_past + e) float32, the summary column left out, and their output (b, hkv, g, c, d).
+    kn_t: the new keys, transposed (b, hkv, d, q); hidden: ``_hidden``'s masks."""
+    b, hkv, g, _, d = qs.shape
+    c = e - s
+    # one GEMM per KV head for all its query heads; causal: this chunk sees new keys [0, e) only
+    qc = qs[:, :, :, s:e].reshape(b, hkv, g * c, d)
+    scores = torch.matmul(qc, kn_t[..., :e])
+    if n_past:
+        scores = torch.cat([torch.matmul(qc, p.keys().transpose(-1, -2)) for p in seg.pieces] + [scores], dim=-1)
+    if seg.summary is not None:  # one more column, last: the evicted tokens' mean key
+        scores = torch.cat([scores, torch.matmul(qc, seg.summary[0].transpose(-1, -2))], dim=-1)
+    if scores.dtype != torch.float32:
+        scores = scores.float()
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    extra = 0 if seg.summary is None else 1
+    if seg.summary is not None:  # n copies of it: + log n after the softcap (-inf where nothing was evicted)
+        scores[..., -1:] += seg.summary[2]
+    s5 = scores.view(b, hkv, g, c, n_past + e + extra)
+    hide_past, hide_new, later = hidden
+    if hide_past is not None:
+        s5[..., :n_past].masked_fill_(hide_past, float("-inf"))
+    if hide_new is not None:
+        s5[..., n_past : n_past + e].masked_fill_(hide_new, float("-inf"))
+    if later is not None:  # causality only bites on the chunk's own diagonal block
+        s5[..., n_past + s : n_past + e].masked_fill_(later, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(b, hkv, g, c, n_past + e + extra)
+    if seg.valid_new is not None:  # padding queries (fully masked rows give NaN) count for nothing
+        probs = torch.where(seg.valid_new[:, None, None, s:e, None], probs, 0.0)
+    pc = probs.to(qs.dtype).view(b, hkv, g * c, n_past + e + extra)
+    o = torch.matmul(pc[..., n_past : n_past + e], seg.v_new[:, :, :e])
+    if seg.summary is not None:
+        o += pc[..., -1:] * seg.summary[1]
+        probs = probs[..., :-1]  # the statistics are the kept keys'
+    off = 0
+    for p in seg.pieces:
+        o += torch.matmul(pc[..., off : off + p.n], p.values())
+        off += p.n
+    return probs, o.view(b, hkv, g, c, d)
 
 
 def _attend_fused(query, seg: _Segments, scale, window, softcap, wanted, observe, gamma):
     """``attend`` for one query over the layer's runs read as stored (``kvevict.kernels``): the
     kernel returns the output and pg, each key's probability summed over its KV group, from which
-    the same statistics follow as in ``attend``."""
+    the same statistics follow as in ``attend`` (one chunk of one query)."""
     assert seg.runs is not None, "the fused path reads the past as runs (attend checks it)"
     b, hq, _, d = query.shape
     hkv = seg.k_new.shape[1]
     n_past = sum(r.n for r in seg.runs)
-    hide_past, hide_new, _ = _hidden(seg, 0, 1, window, torch.arange(1, device=query.device))
+    f = Collection(wanted, seg, None, b, hq // hkv, 1, n_past, observe, gamma)
+    hidden = _hidden(seg, 0, 1, window, torch.arange(1, device=query.device))  # one query: no causal block
+    hide_past = hidden[0]
     mask = None
     if hide_past is not None:  # (b|1, hkv|1, 1, 1, n_past) -> (b, hkv|1, n_past)
         mask = (~hide_past).reshape(hide_past.shape[0], hide_past.shape[1], n_past).expand(b, -1, -1)
     # a policy that collects nothing from probabilities (kvzip, recency, knorm) needs no pg: out only, as SDPA computes
     out, pg = decode_attention(
-        query,
-        seg.runs,
-        seg.k_new,
-        seg.v_new,
-        mask,
-        scale,
-        softcap,
-        summary=seg.summary,
-        pg=bool(set(wanted) - NOT_FROM_PG),
+        query, seg.runs, seg.k_new, seg.v_new, mask, scale, softcap, summary=seg.summary, pg="pg" in f.needs
     )
     if seg.valid_new is not None:  # a padding query counts for nothing (attend: its probabilities are 0)
         real = seg.valid_new[:, -1].view(b, 1, 1)
         out = out * real.view(b, 1, 1, 1)
         pg = None if pg is None else pg * real
-    # one query: a sum of its probabilities (H2O's), or of the observed queries' (SnapKV's, the
-    # query being observed), is pg itself (a fresh tensor), bit for bit
-    alone = pg is not None and (wanted == ("sum",) or (wanted == ("obs",) and observe > 0))
-    stats = {
-        name: torch.zeros(b, hkv, n_past + 1, dtype=torch.float32, device=query.device)
-        for name in wanted
-        if name != "last" and not alone
-    }
-    if "knorm" in stats:
-        stats["knorm"][..., n_past:] = _knorm_new(seg)
-    if alone:
-        stats[wanted[0]] = pg
-    elif pg is not None and stats:
-        need_seen = "hits" in stats or "hits_ema" in stats
-        seen = _seen(hide_past, hide_new, None, 1, n_past, 0, 1, query.device) if need_seen else None
-        _accumulate(stats, pg.unsqueeze(2), seen, seg.valid_new, 0, 1, 1, hq // hkv, observe, gamma)
-    if "last" in wanted:
-        stats["last"] = pg
-    return out.transpose(1, 2).contiguous(), stats
-
-
-def _knorm_new(seg: _Segments) -> torch.Tensor:
-    return seg.knorm_new if seg.knorm_new is not None else seg.k_new.float().norm(dim=-1)
-
-
-def _expected_attention(qs, seg: _Segments, w: int):
-    """(b, hkv, n_past + q): the attention a Gaussian query N(mu, diag(var)) fitted to the last
-    ``w`` (scaled) queries of each head is expected to give every key, E[exp(q.k)] =
-    exp(mu.k + k^T diag(var) k / 2), normalised over the keys, summed over the group's heads and
-    weighted by the number of real queries of this forward (decode: one query, var = 0: its
-    attention exactly)."""
-    b, hkv, g, q, d = qs.shape
-    last = qs[:, :, :, q - min(w, q) :].float()
-    if seg.valid_new is not None:
-        last = last[:, :, :, -1:]  # padded batches: the last query is real in every row
-    mu, var = last.mean(3), last.var(3, unbiased=False)  # (b, hkv, g, d)
-    z = torch.cat(
-        [_expected_logits(mu, var, p.keys()) for p in seg.pieces] + [_expected_logits(mu, var, seg.k_new)], dim=-1
-    )  # (b, hkv, g, n): piece by piece
-    if seg.valid_past is not None or seg.valid_new is not None:
-        n_past = z.shape[-1] - q
-        vp = (
-            seg.valid_past
-            if seg.valid_past is not None
-            else torch.ones(1, 1, n_past, dtype=torch.bool, device=qs.device)
-        )
-        vn = (
-            seg.valid_new[:, None]
-            if seg.valid_new is not None
-            else torch.ones(1, 1, q, dtype=torch.bool, device=qs.device)
-        )
-        valid = torch.cat([vp.expand(b, hkv, -1), vn.expand(b, hkv, -1)], -1)
-        z = z.masked_fill(~valid[:, :, None], float("-inf"))
-    m = q if seg.valid_new is None else seg.valid_new.sum(1).view(b, 1, 1).float()
-    return torch.softmax(z, dim=-1).sum(2) * m
-
-
-def _expected_logits(mu, var, keys):
-    """mu . k + k^T diag(var) k / 2 for every key of one piece: (b, hkv, g, n)."""
-    k = keys.float()
-    return mu @ k.transpose(-1, -2) + 0.5 * (var @ k.square().transpose(-1, -2))
+    if pg is not None:
+        seen = _seen(hidden, 1, n_past, 0, 1, query.device) if "seen" in f.needs else None
+        f.add(Chunk(f, 0, 1, row=pg, seen=seen))
+    return out.transpose(1, 2).contiguous(), f.finish()
 
 
 def _hidden(seg: _Segments, s, e, window, idx):
@@ -391,8 +313,10 @@ def _hidden(seg: _Segments, s, e, window, idx):
     return hide_past, hide_new, later
 
 
-def _seen(hide_past, hide_new, later, c, n_past, s, e, dev):
-    """(b|1, hkv|1, c, n_past + e) bool: which query of the chunk saw which key (for hits)."""
+def _seen(hidden, c, n_past, s, e, dev):
+    """(b|1, hkv|1, c, n_past + e) bool: which query of the chunk saw which key (for hits), from
+    ``_hidden``'s masks."""
+    hide_past, hide_new, later = hidden
     if later is not None:
         causal = torch.nn.functional.pad(later.view(1, 1, 1, c, c), (s, 0))
         hide_new = causal if hide_new is None else hide_new | causal
@@ -405,31 +329,6 @@ def _seen(hide_past, hide_new, later, c, n_past, s, e, dev):
     bb = max(p.shape[0] for p in parts)
     hh = max(p.shape[1] for p in parts)
     return torch.cat([p.expand(bb, hh, c, -1) for p in parts], dim=-1)
-
-
-def _accumulate(stats, pg, seen, valid_new, s, e, q, g, observe, gamma):
-    """Add this chunk's column statistics (pg: probs summed over the KV group) into ``stats``;
-    ``seen`` (which query saw which key) is given whenever hits are wanted."""
-    n = pg.shape[-1]
-    qvalid = None if valid_new is None else valid_new[:, None, s:e, None]  # (b, 1, c, 1)
-    if "sum" in stats:
-        stats["sum"][..., :n] += pg.sum(2)
-    if "sq" in stats:
-        stats["sq"][..., :n] += pg.square().sum(2)
-    if "hits" in stats or "hits_ema" in stats:
-        # above-uniform attention: a_t(i) >= G / n_t, n_t = keys query t sees
-        n_vis = seen.sum(-1, keepdim=True)
-        hit = (pg * n_vis >= g).to(torch.float32)
-        if qvalid is not None:
-            hit = hit * qvalid
-        if "hits" in stats:
-            stats["hits"][..., :n] += hit.sum(2)
-        if "hits_ema" in stats:  # weight gamma^(age of the query at the end of this forward)
-            w = gamma ** torch.arange(q - 1 - s, q - 1 - e, -1, device=pg.device, dtype=torch.float32)
-            stats["hits_ema"][..., :n] += (hit * w.view(1, 1, -1, 1)).sum(2)
-    if "obs" in stats and e > q - observe:
-        lo = max(s, q - observe) - s
-        stats["obs"][..., :n] += pg[:, :, lo:].sum(2)
 
 
 def register() -> None:

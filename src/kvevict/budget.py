@@ -1,23 +1,67 @@
-"""Token budgets: an int is tokens per (sequence, KV head); a float in (0, 1] is that share of
-the prompt; a policy may give each layer its own (PyramidKV)."""
+"""Token budgets, each a declared type (a ``Budget``) with one ``resolve(n)``: the tokens kept per
+(sequence, KV head) once the prompt's length n is known.
+
+    Tokens(k).resolve(n)    = k
+    Fraction(s).resolve(n)  = max(1, ceil(s n))                      s in (0, 1]
+    MemoryPlan.resolve(n)   = max(floor, B(n))                       a memory budget's share
+
+where B(n) is the B that spends the plan's bytes (``kvevict.memory.MemoryPlan``): sum_l min(cap_l,
+B) r = m sum_l kept_l(n) on a model with sliding layers, ceil(s n) otherwise. A user's int is
+``Tokens`` and a float ``Fraction`` (``as_budget``, where a budget is resolved); a policy may give
+each layer its own (PyramidKV, ``layer_budgets``).
+"""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .policies import Policy
 
 
+class Budget:
+    """A token budget of a declared type: ``Tokens``, ``Fraction`` or a memory plan's share
+    (``kvevict.memory.MemoryPlan``), each resolving itself against the prompt's length."""
+
+    def resolve(self, prompt_len: int) -> int:
+        """The tokens kept per (sequence, KV head) of a ``prompt_len``-token prompt."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Tokens(Budget):
+    """``count`` tokens per (sequence, KV head), whatever the prompt's length."""
+
+    count: int
+
+    def resolve(self, prompt_len: int) -> int:
+        return self.count
+
+
+@dataclass(frozen=True)
+class Fraction(Budget):
+    """A share s in (0, 1] of an n-token prompt: max(1, ceil(s n)) tokens (less 1e-9 so that a
+    float's error never adds a token: 0.2 x 25 is 5)."""
+
+    share: float
+
+    def resolve(self, prompt_len: int) -> int:
+        return max(1, math.ceil(self.share * prompt_len - 1e-9))
+
+
+def as_budget(budget) -> Budget:
+    """A budget as its declared type: an int is ``Tokens``, a float ``Fraction``; a ``Budget``
+    (a memory plan's share, a float too) as given."""
+    if isinstance(budget, Budget):
+        return budget
+    return Fraction(budget) if isinstance(budget, float) else Tokens(budget)
+
+
 def resolve_budget(budget, prompt_len: int) -> int:
-    """An int budget is tokens; a float in (0, 1] is that fraction of the prompt length (a memory
-    plan's ``PromptShare`` resolves itself: its floor, sliding layers)."""
-    if hasattr(budget, "tokens"):
-        return budget.tokens(prompt_len)
-    if isinstance(budget, float):
-        return max(1, math.ceil(budget * prompt_len - 1e-9))
-    return budget
+    """The tokens ``budget`` keeps of a ``prompt_len``-token prompt (``as_budget(budget).resolve``)."""
+    return as_budget(budget).resolve(prompt_len)
 
 
 def check_budget(budget) -> None:
@@ -35,22 +79,24 @@ def check_budget(budget) -> None:
 
 
 def layer_budgets(policy: Policy, budget, num_layers: int, windows: list | None = None) -> list:
-    """One budget per layer: uniform, or the policy's own schedule (PyramidKV). A fractional budget
-    stays fractional, scaled per layer, and is resolved against the prompt length. ``windows``: the
-    layers' sliding windows (None: global), for a policy recorded on the prompt (kvzip): its pool
-    holds what budget B would hold layer by layer, sum_l min(B, kept_l), no layer past kept_l."""
-    schedule = getattr(policy, "layer_budgets", None)
-    if schedule is None:
-        return [budget] * num_layers
-    known = getattr(policy, "prompt_tokens", None)  # a policy recorded on the prompt (kvzip)
-    if isinstance(budget, float) and known:
-        budget = resolve_budget(budget, known)
+    """One budget per layer: uniform, or the policy's own schedule (``Policy.layer_budgets``:
+    PyramidKV). A fractional budget stays fractional, scaled per layer, and is resolved against
+    the prompt length. ``windows``: the layers' sliding windows (None: global), for a policy
+    recorded on the prompt (kvzip, ``Policy.prompt_tokens``): its pool holds what budget B would
+    hold layer by layer, sum_l min(B, kept_l), no layer past kept_l."""
+    known = policy.prompt_tokens  # a policy recorded on the prompt (kvzip)
+    resolved = resolve_budget(budget, known) if isinstance(budget, float) and known else budget
+    schedule: list | None  # None: the policy has none, every layer ``budget``
     if known and windows and any(w is not None for w in windows):
-        return schedule(budget, num_layers, caps=[known if w is None else min(known, w - 1) for w in windows])
-    if isinstance(budget, float):
+        caps = [known if w is None else min(known, w - 1) for w in windows]
+        schedule = policy.layer_budgets(resolved, num_layers, caps=caps)
+    elif isinstance(resolved, float):  # a share: the schedule of a large nominal budget, scaled
         nominal = 1 << 20
-        return [budget * b / nominal for b in schedule(nominal, num_layers)]
-    return schedule(budget, num_layers)
+        scaled = policy.layer_budgets(nominal, num_layers)
+        schedule = None if scaled is None else [resolved * b / nominal for b in scaled]
+    else:
+        schedule = policy.layer_budgets(resolved, num_layers)
+    return [budget] * num_layers if schedule is None else schedule
 
 
 # Eviction in batches by default: a layer ranks once every SLACK steps, or every budget / SHARE

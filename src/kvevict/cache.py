@@ -18,13 +18,13 @@ from .attention import ATTN_NAME, register
 from .budget import check_budget, layer_budgets, resolve_budget
 from .input_checks import max_positions, no_new_tokens, positions_after
 from .layer import EvictingLayer
-from .memory import pick_policy, plan_for_model, storage_kind
+from .memory import MemoryPlan, pick_policy, plan_for_model, storage_kind
 from .policies import Policy, make_policy
 from .rope import rope_inv_freq
 from .shape import check_hookable, head_dim_of, layer_windows
-from .spec import FULL, CacheSpec
+from .spec import CacheRequest
 from .stock import STOCK_BYTES
-from .storage import DEFAULT_GROUP, Pools, Storage, check_group
+from .storage import DEFAULT_GROUP, Storage, check_group
 
 
 class EvictingCache(Cache):
@@ -61,7 +61,7 @@ class EvictingCache(Cache):
             raise ValueError(f"the prompt length must be a positive int number of tokens, got {n!r}.")
         for layer in self.layers:
             if not layer.is_initialized:
-                if hasattr(layer.budget_spec, "storage_for"):  # a memory plan: a short prompt is kept at 16 bits
+                if isinstance(layer.budget_spec, MemoryPlan):  # a short prompt is kept at 16 bits
                     layer.storage = layer.budget_spec.storage_for(n, layer.storage)
                 layer.budget_spec = resolve_budget(layer.budget_spec, n)
                 layer.prompt_len = n
@@ -149,86 +149,126 @@ def make_cache(
     slack=None,
     **policy_params,
 ) -> EvictingCache:
-    """A cache for ``model.generate(..., cache=cache)`` that keeps at most ``budget``
-    tokens per layer and KV head, evicting with ``policy``.
+    """A cache for ``model.generate(..., cache=cache)`` that evicts to ``budget`` tokens per layer and KV head.
 
-    budget: int (tokens kept per layer and KV head) or float in (0, 1] (that fraction of the
-    prompt length); default 0.2. recent: the recent window (default: the policy's; half the budget for H2O).
-    compact: give the kept tokens consecutive positions (keys re-rotated, as StreamingLLM does), so
-    the model never sees a distance longer than the cache and can go on past its context length.
-    kv_bits: store kept keys and values in 16 (float16), 8, 4 or 2 bits (packed, per-token groups
-    of ``group`` channels, default 32 or gcd(32, head_dim); see kvevict.storage.codes); None keeps the model's dtype.
-    keys: the basis keys are stored in: None (default) rotated for packed (8, 4, 2-bit) tiers, "rotated" or
-    "raw" (``kvevict.storage.Storage``, ``kvevict.keyspace``).
-    evicted_bits: demote evicted tokens into a tier of that many bits instead of dropping them
-    (MiKV); ``evicted_budget`` caps it (int tokens or fraction of the prompt; default the rest of the prompt).
+    budget: int (tokens kept per layer and KV head) or float in (0, 1] (that fraction of the prompt length); default
+    0.2. recent: the recent window (default: the policy's; half the budget for H2O).
+    compact: give the kept tokens consecutive positions (keys re-rotated, as StreamingLLM does), so the model never
+    sees a distance longer than the cache and can go on past its context length.
+    kv_bits: store kept keys and values in 16 (float16), 8, 4 or 2 bits (packed, per-token groups of ``group``
+    channels, default 32 or gcd(32, head_dim); see kvevict.storage.codes); None keeps the model's dtype.
+    keys: the basis keys are stored in: None (default) rotated for packed (8, 4, 2-bit) tiers, "rotated" or "raw"
+    (``kvevict.storage.Storage``, ``kvevict.keyspace``).
+    evicted_bits: demote evicted tokens into a tier of that many bits instead of dropping them (MiKV);
+    ``evicted_budget`` caps it (int tokens or fraction of the prompt; default the rest of the prompt).
     policy: a name (``kvevict.POLICIES``), a Policy, or a cache spec naming its storage and budget too
-    (``kvevict.spec``: ``h2o/int4@0.2``, ``kvzip-pool@memory=0.1``); not given: ``h2o`` with a token
-    budget, ``mas`` with a memory budget (the streaming policy a cache handed to ``model.generate``
-    needs, ``kvevict.memory.pick_policy``; a prompt known in advance is better served by
-    ``kvevict.generate.generate``, which picks ``kvzip-pool``).
-    memory: a budget in bytes instead: a fraction of what a stock cache would hold for the same
-    tokens in 16 bits (0.2, '20%'; ``kvevict.stock``) or bytes per sequence ('64MiB'). It replaces
-    ``budget`` with the split of tokens kept x bits per token measured best (``kvevict.memory.plan``):
-    the recommended way to bound a cache. Storage options given with it say how to spend the bytes
-    instead of the rule: ``kv_bits`` 16, 8 or 4 (evict until the kept tokens fit at those bits), or
-    ``kv_bits=8, evicted_bits=4`` (the policy's top at int8, the next at int4). A fraction keeps at least
-    ``kvevict.memory.MIN_TOKENS`` tokens per layer and KV head, so a short prompt is never cut.
-    plan: with a fractional ``memory``, the plan file ``kvevict calibrate`` wrote for this model (a
-    path); None (default) uses the model's calibrated plan when one is in kvevict's cache, else the
-    built-in rule; False always the built-in rule.
-    question: the prompt's last N tokens are its question: never evicted, and the observation
-    window of the policies that have one (SnapKV, expected attention). Honest only when the whole
-    question is in the prompt at prefill (kvevict.generate.question_tokens counts it).
-    pages: a ``kvevict.storage.Pools``: every row holds only its own pages of pools shared by the caches
-    made with it, so caches appended to one another (continuous batching) keep each row's own size
-    and move no bytes; None (default): each layer's storage is one rectangle as wide as its widest row.
-    adaptive=True (a policy parameter; or the name ``ada-<policy>``, ``adakv`` = Ada-SnapKV): Ada-KV
-    head-adaptive budgets, the layer's kv_heads x budget slots shared by its heads (see policies/adakv.py).
-    slack: evict in batches. With slack s a full layer ranks once every s decode steps and evicts its
-    s lowest tokens at once; the next s - 1 tokens take the freed slots unranked (1: every step ranks
-    and evicts one token). The budget stays the most a layer holds (its slots, every one counted by
-    ``kv_bytes``): it keeps between budget - s + 1 and budget tokens. None (default):
-    ``kvevict.budget.default_slack``, a sixteenth of the layer's budget, at most 16 (1 below 32 tokens,
-    and in sliding-window layers, whose window moves a token a step). Spec:
-    ``h2o@0.2+slack=16``.
-    Switches the model's attention to the ``kvevict`` implementation (exact with any other cache).
+    (``kvevict.spec``: ``h2o/int4@0.2``, ``kvzip-pool@memory=0.1``); not given: ``h2o`` with a token budget, ``mas``
+    with a memory budget (the streaming policy a cache handed to ``model.generate`` needs,
+    ``kvevict.memory.pick_policy``; a prompt known in advance is better served by ``kvevict.generate.generate``,
+    which picks ``kvzip-pool``).
+    memory: a budget in bytes instead: a fraction of what a stock cache would hold for the same tokens in 16 bits
+    (0.2, '20%'; ``kvevict.stock``) or bytes per sequence ('64MiB'). It replaces ``budget`` with the split of tokens
+    kept x bits per token measured best (``kvevict.memory.plan_memory``): the recommended way to bound a cache.
+    Storage options given with it say how to spend the bytes instead of the rule: ``kv_bits`` 16, 8 or 4 (evict
+    until the kept tokens fit at those bits), or ``kv_bits=8, evicted_bits=4`` (the policy's top at int8, the next
+    at int4). A fraction keeps at least ``kvevict.memory.MIN_TOKENS`` tokens per layer and KV head, so a short
+    prompt is never cut.
+    plan: with a fractional ``memory``, the plan file ``kvevict calibrate`` wrote for this model (a path); None
+    (default) uses the model's calibrated plan when one is in kvevict's cache, else the built-in rule; False always
+    the built-in rule.
+    question: the prompt's last N tokens are its question: never evicted, and the observation window of the policies
+    that have one (SnapKV, expected attention). Honest only when the whole question is in the prompt at prefill
+    (kvevict.generate.question_tokens counts it).
+    pages: a ``kvevict.storage.Pools``: every row holds only its own pages of pools shared by the caches made with
+    it, so caches appended to one another (continuous batching) keep each row's own size and move no bytes; None
+    (default): each layer's storage is one rectangle as wide as its widest row.
+    adaptive=True (a policy parameter; or the name ``ada-<policy>``, ``adakv`` = Ada-SnapKV): Ada-KV head-adaptive
+    budgets, the layer's kv_heads x budget slots shared by its heads (see policies/adakv.py).
+    slack: evict in batches. With slack s a full layer ranks once every s decode steps and evicts its s lowest
+    tokens at once; the next s - 1 tokens take the freed slots unranked (1: every step ranks and evicts one token).
+    The budget stays the most a layer holds (its slots, every one counted by ``kv_bytes``): it keeps between
+    budget - s + 1 and budget tokens. None (default): ``kvevict.budget.default_slack``, a sixteenth of the layer's
+    budget, at most 16 (1 below 32 tokens, and in sliding-window layers, whose window moves a token a step).
+    Spec: ``h2o@0.2+slack=16``.
+    Switches the model's attention to the ``kvevict`` implementation (exact with any other cache); the arguments
+    become one ``kvevict.spec.CacheRequest``, which ``cache_for`` builds from.
     """
-    if isinstance(policy, str):
-        policy, budget, memory, kv_bits, evicted_bits, slack = _from_spec(
-            policy, budget, memory, kv_bits, evicted_bits, slack
-        )
-    slack = check_slack(slack, budget if memory is None else None)
-    budget = DEFAULT_BUDGET if budget is None and memory is None else budget
-    if pages is not None and not isinstance(pages, Pools):  # before the model's attention is switched
-        raise ValueError(
-            f"pages must be a kvevict.storage.Pools (shared by the caches whose rows may be batched "
-            f"together) or None; got {type(pages).__name__}."
-        )
-    if recent is not None:
-        if isinstance(recent, bool) or not isinstance(recent, int):
-            raise ValueError(f"recent must be an int number of tokens, got {recent!r}.")
-        policy_params["recent"] = recent
+    request = CacheRequest(
+        policy,
+        budget,
+        recent,
+        compact,
+        kv_bits,
+        group,
+        evicted_bits,
+        evicted_budget,
+        memory,
+        question,
+        plan,
+        pages,
+        keys,
+        slack,
+        policy_params,
+    )
+    return cache_for(model, request.checked())
+
+
+def cache_for(model, request: CacheRequest) -> EvictingCache:
+    """``make_cache``'s cache for a checked ``request`` (``CacheRequest.checked``)."""
+    pol = _policy(request)
+    head_dim = head_dim_of(model)
+    group = request.group
+    if group is None:  # 32 channels per zero/step, or what divides a smaller head
+        group = math.gcd(DEFAULT_GROUP, head_dim) if head_dim else DEFAULT_GROUP
+    budget, storage = _budget_and_storage(model, request, pol, group)
+    num_layers = check_hookable(model)
+    if head_dim is not None:  # fail now, not inside the first forward
+        for bits in (storage.kv_bits, storage.evicted_bits):
+            check_group(storage.group, head_dim, bits)
+    if isinstance(budget, int):
+        _check_layer_budgets(pol, budget, num_layers)
+    register()
+    model.set_attn_implementation(ATTN_NAME)
+    if model.config._attn_implementation != ATTN_NAME:
+        raise ValueError(f"{type(model).__name__} refused attn_implementation={ATTN_NAME!r}; kvevict cannot hook it.")
+    inv_freq = rope_inv_freq(model) if request.compact else None
+    windows = layer_windows(model)
+    cache = EvictingCache(pol, budget, num_layers, inv_freq, storage, windows, request.pages, request.slack)
+    if not request.compact:  # compact positions never pass the cache size
+        cache.max_positions = max_positions(model)
+    return cache
+
+
+def _policy(request: CacheRequest) -> Policy:
+    """The request's policy: the one named or given, or the streaming one a memory budget picks;
+    ``question`` and compact positions checked against it."""
+    policy = request.policy
     if policy is None:
-        policy = pick_policy(prompt_known=False, memory=memory is not None)
-    pol = make_policy(policy, **policy_params)
+        policy = pick_policy(prompt_known=False, memory=request.memory is not None)
+    pol = make_policy(policy, **request.params)
+    question = request.question
     if question is not None:
         if isinstance(question, bool) or not isinstance(question, int) or question < 0:
             raise ValueError(f"question must be an int number of prompt tokens >= 0, got {question!r}.")
         pol = dataclasses.replace(pol, question=question)
-    if compact and pol.adaptive:
+    if request.compact and pol.adaptive:
         raise ValueError(
             "adaptive budgets cannot be combined with compact positions (each head's kept "
             "tokens would need their own ranks); use one or the other."
         )
-    head_dim = head_dim_of(model)
-    if group is None:  # 32 channels per zero/step, or what divides a smaller head
-        group = math.gcd(DEFAULT_GROUP, head_dim) if head_dim else DEFAULT_GROUP
-    if memory is not None:
+    return pol
+
+
+def _budget_and_storage(model, request: CacheRequest, pol: Policy, group: int) -> tuple:
+    """(budget, Storage): as given, or a memory budget's plan (``kvevict.memory.plan_for_model``),
+    its storage fixed now for a policy recorded on its prompt (kvzip)."""
+    budget = DEFAULT_BUDGET if request.budget is None and request.memory is None else request.budget
+    kv_bits, evicted_bits, evicted_budget = request.kv_bits, request.evicted_bits, request.evicted_budget
+    if request.memory is not None:
         kind = storage_kind(kv_bits, evicted_bits, evicted_budget)
-        p = plan_for_model(model, memory, pol, group, plan_file=plan, kind=kind)
-        storage, known = p.storage, getattr(pol, "prompt_tokens", None)
-        if known and hasattr(p.budget, "storage_for"):  # a recorded prompt (kvzip): its storage now
+        p = plan_for_model(model, request.memory, pol, group, plan_file=request.plan, kind=kind)
+        storage, known = p.storage, pol.prompt_tokens
+        if known and isinstance(p.budget, MemoryPlan):  # a recorded prompt (kvzip): its storage now
             storage = p.budget.storage_for(known, storage)
         budget, kv_bits, evicted_bits, evicted_budget = (
             p.budget,
@@ -237,82 +277,24 @@ def make_cache(
             storage.evicted_budget,
         )
     check_budget(budget)
-    storage = Storage(kv_bits=kv_bits, group=group, evicted_bits=evicted_bits, evicted_budget=evicted_budget, keys=keys)
-    num_layers = check_hookable(model)
-    if head_dim is not None:  # fail now, not inside the first forward
-        for bits in (storage.kv_bits, storage.evicted_bits):
-            check_group(storage.group, head_dim, bits)
-    if isinstance(budget, int):
-        per_layer = layer_budgets(pol, budget, num_layers)
-        for b in sorted(set(per_layer)):
-            try:
-                pol.check(b)
-            except ValueError as err:
-                if len(set(per_layer)) == 1:
-                    raise
-                raise ValueError(
-                    f"{err} ({pol.name} gives the layers budgets from {min(per_layer)} to {max(per_layer)} tokens.)"
-                ) from None
-    register()
-    model.set_attn_implementation(ATTN_NAME)
-    if model.config._attn_implementation != ATTN_NAME:
-        raise ValueError(f"{type(model).__name__} refused attn_implementation={ATTN_NAME!r}; kvevict cannot hook it.")
-    cache = EvictingCache(
-        pol,
-        budget,
-        num_layers,
-        rope_inv_freq(model) if compact else None,
-        storage,
-        layer_windows(model),
-        pages,
-        slack,
+    storage = Storage(
+        kv_bits=kv_bits, group=group, evicted_bits=evicted_bits, evicted_budget=evicted_budget, keys=request.keys
     )
-    if not compact:  # compact positions never pass the cache size
-        cache.max_positions = max_positions(model)
-    return cache
+    return budget, storage
+
+
+def _check_layer_budgets(pol: Policy, budget: int, num_layers: int) -> None:
+    """The policy's parameters against every layer's budget in tokens (PyramidKV's differ)."""
+    per_layer = layer_budgets(pol, budget, num_layers)
+    for b in sorted(set(per_layer)):
+        try:
+            pol.check(b)
+        except ValueError as err:
+            if len(set(per_layer)) == 1:
+                raise
+            raise ValueError(
+                f"{err} ({pol.name} gives the layers budgets from {min(per_layer)} to {max(per_layer)} tokens.)"
+            ) from None
 
 
 DEFAULT_BUDGET = 0.2  # a fifth of the prompt's tokens
-
-
-def check_slack(slack, budget=None) -> int | None:
-    """``slack`` as an int >= 1, or None (each layer's ``default_slack``); an int ``budget`` (tokens)
-    must hold it. A share of the prompt or a memory budget is known at the prompt: a layer left
-    fewer slots turns over all of them."""
-    if slack is None:
-        return None
-    if isinstance(slack, bool) or not isinstance(slack, int) or slack < 1:
-        raise ValueError(
-            f"slack must be a positive int number of slots evicted at once (1: one per step, e.g. 16), got {slack!r}."
-        )
-    if isinstance(budget, int) and not isinstance(budget, bool) and slack > budget:
-        raise ValueError(
-            f"slack={slack} frees more slots at once than the budget of {budget} tokens holds: "
-            f"give a slack of at most {budget}, or a larger budget."
-        )
-    return slack
-
-
-def _from_spec(text: str, budget, memory, kv_bits, evicted_bits, slack=None):
-    """``make_cache``'s policy, budget, memory, bits and slack from a cache spec; what the spec names
-    must not be given again as an argument."""
-    spec = CacheSpec.parse(text)
-    if spec.policy == FULL:
-        raise ValueError(
-            f"{text!r} keeps every token: use transformers' DynamicCache for the full cache, or a "
-            "policy with a budget that covers the sequence (make_cache(model, 'h2o/int4@4096'))."
-        )
-    if spec.question:
-        raise ValueError(
-            f"{text!r}: +q needs the prompt's text to count its question: use kvevict.generate.generate, "
-            "or pass question=N (the prompt's last N tokens)."
-        )
-    named = spec.cache_kwargs()
-    given = {"budget": budget, "memory": memory, "kv_bits": kv_bits, "evicted_bits": evicted_bits, "slack": slack}
-    twice = sorted(k for k in named if given[k] is not None)
-    if twice:
-        raise ValueError(f"{text!r} names {', '.join(twice)} already: drop the argument or that part of the spec.")
-    if spec.memory and spec.budget is None and memory is None:
-        raise ValueError(f"{text!r} spends a memory budget: give memory= or write {spec.policy or ''}@memory=0.2.")
-    given.update(named)
-    return spec.policy, given["budget"], given["memory"], given["kv_bits"], given["evicted_bits"], given["slack"]

@@ -170,6 +170,34 @@ def generate(
     Switches the model's attention implementation: not for concurrent use on a shared model
     (the server runs every model call on one worker thread)."""
     check_mode(prefill_mode, stride)
+    spec, label, policy, budget, memory = _resolve_policy(model, policy, budget, memory, prefill_mode)
+    question = _question_count(model, tokenizer, prompt, spec, policy, memory, question)
+    ids = encode_chat(tokenizer, prompt) if not isinstance(prompt, torch.Tensor) else prompt
+    if ids.shape[-1] == 0:
+        raise ValueError(no_new_tokens(0))
+    warned = _warn_if_long(model, ids.shape[-1] + max_new_tokens - 1, policy, policy_params)
+    if policy == "oracle":  # Belady needs the future: the full cache's own continuation, recorded
+        policy, policy_params = _record_oracle(model, tokenizer, ids, max_new_tokens, policy_params)
+    if spec is not None:
+        policy, budget = _spec_params(spec, policy, budget, policy_params, ids.shape[1] + max_new_tokens)
+    policy, policy_params, context, record_seconds = _record_prompt(
+        model, tokenizer, ids, policy, policy_params, prefill_mode
+    )
+    cache, budget = _new_cache(model, policy, budget, memory, question, warned, policy_params)
+    start = time.perf_counter()
+    if context is not None:
+        fill_from(cache, context)
+        context = None  # its full-size keys and values go now, before decoding
+    elif policy != FULL:
+        prefill(model, cache, ids, mode=prefill_mode, stride=stride)
+    out = _greedy(model, tokenizer, ids, cache, max_new_tokens)
+    seconds = time.perf_counter() - start + record_seconds
+    return _result(tokenizer, label, policy, budget, cache, ids, out, seconds)
+
+
+def _resolve_policy(model, policy, budget, memory, prefill_mode):
+    """(spec or None, the result's label, the policy, the token budget, the memory budget) of a
+    call: a spec's parts, the defaults where the call gives none."""
     label = policy if isinstance(policy, str) else None
     spec = CacheSpec.parse(policy) if isinstance(policy, str) else None
     if spec is not None:
@@ -180,77 +208,101 @@ def generate(
     if policy is None:
         policy = pick_policy(prompt_known=prefill_mode == "full", memory=memory is not None, model=model, share=share)
     label = label or (policy if isinstance(policy, str) else getattr(policy, "name", policy))
+    return spec, label, policy, budget, memory
+
+
+def _question_count(model, tokenizer, prompt, spec, policy, memory, question):
+    """The ``question`` a cache protects: counted where asked (True, or a spec's ``+q``), or where
+    the default one-shot policy observes it and the prompt tells it; else as given."""
     if (spec is not None and spec.question) or question is True:
         if isinstance(prompt, torch.Tensor):
             raise ValueError("question=True needs the prompt as text or messages; with token ids pass question=N.")
-        question = question_tokens(tokenizer, prompt)
-    elif (
+        return question_tokens(tokenizer, prompt)
+    if (
         question is None
         and memory is not None
         and not isinstance(prompt, torch.Tensor)
-        and _observes(policy, model, share)
+        and _observes(policy, model, _share(memory))
     ):
-        question = _question_or_none(tokenizer, prompt)  # the default observes the question where it can tell it
-    ids = encode_chat(tokenizer, prompt) if not isinstance(prompt, torch.Tensor) else prompt
-    if ids.shape[-1] == 0:
-        raise ValueError(no_new_tokens(0))
-    limit, fed = max_positions(model), ids.shape[-1] + max_new_tokens - 1  # the last token is never fed
+        return _question_or_none(tokenizer, prompt)  # the default observes the question where it can tell it
+    return question
+
+
+def _warn_if_long(model, fed: int, policy, policy_params) -> bool:
+    """Warn, before a long prefill rather than after it, when ``fed`` positions (the last token is
+    never fed) pass the model's own; whether it warned."""
+    limit = max_positions(model)
     warned = bool(limit and fed > limit and (policy == FULL or not policy_params.get("compact")))
-    if warned:  # before a long prefill, not after it
+    if warned:
         assert limit is not None  # warned only with a limit
         warn_past_positions(fed, limit)
-    if policy == "oracle":  # Belady needs the future: the full cache's own continuation, recorded
-        model.set_attn_implementation("sdpa")
-        full_seq = _greedy(model, tokenizer, ids, DynamicCache(config=model.config), max_new_tokens)
-        compact = policy_params.pop("compact", False)
-        policy = Oracle.record(model, full_seq, **policy_params)
-        policy_params = {"compact": compact} if compact else {}
-    if spec is not None and spec.storage is not None:  # "h2o/int4", "full/int4": a storage named with the policy
+    return warned
+
+
+def _record_oracle(model, tokenizer, ids, max_new_tokens, policy_params):
+    """(the Oracle policy, the cache's parameters left): the full cache's greedy continuation,
+    recorded for Belady."""
+    model.set_attn_implementation("sdpa")
+    full_seq = _greedy(model, tokenizer, ids, DynamicCache(config=model.config), max_new_tokens)
+    compact = policy_params.pop("compact", False)
+    policy = Oracle.record(model, full_seq, **policy_params)
+    return policy, ({"compact": compact} if compact else {})
+
+
+def _spec_params(spec: CacheSpec, policy, budget, policy_params: dict, total: int):
+    """(policy, budget) after a spec's storage and slack go into ``policy_params``; "full/int4"
+    evicts nothing: h2o with room for all ``total`` tokens, the prompt's and the answer's."""
+    if spec.storage is not None:  # "h2o/int4", "full/int4": a storage named with the policy
         policy_params.update(kv_bits=spec.storage.kv_bits, evicted_bits=spec.storage.evicted_bits)
-        if policy == FULL:  # nothing evicted: room for the prompt and the answer
-            policy, budget = "h2o", ids.shape[1] + max_new_tokens
-    if spec is not None and spec.slack is not None:
+        if policy == FULL:
+            policy, budget = "h2o", total
+    if spec.slack is not None:
         policy_params["slack"] = spec.slack
-    record_seconds, context = 0.0, None
+    return policy, budget
+
+
+def _record_prompt(model, tokenizer, ids, policy, policy_params, prefill_mode):
+    """(policy, cache parameters, full-cache context or None, seconds): a policy that scores the
+    prompt in a pass of its own (kvzip) recorded, its cost timed with the rest; others as given."""
     found = policy_class(policy)
-    if found is not None and getattr(found[0], "needs_prompt", False):
-        # a policy that scores the prompt in a pass of its own (kvzip): its cost is timed with the rest
-        t0 = time.perf_counter()
-        cache_params = {k: policy_params.pop(k) for k in _CACHE_PARAMS if k in policy_params}
-        params = {**found[1], **policy_params}
-        if prefill_mode == "full" and ids.shape[1] > 1 and all(w is None for w in layer_windows(model)):
-            # the prompt (but its last token, which generate feeds) runs once: scored on top of this
-            # cache, which then fills the budgeted one (prefill.fill_from)
-            ids_ctx, context = ids[:, :-1], DynamicCache(config=model.config)
-            model.set_attn_implementation("sdpa")
-            model(ids_ctx, cache=context, use_cache=True, logits_to_keep=1)
-            policy = found[0].record(model, tokenizer, ids_ctx, context=context, **params)
-        else:
-            policy = found[0].record(model, tokenizer, ids, **params)
-        policy_params = cache_params
-        record_seconds = time.perf_counter() - t0
+    if found is None or not found[0].needs_prompt:
+        return policy, policy_params, None, 0.0
+    t0 = time.perf_counter()
+    cache_params = {k: policy_params.pop(k) for k in _CACHE_PARAMS if k in policy_params}
+    params = {**found[1], **policy_params}
+    context = None
+    if prefill_mode == "full" and ids.shape[1] > 1 and all(w is None for w in layer_windows(model)):
+        # the prompt (but its last token, which generate feeds) runs once: scored on top of this
+        # cache, which then fills the budgeted one (prefill.fill_from)
+        ids_ctx, context = ids[:, :-1], DynamicCache(config=model.config)
+        model.set_attn_implementation("sdpa")
+        model(ids_ctx, cache=context, use_cache=True, logits_to_keep=1)
+        policy = found[0].record(model, tokenizer, ids_ctx, context=context, **params)
+    else:
+        policy = found[0].record(model, tokenizer, ids, **params)
+    return policy, cache_params, context, time.perf_counter() - t0
+
+
+def _new_cache(model, policy, budget, memory, question, warned: bool, policy_params: dict):
+    """(the cache, the budget it was made with): the stock DynamicCache for full, else
+    ``make_cache``; a memory budget reports what it was planned into (a pooled one: the layers' mean)."""
     if policy == FULL:
         model.set_attn_implementation("sdpa")
-        cache = DynamicCache(config=model.config)
-    else:
-        if memory is not None:
-            policy_params["memory"] = memory
-        if question:
-            policy_params["question"] = question
-        cache = make_cache(model, policy, budget, **policy_params)
-        if warned:
-            cache.max_positions = None  # said once
-        if memory is not None:  # what the memory budget was planned into (a pooled one: the layers' mean)
-            specs = [layer.budget_spec for layer in cache.layers]
-            budget = specs[0] if len(set(specs)) == 1 else round(sum(specs) / len(specs))
-    start = time.perf_counter()
-    if context is not None:
-        fill_from(cache, context)
-        context = None  # its full-size keys and values go now, before decoding
-    elif policy != FULL:
-        prefill(model, cache, ids, mode=prefill_mode, stride=stride)
-    out = _greedy(model, tokenizer, ids, cache, max_new_tokens)
-    seconds = time.perf_counter() - start + record_seconds
+        return DynamicCache(config=model.config), budget
+    if memory is not None:
+        policy_params["memory"] = memory
+    if question:
+        policy_params["question"] = question
+    cache = make_cache(model, policy, budget, **policy_params)
+    if warned:
+        cache.max_positions = None  # said once
+    if memory is not None:
+        specs = [layer.budget_spec for layer in cache.layers]
+        budget = specs[0] if len(set(specs)) == 1 else round(sum(specs) / len(specs))
+    return cache, budget
+
+
+def _result(tokenizer, label, policy, budget, cache, ids, out, seconds: float) -> Result:
     new = out[0, ids.shape[1] :]
     if policy == FULL:  # the stock cache itself: its bytes, and the same tensors in 16 bits
         held = own = dynamic_kv_bytes(cache)

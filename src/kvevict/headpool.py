@@ -19,11 +19,11 @@ class HeadPool:
             raise ValueError(f"adaptive budgets record a slot's head in one byte: at most 256 KV heads, got {heads}.")
         self.heads, self.device = heads, device
 
-    def visible(self, tiers: list, valid_past: torch.Tensor, padded: bool) -> torch.Tensor:
-        """(b, h, n_past): each head sees its own slots only (and, padded, the real ones)."""
+    def visible(self, tiers: list, valid_past: torch.Tensor | None, padded: bool) -> torch.Tensor:
+        """(b, h, n_past): each head sees its own slots only (and, padded, the real ones: ``valid_past``)."""
         heads = torch.arange(self.heads, device=self.device).view(1, -1, 1)
         mine = cat_slots([t.head[:, :, : t.filled] for t in tiers]) == heads
-        return mine & valid_past if padded else mine
+        return mine & valid_past if padded and valid_past is not None else mine
 
     def pooled(self, stats: dict, new: dict, n_past: int, tiers: list) -> tuple[dict, dict]:
         """Each stored slot's statistics from its own head's row, and the new tokens laid out head

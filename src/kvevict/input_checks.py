@@ -15,6 +15,8 @@ from pathlib import Path
 from types import FrameType
 from typing import cast
 
+from .shape import text_config
+
 _NEW_CACHE = (
     "To continue the same sequence, pass all of it (the previous ids, e.g. generate's output, then "
     "the new tokens) with a mask as long; for a new prompt make a new cache (make_cache) or call "
@@ -95,7 +97,7 @@ class _Deferred:
 
 def max_positions(model) -> int | None:
     """The number of positions the model was trained on (config.max_position_embeddings), if it says."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = text_config(model)
     n = getattr(config, "max_position_embeddings", None)
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .attention import take_handoff
+from .cache import EvictingCache
 
 MODES = ("full", "token", "block")
 
@@ -45,7 +46,7 @@ def prefill(
     step = check_mode(mode, stride)
     if step is None:
         return None
-    if hasattr(cache, "set_prompt_length"):
+    if isinstance(cache, EvictingCache):  # fractional budgets: of the whole prompt, not of its first chunk
         cache.set_prompt_length(input_ids.shape[1])
     n, end = input_ids.shape[1], input_ids.shape[1] - keep_last
     logits = None

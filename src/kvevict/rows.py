@@ -41,9 +41,9 @@ def shareable(policies: list[Policy]) -> bool:
     """Whether rows with these policies can share one cache: no per-sequence recorded state
     (KVzip, the oracle: scores recorded for one batch of prompts), all adaptive (Ada-KV) or none,
     and compatible attention parameters."""
-    if any(callable(getattr(type(p), "record", None)) for p in policies):  # built by recording a prompt
+    if any(p.recorded for p in policies):  # built by recording a prompt
         return False
-    if len({getattr(p, "adaptive", False) for p in policies}) > 1:  # one slot pool per layer, or per head
+    if len({p.adaptive for p in policies}) > 1:  # one slot pool per layer, or per head
         return False
     return merged_params(policies) is not None
 
@@ -134,6 +134,13 @@ class Rows:
     def map_batch(self, fn) -> None:
         self.kind = fn(self.kind)
         self._regroup()
+
+    def tensors(self) -> list:
+        """The per-row tensors ``map_batch`` maps, in its order (rows joining concatenate them)."""
+        return [self.kind]
+
+    def nbytes(self) -> int:
+        return self.kind.nbytes
 
     def adopt(self, other: "Rows") -> None:
         """Take ``other``'s kinds into this table and renumber ``other.kind`` into it (before the

@@ -4,9 +4,18 @@ dimension and sliding windows (the text config of a multimodal model)."""
 from __future__ import annotations
 
 
+def config_text(config, decoder: bool = False):
+    """The text part of a model's ``config`` (a multimodal model's text config; ``decoder``: its
+    decoder's, as transformers' ``get_text_config(decoder=True)``), or ``config`` itself when it has
+    no parts."""
+    if not hasattr(config, "get_text_config"):
+        return config
+    return config.get_text_config(decoder=True) if decoder else config.get_text_config()
+
+
 def text_config(model):
     """The decoder's config (a multimodal model's text config)."""
-    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return config_text(model.config)
 
 
 def check_hookable(model) -> int:

@@ -22,10 +22,13 @@ spellings still read: ``mem``, ``mem-NAME[/BITS]`` (eval grids), ``stock`` and `
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from os import PathLike
 
 from .memory import parse_memory
+from .policies import Policy
 from .policies.registry import POLICIES, policy_class
+from .storage import Pools
 from .storage.config import Storage
 
 FULL = "full"
@@ -121,6 +124,87 @@ class CacheSpec:
         if self.slack is not None:
             kw["slack"] = self.slack
         return kw
+
+
+@dataclass(frozen=True)
+class CacheRequest:
+    """One ``make_cache`` call as an object: its arguments, in its order, each documented there
+    (``params``: the policy's own keyword arguments). ``checked`` reads a spec string given as the
+    policy into the budget, memory, bits and slack it names, and checks what needs no model."""
+
+    policy: str | Policy | None = None
+    budget: int | float | None = None
+    recent: int | None = None
+    compact: bool = False
+    kv_bits: int | None = None
+    group: int | None = None
+    evicted_bits: int | None = None
+    evicted_budget: int | float | None = None
+    memory: int | float | str | None = None
+    question: int | None = None
+    plan: str | PathLike | bool | None = None
+    pages: Pools | None = None
+    keys: str | None = None
+    slack: int | None = None
+    params: dict = field(default_factory=dict)
+
+    def checked(self) -> CacheRequest:
+        """This request with its spec string read (``policy`` left a name, or None for a memory
+        budget's pick), its slack, pages and recent window checked, ``recent`` handed to the
+        policy's parameters; the errors are ``make_cache``'s, in its order."""
+        req = self._spec_read() if isinstance(self.policy, str) else self
+        check_slack(req.slack, req.budget if req.memory is None else None)
+        if req.pages is not None and not isinstance(req.pages, Pools):  # before the model's attention is switched
+            raise ValueError(
+                f"pages must be a kvevict.storage.Pools (shared by the caches whose rows may be batched "
+                f"together) or None; got {type(req.pages).__name__}."
+            )
+        if req.recent is None:
+            return req
+        if isinstance(req.recent, bool) or not isinstance(req.recent, int):
+            raise ValueError(f"recent must be an int number of tokens, got {req.recent!r}.")
+        return replace(req, params={**req.params, "recent": req.recent})
+
+    def _spec_read(self) -> CacheRequest:
+        """The policy, budget, memory, bits and slack of the spec string ``policy``; what it names
+        must not be given again as an argument."""
+        text = self.policy
+        spec = CacheSpec.parse(text)
+        if spec.policy == FULL:
+            raise ValueError(
+                f"{text!r} keeps every token: use transformers' DynamicCache for the full cache, or a "
+                "policy with a budget that covers the sequence (make_cache(model, 'h2o/int4@4096'))."
+            )
+        if spec.question:
+            raise ValueError(
+                f"{text!r}: +q needs the prompt's text to count its question: use kvevict.generate.generate, "
+                "or pass question=N (the prompt's last N tokens)."
+            )
+        named = spec.cache_kwargs()
+        twice = sorted(k for k in named if getattr(self, k) is not None)
+        if twice:
+            raise ValueError(f"{text!r} names {', '.join(twice)} already: drop the argument or that part of the spec.")
+        if spec.memory and spec.budget is None and self.memory is None:
+            raise ValueError(f"{text!r} spends a memory budget: give memory= or write {spec.policy or ''}@memory=0.2.")
+        return replace(self, policy=spec.policy, **named)
+
+
+def check_slack(slack, budget=None) -> int | None:
+    """``slack`` as an int >= 1, or None (each layer's ``default_slack``); an int ``budget`` (tokens)
+    must hold it. A share of the prompt or a memory budget is known at the prompt: a layer left
+    fewer slots turns over all of them."""
+    if slack is None:
+        return None
+    if isinstance(slack, bool) or not isinstance(slack, int) or slack < 1:
+        raise ValueError(
+            f"slack must be a positive int number of slots evicted at once (1: one per step, e.g. 16), got {slack!r}."
+        )
+    if isinstance(budget, int) and not isinstance(budget, bool) and slack > budget:
+        raise ValueError(
+            f"slack={slack} frees more slots at once than the budget of {budget} tokens holds: "
+            f"give a slack of at most {budget}, or a larger budget."
+        )
+    return slack
 
 
 def _parse(raw: str) -> CacheSpec:

@@ -16,11 +16,14 @@ configs with ``sliding_window`` set and no ``layer_types`` (every layer slides).
 
 from __future__ import annotations
 
+from .shape import config_text
+
 STOCK_BYTES = 2  # bytes per key/value channel of the cache ratios are stated against (16 bits)
 
 
 def text_config(config):
-    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    """The config of the decoder whose layers a stock cache holds."""
+    return config_text(config, decoder=True)
 
 
 def stock_windows(config) -> list[int | None]:

@@ -5,25 +5,23 @@ from __future__ import annotations
 
 import torch
 
-# Statistics that the last ``observe`` queries (or the last one) give, or none: a prompt's earlier
-# queries under a policy that reads only these (SnapKV, TOVA, knorm, expected attention) need their
-# output alone.
-_TAIL_STATS = frozenset({"obs", "max", "last", "knorm", "expected"})
+from .stats import stat
 
 
 def scored_tail(seg, q, n_past, window, softcap, wanted, observe) -> int:
     """How many of the last queries ``attend`` must score itself: all ``q``, unless the forward is a
     first prompt with nothing stored, unpadded, without sliding window, softcap or summary, and
-    the statistics wanted come from the last ``observe`` queries only; then that many (1 for
-    "last"; 0 where none comes from scores), and SDPA gives the other queries' output."""
+    every statistic wanted comes from the last queries only (``Stat.scored``: ``observe`` for
+    "obs" and "max", 1 for "last", 0 where none comes from scores); then the most they ask for,
+    and SDPA gives the other queries' output."""
     if q == 1 or n_past or seg.summary is not None or seg.valid_new is not None or window is not None:
         return q
-    if softcap is not None or not _TAIL_STATS.issuperset(wanted):
+    if softcap is not None:
         return q
-    tail = observe if {"obs", "max"} & set(wanted) else 0
-    if "last" in wanted:
-        tail = max(tail, 1)
-    return min(q, tail)
+    tails = [stat(n).scored(observe) for n in wanted]
+    if None in tails:
+        return q
+    return min(q, max(tails, default=0))
 
 
 def sdpa_causal(query, k, v, scale):

@@ -28,19 +28,22 @@ every head compete in one ranking, and a head holds as many slots as it wins.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
+from .caps import RowCaps
 from .policies import Candidates
-from .rows import Rows, rows_of
+from .rows import Rows
 from .stats import FP16_MAX, STATS, stat_dtype
+from .storage import paged
+from .storage.layout import POS16_MAX, SlotLayout
 from .storage.paged import PagedField, PagedStore, page_slots
 from .storage.rect import RectField, expand_index, make_store, trailing
+from .turnover import Turnover
 
 # per-candidate metadata besides the key/value pair: position (-1: not a token), one entry per statistic
 _META = ("pos",)
-# positions are int16 while every one fits (a model's context up to 32K), int32 past that:
-# 2 bytes a slot, a sixth of the bookkeeping of an int4 slot at head_dim 64
-POS16_MAX = torch.iinfo(torch.int16).max
 
 
 class Tier:
@@ -63,24 +66,32 @@ class Tier:
     ):
         self.budget, self.filled, self.heads = budget, 0, heads
         # batch eviction: once full, one ranking frees ``slack`` slots per entry a step brings and
-        # the next ``slack - 1`` steps write into them unranked (``_turn_over``); 1: every step ranks
-        self.slack = slack
-        self._free: torch.Tensor | None = None  # (b, h, (slack - 1) x entries) the freed slots, in use order
-        self._free_next = 0  # steps that took their slots of ``_free``
-        # some slot below a row's fill holds no token (freed by a batch eviction): attention masks it
-        self.holes = False
+        # the next ``slack - 1`` steps write into them unranked (``kvevict.turnover``); 1: every step ranks
+        packed = recent and slack > 1 and bits in (8, 4, 2)
+        self.turnover = Turnover(
+            slack, ((slack - 1) * heads, h, dk, dv, dtype, device, tuple(stats), heads) if packed else None
+        )
         self.capacity = 0  # slots allocated: pages, grown on demand up to ``budget``
         # slots each row has used: a row writes its next tokens at its own fill, so rows that joined
         # a batch at different lengths leave no holes (``fills`` on the host, ``fill`` its mirror);
         # ``filled``, the most any row used, bounds what attention reads
         self.fills = [0] * b
         self.fill = torch.zeros(b, dtype=torch.long, device=device)
-        self._caps_host: list[int] | None = None  # ``caps`` on the host
-        # rows of a shared batch may have smaller budgets than the tier is wide: ``caps`` (b,) each
-        # row's own, slots past it unavailable (never written, never ranked); None: every row has budget
-        self.caps: torch.Tensor | None = None
-        self._cols: dict = {}  # (cap, budget, candidates) -> the columns a cap group ranks
+        # rows of a shared batch may have smaller budgets than the tier is wide (``kvevict.caps``);
+        # None: every row has the tier's budget
+        self._caps: RowCaps | None = None
         self.pools, self.h, self.device = pools, h, device
+        # what a slot holds and where (``storage.layout``): the bytes counted, the statistics kept
+        self.layout = SlotLayout(
+            dk,
+            dv,
+            bits,
+            group,
+            dtype.itemsize,
+            tuple(stats),
+            heads > 1,
+            None if pools is None else pools.page or paged.PAGE,
+        )
         if pools is None:  # one rectangle: every row as wide as the widest
             self.store = make_store(b, h, 0, dk, dv, dtype, device, bits, group)
         else:  # each row its own pages of a shared pool (kvevict.storage.paged)
@@ -91,17 +102,8 @@ class Tier:
         self._meta = {"pos": self._field(b, torch.int16, -1)}
         if heads > 1:  # shared by the heads: whose each slot is
             self._meta["head"] = self._field(b, torch.uint8, 0)
-        self._stats = tuple(stats)
         for n in stats:
             self._meta[n] = self._field(b, stat_dtype(n), 0)
-        # packed and evicting in batches (``recent``): the tokens written between two rankings wait
-        # in 16 bits (the model's dtype, or float16), as KIVI's residual does, and are quantized as one group into the
-        # slots they stand for when the next ranking comes (``flush``): no quantization per step
-        # made at the first ranking, so that a tier that never fills holds no byte of it
-        self.recent: Tier | None = None
-        self._recent_args = None
-        if recent and slack > 1 and bits in (8, 4, 2):
-            self._recent_args = ((slack - 1) * heads, h, dk, dv, dtype, device, tuple(stats), heads)
 
     def _field(self, b, dtype, empty):
         """A new per-slot tensor of ``b`` rows, every slot ``empty``, as many slots as the tier's."""
@@ -124,7 +126,7 @@ class Tier:
 
     @property
     def stats(self) -> dict:
-        return {n: self.meta(n) for n in self._stats}
+        return {n: self.meta(n) for n in self.layout.stats}
 
     @property
     def bookkeeping(self) -> dict:
@@ -133,7 +135,7 @@ class Tier:
 
     @property
     def stat_names(self) -> tuple:
-        return self._stats
+        return self.layout.stats
 
     @property
     def pos_dtype(self):
@@ -146,19 +148,19 @@ class Tier:
 
     def keep_stats(self, wanted) -> None:
         """Drop the statistics not in ``wanted`` (only rows that left read them)."""
-        for n in self._stats:
+        for n in self.layout.stats:
             if n not in wanted:  # a paged one's pages back to the pool now, not at collection
                 field = self._meta.pop(n)
                 field.resize(0)
                 field.disown()
-        self._stats = tuple(n for n in self._stats if n in wanted)
+        self.layout = replace(self.layout, stats=tuple(n for n in self.layout.stats if n in wanted))
 
     def widen_positions(self, last: int) -> None:
         """Make room for positions up to ``last`` (int16 -> int32 once a sequence passes 32,767)."""
         if last > POS16_MAX and self.pos_dtype == torch.int16:
             self._meta["pos"] = self._meta["pos"].astype(self.pools, torch.int32)
-        if self.recent is not None:
-            self.recent.widen_positions(last)
+        if self.turnover.recent is not None:
+            self.turnover.recent.widen_positions(last)
 
     def narrow_positions(self, last: int) -> None:
         """Back to int16 once every position held is at most ``last`` <= 32,767 (the rows past it left)."""
@@ -169,7 +171,7 @@ class Tier:
         return self._meta[name].rect(self.capacity)
 
     def names(self):
-        return (*_META, *(("head",) if self.heads > 1 else ()), *self._stats)
+        return (*_META, *(("head",) if self.heads > 1 else ()), *self.layout.stats)
 
     def drop_views(self) -> None:
         """Paged: forget the bookkeeping rectangles laid out this step (a tier that took no token
@@ -190,7 +192,7 @@ class Tier:
         maximum: 65504 + 16 would round to inf, anything less rounds back to 65504 (float16's step is
         32 up there), so the clamp below is skipped, as in every decode step."""
         f = self.filled
-        for name in self._stats:
+        for name in self.layout.stats:
             st = self.meta(name)
             got = stats[name][..., offset : offset + f]
             fold = STATS[name].fold
@@ -208,7 +210,7 @@ class Tier:
         """All slots (empty ones invalid) followed by the new entries; the slots alone if ``new`` is None."""
         cat = {n: self.meta(n) if new is None else torch.cat([self.meta(n), new[n]], dim=-1) for n in self.names()}
         return Candidates(
-            stats={n: cat[n].float() for n in self._stats},
+            stats={n: cat[n].float() for n in self.layout.stats},
             pos=cat["pos"].long(),
             valid=cat["pos"] >= 0,
             newest=newest,
@@ -228,7 +230,7 @@ class Tier:
         room and every new entry holds a token (an unpadded decode step), so what leaves is never
         cut to its valid entries (a host read)."""
         m = new["pos"].shape[-1]
-        caps = self._caps_host or [self.budget] * len(self.fills)
+        caps = (None if self._caps is None else self._caps.host) or [self.budget] * len(self.fills)
         real, adds = self._padding(new["pos"], caps, all_real)
         turned = False
         fills = [min(c, f + a) for f, c, a in zip(self.fills, caps, adds)]  # every row takes its free slots first
@@ -241,7 +243,7 @@ class Tier:
         if all(f + a <= c for f, c, a in zip(self.fills, caps, adds)):  # room everywhere: append at each row's fill
             self._append(new, real)
         elif self.slack > 1 and all_real and self.caps is None and all(f >= c for f, c in zip(self.fills, caps)):
-            gone = self._turn_over(policy, new, ctx, protected_newcomer, want_evicted)
+            gone = self.turnover.step(self, policy, new, ctx, protected_newcomer, want_evicted)
             turned = True
         elif m == 1:
             # a row with room: its free slots rank -inf and the first (its fill) is taken
@@ -249,7 +251,7 @@ class Tier:
         else:
             gone = self._replace_many(policy, new, ctx, want_evicted, all_real)
         if fills != self.fills:  # a full cache decoding (the steady state) changes nothing here
-            self._set_fills(fills)
+            self.set_fills(fills)
         if not turned:  # the steps between rankings are over: their tokens to their slots
             self.flush()
         return gone
@@ -259,7 +261,7 @@ class Tier:
         holder (store or field, every one a page of the same size, each already holding the pages of
         the old fills) give out pages, so the holders' own per-row loops run once in ``page`` steps
         instead of every step. A rectangle's slots exist already: never."""
-        page = getattr(self.store, "page", None)
+        page = self.layout.page
         if page is None:
             return False
         return any(-(-f // page) > -(-o // page) for f, o in zip(fills, self.fills))
@@ -291,46 +293,32 @@ class Tier:
         slots after them, so no two entries share a slot; a row holds its own tokens, as alone."""
         b, h, m = new["pos"].shape
         if real is None:
-            self._write((self.fill.view(-1, 1, 1) + torch.arange(m, device=self.device)).expand(b, h, m), new, None)
+            self.write((self.fill.view(-1, 1, 1) + torch.arange(m, device=self.device)).expand(b, h, m), new, None)
             return
         r = real.long()
         rank = torch.where(real, r.cumsum(-1) - 1, r.sum(-1, keepdim=True) + (1 - r).cumsum(-1) - 1)
         idx = (self.fill.view(-1, 1) + rank).view(b, 1, m).expand(b, h, m)
-        self._write(idx, new, real.view(b, 1, m).expand(b, h, m))
+        self.write(idx, new, real.view(b, 1, m).expand(b, h, m))
 
-    def _set_fills(self, fills: list[int]) -> None:
+    def set_fills(self, fills: list[int]) -> None:
         self.fills = fills
         self.fill = torch.tensor(fills, dtype=torch.long, device=self.device)
         self.filled = max(fills, default=0)
 
-    def _priority(self, policy, new: dict | None, ctx: dict) -> torch.Tensor:
+    def priority(self, policy, new: dict | None, ctx: dict) -> torch.Tensor:
         """The policy's priority of every slot (and new entry). Slots past a row's cap are +inf:
         never a victim, so never written; the policy never sees them (rows are ranked in groups
         sharing a cap, on their own slots only), so a score that mixes neighbours (SnapKV's
         pooling) is the same as in a tier of the row's own width."""
         c = self.candidates(new, **ctx)
-        if self.caps is None:
-            return policy.priority(c)
-        out = torch.full(c.pos.shape, float("inf"), device=c.pos.device)
-        n = c.pos.shape[-1]
-        for cap, idx, rows in self._cap_groups:
-            key = (cap, self.capacity, n)
-            if key not in self._cols:  # a pure function of its key: built once per batch change, not per step
-                self._cols[key] = torch.cat([torch.arange(min(cap, self.capacity)), torch.arange(self.capacity, n)]).to(
-                    c.pos.device
-                )
-            cols = self._cols[key]
-            part = torch.full((len(rows), *c.pos.shape[1:]), float("inf"), device=c.pos.device)
-            part[:, :, cols] = policy.priority(rows_of(c, idx, cols), rows)
-            out.index_copy_(0, idx, part)
-        return out
+        return policy.priority(c) if self._caps is None else self._caps.priority(policy, c, self.capacity)
 
-    def _write(self, idx, new: dict, take) -> None:
+    def write(self, idx, new: dict, take) -> None:
         self.store.write(idx, new["k"], new["v"], take)
         for name in self.names():
             self._meta[name].write(idx, new[name], take)
 
-    def _read(self, idx) -> dict:
+    def read(self, idx) -> dict:
         k, v = self.store.read(idx)
         out = {"k": k, "v": v}
         out.update({name: self.meta(name).gather(2, idx) for name in self.names()})
@@ -341,27 +329,27 @@ class Tier:
         B = self.capacity
         if protected_newcomer and policy.keeps_newest(ctx["budget"]) and policy.independent:
             # the newcomer is protected and cannot change the others' ranks: rank the slots only
-            slot, take = self._priority(policy, None, ctx).argmin(-1, keepdim=True), None
+            slot, take = self.priority(policy, None, ctx).argmin(-1, keepdim=True), None
         else:
-            victim = self._priority(policy, new, ctx).argmin(-1, keepdim=True)  # (b, h, 1)
+            victim = self.priority(policy, new, ctx).argmin(-1, keepdim=True)  # (b, h, 1)
             slot, take = victim.clamp(max=B - 1), victim < B
-        gone = self._read(slot) if want_evicted else None
+        gone = self.read(slot) if want_evicted else None
         if gone is not None and take is not None:  # where the newcomer lost, it is what leaves
             gone = {n: torch.where(trailing(take, t), t, new[n]) for n, t in gone.items()}
-        self._write(slot, new, take)
+        self.write(slot, new, take)
         return gone
 
     def _replace_many(self, policy, new, ctx, want_evicted, all_real=False):
         """Prefill chunks: evict the m lowest-priority of the B slots + m new tokens; the kept new
         tokens move into the evicted slots, pairwise, so storage is overwritten in place."""
         B, m = self.capacity, new["pos"].shape[-1]
-        prio = self._priority(policy, new, ctx)
+        prio = self.priority(policy, new, ctx)
         # empty slots go first in slot order (topk breaks ties arbitrarily), so a row fills its
         # slots in order and never writes past its fill
         order = torch.arange(prio.shape[-1], device=prio.device, dtype=torch.float32)
         prio = torch.where(prio == -float("inf"), order * 1e32 - 3e38, prio)
         out = prio.topk(m, dim=-1, largest=False).indices  # (b, h, m) evicted candidates
-        gone = self._evicted(out, new, all_real) if want_evicted else None
+        gone = self.evicted(out, new, all_real) if want_evicted else None
         ev_slot = torch.zeros(prio.shape[0], prio.shape[1], B + m, dtype=torch.bool, device=prio.device)
         ev_slot.scatter_(-1, out, True)
         k = min(m, B)
@@ -371,63 +359,34 @@ class Tier:
         n_moves = ev_slot[..., :B].sum(-1, keepdim=True)  # = number of kept new tokens
         move = torch.arange(k, device=prio.device).view(1, 1, k) < n_moves  # (b, h, k)
         moved = {n: t.gather(2, expand_index(sources, t)) for n, t in new.items()}
-        self._write(targets, moved, move)
+        self.write(targets, moved, move)
         return gone
 
-    def _turn_over(self, policy, new, ctx, protected_newcomer, want_evicted):
-        """Batch eviction (every row full, every entry a token): the new entries take slots freed
-        by the last ranking, in order, with nothing ranked; when none is left, one ranking of the
-        slots and the new entries evicts the ``slack x m`` lowest at once (``m`` entries a step: 1,
-        or a pooled tier's heads), the kept new entries take the first freed slots and the other
-        ``(slack - 1) x m`` are emptied for the next steps. The tier never holds more than its
-        budget, and ``slack = 1`` is ``_replace_one``/``_replace_many`` exactly."""
-        m = new["pos"].shape[-1]
-        if self._free is not None and (self._free_next + 1) * m <= self._free.shape[-1]:
-            # a step between rankings: no ranking; the entries to the recent tier, else to their slots
-            j = self._free_next * m
-            if self.recent is not None:
-                self.recent._put(j, new)
-            else:
-                self._write(self._free[..., j : j + m], new, None)
-                self.holes = (self._free_next + 2) * m <= self._free.shape[-1]
-            self._free_next += 1
-            return None
-        self.flush()
-        B, n = self.capacity, self.slack * m
-        if m == 1 and protected_newcomer and policy.keeps_newest(ctx["budget"]) and policy.independent:
-            out = self._priority(policy, None, ctx).topk(n, dim=-1, largest=False).indices  # slots only
-            gone = self._read(out) if want_evicted else None
-            self._write(out[..., :1], new, None)
-            free = out[..., 1:]
-        else:
-            prio = self._priority(policy, new, ctx)
-            out = prio.topk(n, dim=-1, largest=False).indices  # (b, h, n) evicted candidates
-            gone = self._evicted(out, new, all_real=not self.holes) if want_evicted else None
-            ev = torch.zeros(*prio.shape, dtype=torch.bool, device=prio.device).scatter_(-1, out, True)
-            # evicted slots first (in slot order), then kept ones; kept new entries first
-            targets = torch.argsort((~ev[..., :B]).to(torch.int8), dim=-1, stable=True)[..., :n]
-            sources = torch.argsort(ev[..., B:].to(torch.int8), dim=-1, stable=True)
-            kept = (~ev[..., B:]).sum(-1, keepdim=True)  # (b, h, 1) new entries kept; the other evicted slots free
-            moved = {k: t.gather(2, expand_index(sources, t)) for k, t in new.items()}
-            self._write(targets[..., :m], moved, torch.arange(m, device=prio.device) < kept)
-            free = targets.gather(-1, kept + torch.arange(n - m, device=prio.device))
-        if n > m:
-            self._meta["pos"].write(free, torch.full_like(free, -1), None)
-            self._free, self._free_next, self.holes = free, 0, True
-            self.make_recent()
-        return gone
+    def flush(self) -> None:
+        """The recent tier's tokens to their slots (``Turnover.flush``)."""
+        self.turnover.flush(self)
+
+    def settle(self) -> None:
+        """Before the batch changes: no turn-over in progress (``Turnover.settle``)."""
+        self.turnover.settle(self)
 
     def make_recent(self) -> None:
-        """The recent tier, if this tier is to have one and has none yet."""
-        if self._recent_args is None or self.recent is not None:
-            return
-        slots, h, dk, dv, dtype, device, stats, heads = self._recent_args
-        # 16 bits, as the stock cache the budgets are shares of: the model's dtype, or float16
-        bits = 16 if dtype.itemsize > 2 else None
-        self.recent = Tier(slots, len(self.fills), h, dk, dv, dtype, device, stats, bits=bits, heads=heads)
-        self.recent.grow_to(slots)
+        self.turnover.make_recent(self)
 
-    def _put(self, j: int, new: dict) -> None:
+    @property
+    def slack(self) -> int:
+        return self.turnover.slack
+
+    @property
+    def holes(self) -> bool:
+        """Some slot below a row's fill holds no token (freed by a batch eviction): attention masks it."""
+        return self.turnover.holes
+
+    @property
+    def recent(self) -> "Tier | None":
+        return self.turnover.recent
+
+    def put(self, j: int, new: dict) -> None:
         """Write entries ``new`` (b, h, m) at columns j .. j + m of every row: slices, no index (a
         recent tier, which every row fills alike)."""
         m = new["pos"].shape[-1]
@@ -435,36 +394,14 @@ class Tier:
         self.store.values[:, :, j : j + m] = new["v"]
         for name in self.names():
             self.meta(name)[..., j : j + m] = new[name]
-        self._set_fills([j + m] * len(self.fills))
+        self.set_fills([j + m] * len(self.fills))
 
-    def flush(self) -> None:
-        """The recent tier's tokens into the slots they stand for (the first of ``_free``): keys and
-        values quantized as one group, their bookkeeping with them; the recent tier empties."""
-        r = self.recent
-        if r is None or not r.filled:
-            return
-        assert self._free is not None, "a recent tier fills only between two rankings"
-        n = r.filled
-        got = {"k": r.store.keys[:, :, :n], "v": r.store.values[:, :, :n]}
-        got.update({name: r.meta(name)[..., :n] for name in r.names()})
-        self._write(self._free[..., :n], got, None)
-        r.meta("pos")[..., :n] = -1
-        r._set_fills([0] * len(r.fills))
-        self.holes = n < self._free.shape[-1]
-
-    def settle(self) -> None:
-        """Before the batch changes: the recent tokens to their slots, and no recent tier any more
-        (rows that join may be at another step of their turn-over)."""
-        self.flush()
-        self.recent, self._recent_args = None, None
-        self._free = None
-
-    def _evicted(self, out, new: dict, all_real: bool = False) -> dict:
+    def evicted(self, out, new: dict, all_real: bool = False) -> dict:
         """The entries of evicted candidates ``out`` (indices into slots + new), valid ones first,
         cut to the most valid ones any (sequence, head) has (every one, with ``all_real``)."""
         B = self.capacity
         from_slot = out < B
-        stored = self._read(out.clamp(max=B - 1))
+        stored = self.read(out.clamp(max=B - 1))
         fresh = {n: t.gather(2, expand_index((out - B).clamp(min=0), t)) for n, t in new.items()}
         got = {n: torch.where(trailing(from_slot, stored[n]), stored[n], fresh[n]) for n in stored}
         if all_real:
@@ -483,13 +420,22 @@ class Tier:
         self._map_slots(fn)
         self.fill = fn(self.fill)
         if self.caps is not None:
-            self.caps = fn(self.caps)
+            self._caps = RowCaps(fn(self.caps))
 
     def _map_slots(self, fn, store: bool = True) -> None:
         if store:
             self.store.map_batch(fn)
         for name in self.names():  # positions, head ids, then the statistics
             self._meta[name].map_batch(fn)
+
+    @property
+    def caps(self) -> torch.Tensor | None:
+        """(b,) each row's own number of slots (``kvevict.caps``), or None: every row has the budget."""
+        return None if self._caps is None else self._caps.tensor
+
+    @caps.setter
+    def caps(self, caps: torch.Tensor | None) -> None:
+        self._caps = None if caps is None else RowCaps(caps)
 
     def row_caps(self) -> torch.Tensor:
         """(b,) each row's own number of slots."""
@@ -509,21 +455,20 @@ class Tier:
         """Take rows of up to ``budget`` slots and carry every statistic in ``stats``, so rows of
         another tier can be appended; each row keeps its own cap. No slot is allocated here: the
         pages come as the rows grow into them."""
-        if stats != self._stats:
+        if stats != self.layout.stats:
             for s in stats:
                 if s not in self._meta:
                     self._meta[s] = self._field(len(self.fills), stat_dtype(s), 0)
-            self._stats = tuple(stats)
+            self.layout = replace(self.layout, stats=tuple(stats))
         if budget > self.budget:
-            self.caps = self.row_caps()
+            self._caps = RowCaps(self.row_caps())
             self.budget = budget
 
     def fit(self) -> None:
         """After rows joined or left: pages no row uses any more are given back, the budget is the
         widest row's cap (a row writes only below its cap, so nothing kept is cut), and no caps
         once every row has the full width."""
-        self._set_fills(self.fill.tolist())  # one host read per batch change, none per step
-        self._caps_host = None
+        self.set_fills(self.fill.tolist())  # one host read per batch change, none per step
         keep = page_slots(self.filled, self.budget)
         if keep < self.capacity:  # rows that left held the last pages
             self._resize(keep)
@@ -535,15 +480,10 @@ class Tier:
             if self.capacity > widest:
                 self._resize(widest)
         if (int(self.caps.min()) if self.caps.numel() else self.budget) >= self.budget:
-            self.caps = None
+            self._caps = None
             return
-        caps = self._caps_host = self.caps.tolist()  # one host read per batch change, none per step
-        self._cols = {}
-        self._cap_groups = [
-            (cap, torch.tensor(rows, device=self.caps.device), rows)
-            for cap in sorted(set(caps))
-            for rows in [[i for i, c in enumerate(caps) if c == cap]]
-        ]
+        assert self._caps is not None
+        self._caps.index()
 
     def _resize(self, n: int) -> None:
         """Reallocate every per-slot tensor to ``n`` slots (cut, or padded with empty slots)."""
@@ -559,13 +499,19 @@ class Tier:
             f.resize(n, fn)
         self.capacity = n
         if self.filled > n:  # cut below a row's fill (the budget shrank to the widest cap)
-            self._set_fills([min(f, n) for f in self.fills])
+            self.set_fills([min(f, n) for f in self.fills])
 
     def nbytes(self) -> int:
         """Every byte this tier holds: keys and values (codes, steps, zeros), positions, statistics,
         and its recent tier's."""
-        own = self.store.nbytes() + sum(f.nbytes() for f in self._meta.values())
-        return own + (0 if self.recent is None else self.recent.nbytes())
+        rows = len(self.fills)
+        if self.pools is None:
+            own = self.layout.rect_bytes(rows, self.h, self.capacity, self.pos_dtype)
+        else:  # every per-slot tensor holds the same pages of each row, and a table as wide
+            store = self.store
+            assert isinstance(store, PagedStore)
+            own = self.layout.paged_bytes(sum(store.own), self.h, rows, store.table.shape[1], self.pos_dtype)
+        return own + self.turnover.nbytes()
 
     def parts(self) -> list:
         """What attention reads of this tier: itself, then its recent tier's tokens if it holds any."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from transformers import DynamicCache
 
 from ..cache import make_cache
-from ..memory import pick_policy, storage_kind
+from ..memory import MemoryPlan, pick_policy, storage_kind
 from ..policies import policy_class
 from ..spec import FULL, CacheSpec
 from ..storage import Storage
@@ -62,8 +62,9 @@ def new_cache(model, policy: str, budget, sequence=None, covering: int | None = 
             policy, prompt_known=prompt is not None and tokenizer is not None, model=model, share=budget
         )
         return make_cache(model, _recorded(name, model, tokenizer, prompt) or name, memory=budget, **bits)
-    if spec.storage is not None and spec.storage.evicted_bits is not None and getattr(budget, "pair", None):
-        bits["evicted_budget"] = budget.partner()  # a memory plan's two tiers
+    two_tiers = isinstance(budget, MemoryPlan) and budget.pair is not None  # a memory plan's int8 and int4
+    if spec.storage is not None and spec.storage.evicted_bits is not None and two_tiers:
+        bits["evicted_budget"] = budget.partner()
     if spec.policy == FULL:
         if spec.is_stock:
             return DynamicCache(config=model.config)
@@ -82,7 +83,7 @@ def _recorded(name: str, model, tokenizer, prompt):
     """A policy that scores the prompt in a pass of its own (``needs_prompt``: kvzip), recorded on
     ``prompt``; None for any other policy or without a prompt."""
     found = policy_class(name) if prompt is not None else None
-    if found is None or not getattr(found[0], "needs_prompt", False):
+    if found is None or not found[0].needs_prompt:
         return None
     return found[0].record(model, tokenizer, prompt, **found[1])
 

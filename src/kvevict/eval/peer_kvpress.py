@@ -16,7 +16,10 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from . import records
 from .tasks.base import GenerationTask
@@ -79,19 +82,12 @@ def run_peer(
     ``n_samples - 1``; return how many were written.
     ``dtype``: the model's weights and activations in kvpress's process, as kvevict's own cells ran.
     ``question``: "pressed" with the context, or "apart" (see the module's docstring)."""
-    from ..fetch import cache_dir
-    from ..peers.locations import find, hint
-
     if question not in QUESTION:
         raise ValueError(f"question={question!r}: choose {' or '.join(QUESTION)}.")
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    py = find("kvpress")
-    if py is None:
-        raise ValueError(f"--peer kvpress needs the kvpress environment: create it with {hint('kvpress')}")
-    model_dir = cache_dir() / model_name
-    if not (model_dir / "config.json").exists():
-        raise ValueError(f"--peer kvpress runs on the converted copy of a known model ({model_dir} is missing).")
+    py, model_dir = _peer_python_and_model(model_name)
     done, writer, written = records.load(out_dir), records.Writer(out_dir), 0
+    peer = _Peer(py, model_dir, model_name, tokenizer, threads, dtype, question, log, done, writer)
     try:
         for task in tasks:
             if not isinstance(task, GenerationTask):
@@ -100,48 +96,87 @@ def run_peer(
             samples = task.samples(tokenizer, n_samples)[first:]
             for press in presses:
                 for budget in budgets:
-                    if not isinstance(budget, float):
-                        raise ValueError("--peer kvpress takes fractional budgets (kvpress compresses by ratio).")
-                    policy = f"kvpress-{press}" + ("/context" if question == "apart" else "")
-                    todo = [
-                        s
-                        for s in samples
-                        if records.record_key(task.name, policy, budget, s.id, model_name) not in done
-                    ]
-                    if not todo:
-                        continue
-                    by_id = {s.id: s for s in todo}
-                    job = {
-                        "model_dir": str(model_dir),
-                        "press": press,
-                        "compression_ratio": round(1.0 - budget, 6),
-                        "threads": threads,
-                        "dtype": dtype,
-                        "samples": [_job_sample(tokenizer, task, s, budget, question) for s in todo],
-                    }
-                    log(f"[kvpress {press}@{budget:g}] {task.name}: {len(todo)} samples")
-                    for line in _stream(py, job, log):
-                        s = by_id[line["id"]]
-                        text = tokenizer.decode(line["new_ids"], skip_special_tokens=True).strip()
-                        rec = {
-                            "model": model_name,
-                            "task": task.name,
-                            "policy": policy,
-                            "budget": budget,
-                            "sample": s.id,
-                            "scores": task.score(s, text, None),
-                            "output": text,
-                            "kv_tokens": line["kv_tokens"],
-                            "seconds": line["seconds"],
-                            "decode": records.PEER_DECODE,
-                        }
-                        writer.write(rec)
-                        done[records.record_key(rec)] = rec
-                        written += 1
-                        log(f"  {s.id} {policy}@{budget:g}: {rec['scores']}")
+                    written += peer.run(task, samples, press, budget)
     finally:
         writer.close()
     return written
+
+
+def _peer_python_and_model(model_name):
+    """(kvpress's Python, the converted model's folder), or a ValueError that says what is missing."""
+    from ..fetch import cache_dir
+    from ..peers.locations import find, hint
+
+    py = find("kvpress")
+    if py is None:
+        raise ValueError(f"--peer kvpress needs the kvpress environment: create it with {hint('kvpress')}")
+    model_dir = cache_dir() / model_name
+    if not (model_dir / "config.json").exists():
+        raise ValueError(f"--peer kvpress runs on the converted copy of a known model ({model_dir} is missing).")
+    return py, model_dir
+
+
+@dataclass
+class _Peer:
+    """What every (task, press, budget) of one ``run_peer`` shares: kvpress's Python, the model,
+    the records done so far and the writer of new ones."""
+
+    py: Path
+    model_dir: Path
+    model_name: str
+    tokenizer: Any
+    threads: int
+    dtype: str
+    question: str
+    log: Callable[[str], None]
+    done: dict
+    writer: records.Writer
+
+    def run(self, task, samples, press, budget) -> int:
+        """One press at one budget on the samples of ``task`` that have no record yet, in one
+        kvpress process; how many records were written."""
+        if not isinstance(budget, float):
+            raise ValueError("--peer kvpress takes fractional budgets (kvpress compresses by ratio).")
+        policy = f"kvpress-{press}" + ("/context" if self.question == "apart" else "")
+        todo = [
+            s for s in samples if records.record_key(task.name, policy, budget, s.id, self.model_name) not in self.done
+        ]
+        if not todo:
+            return 0
+        by_id, written = {s.id: s for s in todo}, 0
+        job = {
+            "model_dir": str(self.model_dir),
+            "press": press,
+            "compression_ratio": round(1.0 - budget, 6),
+            "threads": self.threads,
+            "dtype": self.dtype,
+            "samples": [_job_sample(self.tokenizer, task, s, budget, self.question) for s in todo],
+        }
+        self.log(f"[kvpress {press}@{budget:g}] {task.name}: {len(todo)} samples")
+        for line in _stream(self.py, job, self.log):
+            s = by_id[line["id"]]
+            rec = self.record(task, policy, budget, s, line)
+            self.writer.write(rec)
+            self.done[records.record_key(rec)] = rec
+            written += 1
+            self.log(f"  {s.id} {policy}@{budget:g}: {rec['scores']}")
+        return written
+
+    def record(self, task, policy: str, budget: float, sample, line: dict) -> dict:
+        """The record of one sample's answer, as kvpress's process reported it in ``line``."""
+        text = self.tokenizer.decode(line["new_ids"], skip_special_tokens=True).strip()
+        return {
+            "model": self.model_name,
+            "task": task.name,
+            "policy": policy,
+            "budget": budget,
+            "sample": sample.id,
+            "scores": task.score(sample, text, None),
+            "output": text,
+            "kv_tokens": line["kv_tokens"],
+            "seconds": line["seconds"],
+            "decode": records.PEER_DECODE,
+        }
 
 
 def check_question_fits(tokenizer, tasks, budgets, n_samples, first=0) -> None:

@@ -14,14 +14,12 @@ The programs are in ``triton_kernels.py``: per run one launch of a split program
 ``_split_rows_kernel`` for a packed run it can read factored (the codes straight into the tensor
 cores, a step and a zero per token and group the only arithmetic: ``_factored``), else
 ``_split_kernel`` (each channel dequantized in registers) -- then one launch of ``_finish`` (the
-new key, the splits merged into out, and pg from the saved scores).
-On an H100 the factored int4 read (its products transposed there: ``trans_default``) takes 0.465x
-dense bf16 SDPA's GPU time at 32K context, batch 8, out only, and 0.514x with pg (replayed from a
-CUDA graph: docs/results/performance.md, "On a GPU: the Triton kernel"). The
-factored read computes with the exact dequantized keys and values, where the torch reference
-(and ``_split_kernel``) rounds them to a bf16 / fp16 query's dtype first: in those dtypes its pg
-is within 3e-7 of attention over the exact values, the rounded reference's about 2e-3
-(tests/test_kernel_triton.py holds each path to the keys it uses).
+new key, the splits merged into out, and pg from the saved scores). ``plan`` lays the launches
+out: ``configure`` chooses the step's ``Config`` (tile sizes, keys per split, the read), then one
+function per kind of launch. Its timings are in docs/results/performance.md ("On a GPU: the Triton
+kernel") and docs/results/performance-notes.md. The factored read computes with the exact
+dequantized keys and values, where the torch reference (and ``_split_kernel``) rounds them to a
+bf16 / fp16 query's dtype first (tests/test_kernel_triton.py holds each path to the keys it uses).
 
 Registering it (the one line ``kvevict/kernels/__init__.py`` needs; this module imports without
 triton, ``available()`` says whether the backend can run)::
@@ -37,9 +35,11 @@ fp32. Bad input raises ValueError.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -47,6 +47,7 @@ import torch
 PACKED = (8, 4, 2)
 DENSE = (16, 32)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_FINISH_KEYS = 256  # keys of pg per _finish program
 
 
 def available() -> tuple[bool, str]:
@@ -101,52 +102,24 @@ def decode_attention_triton(q, runs, k_new, v_new, mask, scale, softcap=None, su
 
 
 def unknown_switches(switches: dict, fixed: tuple = ()) -> str | None:
-    """None when every key of ``switches`` is one of ``plan``'s keyword switches (less ``fixed``),
-    else a message naming the unknown ones and the known: for tools that take switches as JSON."""
-    import inspect
-
-    known = [n for n, p in inspect.signature(plan).parameters.items() if p.kind is p.KEYWORD_ONLY and n not in fixed]
+    """None when every key of ``switches`` is one of ``plan``'s keyword switches (``Switches``'
+    fields, less ``fixed``), else a message naming the unknown ones and the known: for tools that
+    take switches as JSON."""
+    known = [f.name for f in dataclasses.fields(Switches) if f.name not in fixed]
     unknown = sorted(set(switches) - set(known))
     return f"unknown switch(es) {', '.join(unknown)}: the JSON may name {', '.join(known)}." if unknown else None
 
 
-def plan(
-    q,
-    runs,
-    k_new,
-    v_new,
-    mask,
-    scale,
-    softcap=None,
-    summary=None,
-    *,
-    split=None,
-    warps=None,
-    block=None,
-    factored=True,
-    prefetch=True,
-    lowp=True,
-    magic=True,
-    regs=None,
-    zwords=True,
-    fold=True,
-    vpairs=True,
-    pg=True,
-    trans=None,
-):
-    """The launches of one decode step's attention, laid out and not made: (out, pg, [``Launch``]),
-    out and pg the buffers they fill (``benchmarks/triton_sass.py`` compiles them for a GPU on any
-    machine). q (b, hq, 1, d) unscaled; runs: ``kvevict.kernels.runs.Run`` objects (read by field: bits,
-    group, k, v, n); k_new, v_new (b, hkv, 1, d|dv) in q's dtype; mask (b, hkv|1, n_total) bool
-    over the stored slots (True = visible) or None; the new key is always visible; ``summary``: a
-    merged cache's mean slot (key, value, log n; ``kvevict.merge``), joined by ``_finish``.
-    Returns (out (b, hq, 1, dv) in q's dtype, pg (b, hkv, n_total + 1) float32); ``pg=False``: out
-    only, pg None (no scores saved, one ``_finish`` program per sequence and KV head).
+@dataclass(frozen=True)
+class Switches:
+    """``plan``'s keyword switches, all for tuning on a GPU (``benchmarks/triton_decode.py`` sweeps
+    them; the defaults are what was timed best, docs/results/performance.md).
+
     ``split``: keys per program (a multiple of the key tile; None picks one from the GPU's size);
-    ``warps``: warps per split program (None: triton's default), ``block``: keys per tile (a power
+    ``warps``: warps per split program (None: triton's default); ``block``: keys per tile (a power
     of two >= 16; None: 128 where 2- or 4-bit codes are made from their bits, else 64; 32 past
-    head dim 128), ``regs``: registers per thread the split program may use (triton's
-    ``maxnreg``; None: the compiler's choice), all for tuning on a GPU;
+    head dim 128); ``regs``: registers per thread the split program may use (triton's
+    ``maxnreg``; None: the compiler's choice);
     ``factored``: packed runs are read factored where they can be (``_factored``), else every
     channel is dequantized in registers first; ``prefetch``: each tile's bytes are loaded while
     the tile before it is computed; ``lowp``: bf16 queries dequantize in bf16 arithmetic (the
@@ -159,195 +132,320 @@ def plan(
     paired along the tokens, as the value product takes them (``triton_kernels._unpack_pairs``);
     ``trans``: the factored read's two products transposed, the codes their first operand
     (``_split_rows_kernel``'s TRANS: on an sm_90 GPU warpgroup MMAs, the keys' words loaded where
-    they are multiplied); None: on where it was timed faster, sm_90 (``trans_default``,
-    docs/results/performance.md), in tiles of 64 keys or more; ``pg``: see Returns."""
-    b, hq, hkv, d, dv, n_total = _check(q, runs, k_new, v_new, mask)
-    from . import triton_kernels as tk  # imports triton
+    they are multiplied); None: on where it was timed faster (``trans_default``), in tiles of 64
+    keys or more; ``pg``: pg too (False: out only, no scores saved, one ``_finish`` program per
+    sequence and KV head)."""
 
-    g = hq // hkv
-    gp = max(16, _pow2(g))  # tl.dot needs at least 16 rows: the group's heads padded
-    d_p, dv_p = max(16, _pow2(d)), max(16, _pow2(dv))
-    for name, value, least in (("block", block, 16), ("warps", warps, 1)):
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value < least or not _pow2_ok(value)
-        ):
-            raise ValueError(f"{name} must be a power of two >= {least}, got {value!r}.")
-    if regs is not None and (isinstance(regs, bool) or not isinstance(regs, int) or not 24 <= regs <= 248 or regs % 8):
-        raise ValueError(f"regs must be a multiple of 8 from 24 to 248 (registers per thread), got {regs!r}.")
-    # keys per tile, measured on an H100 (docs/results/performance.md, "On a GPU"): 128 for the factored
-    # read of codes made from their bits up to head dim 128, else 64 (the per-channel read spills
-    # at 128, int8 is slower), 32 past head dim 128
-    block_n = _block(split, block or (64 if max(d_p, dv_p) <= 128 else 32))
-    rows_block = _block(split, block or (128 if max(d_p, dv_p) <= 128 else 32))
-    every = [
-        (r.bits, r.group, r.k, r.v, r.n, getattr(r, "table", None), getattr(r, "page", 0)) for r in runs if r.n > 0
-    ]
-    if trans is None:  # timed in 128-key tiles; the 32-key tiles past head dim 128 stay as they were
-        trans = trans_default(q.device) and rows_block >= 64
-    split = _split(split, max(block_n, rows_block), b * hkv, max(1, n_total), q.device, 2 if trans else 4)
-    splits = [math.ceil(r[4] / split) for r in every]
-    n_splits = sum(splits)
+    split: int | None = None
+    warps: int | None = None
+    block: int | None = None
+    factored: bool = True
+    prefetch: bool = True
+    lowp: bool = True
+    magic: bool = True
+    regs: int | None = None
+    zwords: bool = True
+    fold: bool = True
+    vpairs: bool = True
+    pg: bool = True
+    trans: bool | None = None
 
-    dev, f32 = q.device, torch.float32
-    nt1 = n_total + 1
-    m_part = torch.empty(b * hkv, n_splits, g, dtype=f32, device=dev)
-    scores = torch.empty(b * hkv, g, nt1, dtype=f32, device=dev) if pg else m_part  # m_part: a pointer never read
-    l_part = torch.empty_like(m_part)
-    acc_part = torch.empty(b * hkv, n_splits, g, dv, dtype=f32, device=dev)
-    out = torch.empty(b, hq, 1, dv, dtype=q.dtype, device=dev)
-    probs = torch.empty(b, hkv, nt1, dtype=f32, device=dev) if pg else None
-    cdt = {torch.float16: tk.tl.float16, torch.bfloat16: tk.tl.bfloat16, torch.float32: tk.tl.float32}[q.dtype]
-    emu = not q.is_cuda  # the interpreter: see _rnd and _operand in triton_kernels
-    m = mask.view(torch.uint8) if mask is not None else scores  # bool read as bytes; a dummy when None
-    m_strides = (m.stride(0), m.stride(1) if m.shape[1] > 1 else 0, m.stride(2)) if mask is not None else (0, 0, 0)
+    def check(self) -> None:
+        """ValueError naming the first switch out of its range: block, warps, regs, split."""
+        for name, value, least in (("block", self.block, 16), ("warps", self.warps, 1)):
+            if value is not None and (_not_int(value) or value < least or not _pow2_ok(value)):
+                raise ValueError(f"{name} must be a power of two >= {least}, got {value!r}.")
+        regs = self.regs
+        if regs is not None and (_not_int(regs) or not 24 <= regs <= 248 or regs % 8):
+            raise ValueError(f"regs must be a multiple of 8 from 24 to 248 (registers per thread), got {regs!r}.")
+        split = self.split
+        if split is not None and (_not_int(split) or split < 16 or split % 16):
+            raise ValueError(f"split must be a positive multiple of 16 (keys per program), got {split!r}.")
 
+
+@dataclass(frozen=True)
+class Config:
+    """One decode step's launch configuration, as ``configure`` chose it from the shapes, the device
+    and the ``Switches``: what every launch of the step shares."""
+
+    b: int
+    hkv: int
+    g: int  # query heads per KV head
+    d: int
+    dv: int
+    n_total: int  # stored slots, all runs
+    block_n: int  # keys per tile: the per-channel read (``_split_kernel``), and the factored one without magic
+    rows_block: int  # keys per tile: the factored read of codes made from their bits
+    split: int  # keys per split program
+    trans: bool  # the factored read's products transposed
+    cdt: object  # q's dtype as triton's: the compute dtype
+    emu: bool  # triton's interpreter (a CPU tensor): see _rnd and _operand in triton_kernels
+    sw: Switches
+
+    @property
+    def gp(self) -> int:
+        return max(16, _pow2(self.g))  # tl.dot needs at least 16 rows: the group's heads padded
+
+    @property
+    def d_p(self) -> int:
+        return max(16, _pow2(self.d))
+
+    @property
+    def dv_p(self) -> int:
+        return max(16, _pow2(self.dv))
+
+
+class Buffers(NamedTuple):
+    """What one step's launches write, and the split programs hand ``_finish``."""
+
+    out: torch.Tensor  # (b, hq, 1, dv), q's dtype
+    probs: torch.Tensor | None  # pg (b, hkv, n_total + 1) float32; None for out only
+    scores: torch.Tensor  # the raw scores (b hkv, g, n_total + 1); without pg a pointer never read
+    m_part: torch.Tensor  # each split's partial max (b hkv, splits, g)
+    l_part: torch.Tensor  # its normalizer
+    acc_part: torch.Tensor  # its weighted values (b hkv, splits, g, dv)
+
+    @property
+    def n_splits(self) -> int:
+        return self.m_part.shape[1]
+
+
+def plan(q, runs, k_new, v_new, mask, scale, softcap=None, summary=None, **switches):
+    """The launches of one decode step's attention, laid out and not made: (out, pg, [``Launch``]),
+    out and pg the buffers they fill (``benchmarks/triton_sass.py`` compiles them for a GPU on any
+    machine). q (b, hq, 1, d) unscaled; runs: ``kvevict.kernels.runs.Run`` objects (read by field: bits,
+    group, k, v, n); k_new, v_new (b, hkv, 1, d|dv) in q's dtype; mask (b, hkv|1, n_total) bool
+    over the stored slots (True = visible) or None; the new key is always visible; ``summary``: a
+    merged cache's mean slot (key, value, log n; ``kvevict.merge``), joined by ``_finish``;
+    ``switches``: ``Switches``' fields by name (a TypeError for any other).
+    Returns (out (b, hq, 1, dv) in q's dtype, pg (b, hkv, n_total + 1) float32); ``pg=False``: out
+    only, pg None. One split launch per run that holds slots (``_split_launch``), then one of
+    ``_finish`` (``_finish_launch``)."""
+    sw = Switches(**switches)
+    shape = _check(q, runs, k_new, v_new, mask)
+    sw.check()
+    cfg = configure(q, shape, sw)
+    every = [r for r in runs if r.n > 0]
+    splits = [math.ceil(r.n / cfg.split) for r in every]
+    bufs = _buffers(q, cfg, sum(splits))
     key_off = split_off = 0
     launches = []
-    for (bits, group, kt, vt, n, table, page), ns in zip(every, splits):
-        paged = table is not None
-        if paged:
-            table = table.contiguous()
-        common = dict(
-            HKV=hkv,
-            G=g,
-            D=d,
-            DV=dv,
-            BITS=bits,
-            GROUP=group if bits in PACKED else 1,
-            HAS_MASK=mask is not None,
-            SOFTCAP=softcap is not None,
-            CDT=cdt,
-            EMU=emu,
-            PAGED=paged,
-            PAGE=page if paged else 1,
-            PREFETCH=bool(prefetch),
-            SCORES=bool(pg),
-            **({} if warps is None else {"num_warps": warps}),
-            **({} if regs is None or emu else {"maxnreg": regs}),
-        )
-        words = None
-        if factored and _factored(bits, group, d) and _factored(bits, group, dv):
-            gh = _pow2(g)  # rows of the products: NGP groups x GH heads, at least tl.dot's 16
-            ngp = max(_pow2(max(d, dv) // group), -(-16 // gh))
-            # zeros and steps as words: a multiple of 4 groups per token, none of the NGP rows padding
-            words = _as_words(kt, vt, bool(zwords) and d == dv and ngp == d // group and ngp % 4 == 0)
-        if words:
-            (kt, vt), zw = words
-            magic_ok = bool(magic) and bits in (2, 4) and q.dtype in (torch.bfloat16, torch.float16)
-            kernel, extra = (
-                tk._split_rows_kernel,
-                dict(
-                    GH=gh,
-                    NGP=ngp,
-                    U=1 << (8 - bits),
-                    BLOCK_N=rows_block if magic_ok else block_n,
-                    ZW=zw,
-                    MAGIC=magic_ok,
-                    # fp16's bias (1024, 8x bf16's) would cost pg ~2e-5 to the cancellation: bf16 only
-                    FOLD=bool(fold) and q.dtype == torch.bfloat16,
-                    VPAIR=magic_ok and bool(vpairs),
-                    TRANS=bool(trans),
-                    LCOLS=not trans,
-                ),
-            )
-        else:
-            kernel, extra = (
-                tk._split_kernel,
-                dict(
-                    GP=gp,
-                    D_P=d_p,
-                    DV_P=dv_p,
-                    BLOCK_N=block_n,
-                    GROUPED_K=_grouped(bits, group, d),
-                    GROUPED_V=_grouped(bits, group, dv),
-                    LOWP=bool(lowp) and q.dtype == torch.bfloat16 and not emu,
-                ),
-            )
-        launches.append(
-            Launch(
-                kernel,
-                (b * hkv, ns),
-                (
-                    q,
-                    q.stride(0),
-                    q.stride(1),
-                    q.stride(3),
-                    *_operand(kt, paged),
-                    *_operand(vt, paged),
-                    m,
-                    *m_strides,
-                    scores,
-                    m_part,
-                    l_part,
-                    acc_part,
-                    n,
-                    key_off,
-                    split_off,
-                    split,
-                    n_splits,
-                    nt1,
-                    float(scale),
-                    float(softcap or 1.0),
-                    table if paged else scores,
-                    table.stride(0) if paged else 0,
-                    _page_rows(kt, vt) if paged else 0,
-                ),
-                {**common, **extra},
-            )
-        )
-        key_off += n
+    for run, ns in zip(every, splits):
+        launches.append(_split_launch(q, run, mask, bufs, cfg, (key_off, split_off, ns), scale, softcap))
+        key_off += run.n
         split_off += ns
-    block = 256  # keys per _finish program
-    launches.append(
-        Launch(
-            tk._finish,
-            (b * hkv, triton_cdiv(nt1, block) if pg else 1),
-            (
-                q,
-                q.stride(0),
-                q.stride(1),
-                q.stride(3),
-                k_new,
-                k_new.stride(0),
-                k_new.stride(1),
-                k_new.stride(3),
-                v_new,
-                v_new.stride(0),
-                v_new.stride(1),
-                v_new.stride(3),
-                m_part,
-                l_part,
-                acc_part,
-                scores,
-                out,
-                out.stride(0),
-                out.stride(1),
-                out.stride(3),
-                scores if probs is None else probs,
-                n_splits,
-                nt1,
-                float(scale),
-                float(softcap or 1.0),
-                *_summary_args(summary, k_new),
-            ),
-            dict(
-                HKV=hkv,
-                G=g,
-                GP=max(2, _pow2(g)),
-                D=d,
-                D_P=d_p,
-                DV=dv,
-                DV_P=dv_p,
-                BLOCK=block,
-                SOFTCAP=softcap is not None,
-                CDT=cdt,
-                EMU=emu,
-                SUMMARY=summary is not None,
-                PG=bool(pg),
-            ),
-        )
+    launches.append(_finish_launch(q, k_new, v_new, bufs, cfg, scale, softcap, summary))
+    return bufs.out, bufs.probs, launches
+
+
+def configure(q, shape: tuple, sw: Switches) -> Config:
+    """The ``Config`` of one decode step: q and ``_check``'s shape (b, hq, hkv, d, dv, n_total) under
+    the switches ``sw`` (already checked)."""
+    from . import triton_kernels as tk  # imports triton
+
+    b, hq, hkv, d, dv, n_total = shape
+    widest = max(16, _pow2(d), _pow2(dv))
+    # keys per tile, chosen by timing on an H100 (docs/results/performance.md, "On a GPU"): 128 for
+    # the factored read of codes made from their bits up to head dim 128, else 64 (the per-channel
+    # read spills at 128, int8 is slower), 32 past head dim 128
+    block_n = _block(sw.split, sw.block or (64 if widest <= 128 else 32))
+    rows_block = _block(sw.split, sw.block or (128 if widest <= 128 else 32))
+    trans = sw.trans
+    if trans is None:  # timed in 128-key tiles; the 32-key tiles past head dim 128 stay as they were
+        trans = trans_default(q.device) and rows_block >= 64
+    split = _split(sw.split, max(block_n, rows_block), b * hkv, max(1, n_total), q.device, 2 if trans else 4)
+    cdt = {torch.float16: tk.tl.float16, torch.bfloat16: tk.tl.bfloat16, torch.float32: tk.tl.float32}[q.dtype]
+    return Config(b, hkv, hq // hkv, d, dv, n_total, block_n, rows_block, split, bool(trans), cdt, not q.is_cuda, sw)
+
+
+def _buffers(q, cfg: Config, n_splits: int) -> Buffers:
+    """The step's outputs and the split programs' partials, allocated (not filled)."""
+    dev, f32, rows, nt1 = q.device, torch.float32, cfg.b * cfg.hkv, cfg.n_total + 1
+    m_part = torch.empty(rows, n_splits, cfg.g, dtype=f32, device=dev)
+    scores = torch.empty(rows, cfg.g, nt1, dtype=f32, device=dev) if cfg.sw.pg else m_part  # m_part: never read
+    l_part = torch.empty_like(m_part)
+    acc_part = torch.empty(rows, n_splits, cfg.g, cfg.dv, dtype=f32, device=dev)
+    out = torch.empty(cfg.b, cfg.g * cfg.hkv, 1, cfg.dv, dtype=q.dtype, device=dev)
+    probs = torch.empty(cfg.b, cfg.hkv, nt1, dtype=f32, device=dev) if cfg.sw.pg else None
+    return Buffers(out, probs, scores, m_part, l_part, acc_part)
+
+
+def _mask_args(mask, dummy) -> tuple:
+    """The mask's pointer (bool read as bytes) and (b, h, n) strides, a head stride of 0 for one
+    mask shared by the heads; without a mask, ``dummy`` and zero strides."""
+    if mask is None:
+        return dummy, 0, 0, 0
+    m = mask.view(torch.uint8)
+    return m, m.stride(0), m.stride(1) if m.shape[1] > 1 else 0, m.stride(2)
+
+
+def _split_launch(q, run, mask, bufs: Buffers, cfg: Config, place: tuple, scale, softcap) -> Launch:
+    """The split programs of one run: a program per (sequence, KV head, split); ``place`` is (the
+    run's first key among all runs' keys, its first split among all splits, its splits). The
+    factored read (``_factored_read``) where the run allows it, else the per-channel one."""
+    from . import triton_kernels as tk
+
+    key_off, split_off, ns = place
+    table = getattr(run, "table", None)
+    paged = table is not None
+    read = _factored_read(q, run, cfg) if cfg.sw.factored else None
+    if read is None:
+        kernel, kt, vt, extra = tk._split_kernel, run.k, run.v, _channel_kwargs(q, run, cfg)
+    else:
+        kernel, kt, vt, extra = read
+    args = (
+        q,
+        q.stride(0),
+        q.stride(1),
+        q.stride(3),
+        *_operand(kt, paged),
+        *_operand(vt, paged),
+        *_mask_args(mask, bufs.scores),
+        bufs.scores,
+        bufs.m_part,
+        bufs.l_part,
+        bufs.acc_part,
+        run.n,
+        key_off,
+        split_off,
+        cfg.split,
+        bufs.n_splits,
+        cfg.n_total + 1,
+        float(scale),
+        float(softcap or 1.0),
+        *_table_args(table, kt, vt, bufs.scores),
     )
-    return out, probs, launches
+    kwargs = {**_common_kwargs(run, cfg, paged, mask is not None, softcap is not None), **extra}
+    return Launch(kernel, (cfg.b * cfg.hkv, ns), args, kwargs)
+
+
+def _table_args(table, kt: tuple, vt: tuple, dummy) -> tuple:
+    """A paged run's page table (contiguous), its row stride and a page's stride in slots
+    (``_page_rows``); without a table, ``dummy`` (a pointer never read) and zeros."""
+    if table is None:
+        return dummy, 0, 0
+    table = table.contiguous()
+    return table, table.stride(0), _page_rows(kt, vt)
+
+
+def _common_kwargs(run, cfg: Config, paged: bool, has_mask: bool, softcap: bool) -> dict:
+    """The constants and launch options both split programs take."""
+    sw = cfg.sw
+    return dict(
+        HKV=cfg.hkv,
+        G=cfg.g,
+        D=cfg.d,
+        DV=cfg.dv,
+        BITS=run.bits,
+        GROUP=run.group if run.bits in PACKED else 1,
+        HAS_MASK=has_mask,
+        SOFTCAP=softcap,
+        CDT=cfg.cdt,
+        EMU=cfg.emu,
+        PAGED=paged,
+        PAGE=getattr(run, "page", 0) if paged else 1,
+        PREFETCH=bool(sw.prefetch),
+        SCORES=bool(sw.pg),
+        **({} if sw.warps is None else {"num_warps": sw.warps}),
+        **({} if sw.regs is None or cfg.emu else {"maxnreg": sw.regs}),
+    )
+
+
+def _factored_read(q, run, cfg: Config):
+    """(``_split_rows_kernel``, its key and value operands, its constants) for a packed run it can
+    read factored (``_factored``: the codes straight into the tensor cores), else None."""
+    from . import triton_kernels as tk
+
+    bits, group, d, dv, sw = run.bits, run.group, cfg.d, cfg.dv, cfg.sw
+    if not (_factored(bits, group, d) and _factored(bits, group, dv)):
+        return None
+    gh = _pow2(cfg.g)  # rows of the products: NGP groups x GH heads, at least tl.dot's 16
+    ngp = max(_pow2(max(d, dv) // group), -(-16 // gh))
+    # zeros and steps as words: a multiple of 4 groups per token, none of the NGP rows padding
+    words = _as_words(run.k, run.v, bool(sw.zwords) and d == dv and ngp == d // group and ngp % 4 == 0)
+    if not words:
+        return None
+    (kt, vt), zw = words
+    magic = bool(sw.magic) and bits in (2, 4) and q.dtype in (torch.bfloat16, torch.float16)
+    kwargs = dict(
+        GH=gh,
+        NGP=ngp,
+        U=1 << (8 - bits),
+        BLOCK_N=cfg.rows_block if magic else cfg.block_n,
+        ZW=zw,
+        MAGIC=magic,
+        # fp16's bias (1024, 8x bf16's) would cost pg 8x the cancellation error of bf16's: bf16 only
+        FOLD=bool(sw.fold) and q.dtype == torch.bfloat16,
+        VPAIR=magic and bool(sw.vpairs),
+        TRANS=cfg.trans,
+        LCOLS=not cfg.trans,
+    )
+    return tk._split_rows_kernel, kt, vt, kwargs
+
+
+def _channel_kwargs(q, run, cfg: Config) -> dict:
+    """``_split_kernel``'s constants: every channel dequantized in registers (any run)."""
+    return dict(
+        GP=cfg.gp,
+        D_P=cfg.d_p,
+        DV_P=cfg.dv_p,
+        BLOCK_N=cfg.block_n,
+        GROUPED_K=_grouped(run.bits, run.group, cfg.d),
+        GROUPED_V=_grouped(run.bits, run.group, cfg.dv),
+        LOWP=bool(cfg.sw.lowp) and q.dtype == torch.bfloat16 and not cfg.emu,
+    )
+
+
+def _finish_launch(q, k_new, v_new, bufs: Buffers, cfg: Config, scale, softcap, summary) -> Launch:
+    """``_finish``: per (sequence, KV head) the new key, the mean slot and the splits merged into
+    out, and with pg one program per ``_FINISH_KEYS`` keys of pg (else one program)."""
+    from . import triton_kernels as tk
+
+    pg, nt1 = bufs.probs is not None, cfg.n_total + 1
+    args = (
+        q,
+        q.stride(0),
+        q.stride(1),
+        q.stride(3),
+        k_new,
+        k_new.stride(0),
+        k_new.stride(1),
+        k_new.stride(3),
+        v_new,
+        v_new.stride(0),
+        v_new.stride(1),
+        v_new.stride(3),
+        bufs.m_part,
+        bufs.l_part,
+        bufs.acc_part,
+        bufs.scores,
+        bufs.out,
+        bufs.out.stride(0),
+        bufs.out.stride(1),
+        bufs.out.stride(3),
+        bufs.scores if bufs.probs is None else bufs.probs,
+        bufs.n_splits,
+        nt1,
+        float(scale),
+        float(softcap or 1.0),
+        *_summary_args(summary, k_new),
+    )
+    kwargs = dict(
+        HKV=cfg.hkv,
+        G=cfg.g,
+        GP=max(2, _pow2(cfg.g)),
+        D=cfg.d,
+        D_P=cfg.d_p,
+        DV=cfg.dv,
+        DV_P=cfg.dv_p,
+        BLOCK=_FINISH_KEYS,
+        SOFTCAP=softcap is not None,
+        CDT=cfg.cdt,
+        EMU=cfg.emu,
+        SUMMARY=summary is not None,
+        PG=pg,
+    )
+    return Launch(tk._finish, (cfg.b * cfg.hkv, triton_cdiv(nt1, _FINISH_KEYS) if pg else 1), args, kwargs)
 
 
 def _summary_args(summary, k_new) -> tuple:
@@ -369,6 +467,10 @@ def _pow2(x: int) -> int:
 
 def _pow2_ok(x: int) -> bool:
     return x > 0 and x & (x - 1) == 0
+
+
+def _not_int(x) -> bool:
+    return isinstance(x, bool) or not isinstance(x, int)
 
 
 def _grouped(bits: int, group: int, d: int) -> bool:
@@ -406,11 +508,10 @@ def _as_words(kt: tuple, vt: tuple, zw: bool):
 
 
 def _block(split, block_n: int) -> int:
-    """Keys per tile: ``block_n``, or the largest power of two >= 16 below it dividing ``split``."""
+    """Keys per tile: ``block_n``, or the largest power of two >= 16 below it dividing ``split`` (a
+    checked one: a multiple of 16)."""
     if split is None:
         return block_n
-    if isinstance(split, bool) or not isinstance(split, int) or split < 16 or split % 16:
-        raise ValueError(f"split must be a positive multiple of 16 (keys per program), got {split!r}.")
     while split % block_n:
         block_n //= 2
     return block_n
@@ -418,8 +519,8 @@ def _block(split, block_n: int) -> int:
 
 def trans_default(device) -> bool:
     """Whether ``plan`` transposes the factored read's products when not told: on an sm_90 GPU (the
-    H100 / H200), where its warpgroup MMAs timed 4% faster at 32K x batch 8 (docs/results/performance.md);
-    off elsewhere (untimed there) and in the interpreter (a CPU tensor)."""
+    H100 / H200), where its warpgroup MMAs timed faster (docs/results/performance-notes.md, "The
+    Triton kernel's defaults"); off elsewhere (untimed there) and in the interpreter (a CPU tensor)."""
     return device.type == "cuda" and _gpu(_index(device))[0] == (9, 0)
 
 
@@ -438,7 +539,7 @@ def _gpu(index: int) -> tuple:
 def _split(split, block_n: int, programs: int, n_keys: int, device, per_sm: int = 4) -> int:
     """Keys per split: the caller's, or enough splits for ~``per_sm`` programs per multiprocessor
     (on an H100 fewer, longer splits measured faster: 2 or 3 programs fit on one at a time; the
-    transposed read, 2: 8,192 keys, not 4,096, timed 2% faster at 32K x batch 8)."""
+    transposed read, 2: docs/results/performance-notes.md, "The Triton kernel's defaults")."""
     if split is not None:
         return split
     sms = _gpu(_index(device))[1] if device.type == "cuda" else 4
@@ -467,77 +568,12 @@ def _page_rows(kt: tuple, vt: tuple) -> int:
 
 
 def _check(q, runs, k_new, v_new, mask):
-    """Shapes, dtypes and devices against the interface; ValueError saying what to change."""
-    if q.dim() != 4 or q.shape[2] != 1:
-        raise ValueError(f"q must be (batch, query heads, 1, head_dim) for one decode step, got {tuple(q.shape)}.")
-    b, hq, _, d = q.shape
-    if k_new.dim() != 4 or k_new.shape[0] != b or k_new.shape[2] != 1 or k_new.shape[3] != d:
-        raise ValueError(f"k_new must be ({b}, kv heads, 1, {d}), got {tuple(k_new.shape)}.")
-    hkv = k_new.shape[1]
-    if hq % hkv:
-        raise ValueError(f"the {hq} query heads must be a multiple of the {hkv} KV heads (GQA).")
-    if v_new.dim() != 4 or tuple(v_new.shape[:3]) != (b, hkv, 1):
-        raise ValueError(f"v_new must be ({b}, {hkv}, 1, head_dim_v), got {tuple(v_new.shape)}.")
-    dv = v_new.shape[3]
-    for name, t in (("k_new", k_new), ("v_new", v_new)):
-        if t.dtype != q.dtype or t.device != q.device:
-            raise ValueError(f"{name} must be {q.dtype} on {q.device} like q, got {t.dtype} on {t.device}.")
+    """Shapes, dtypes and devices against the interface; ValueError saying what to change. Returns
+    (b, hq, hkv, d, dv, n_total)."""
+    b, hq, hkv, d, dv = _check_new(q, k_new, v_new)
     n_total = 0
     for i, r in enumerate(runs):
-        if r.bits not in PACKED + DENSE:
-            raise ValueError(f"runs[{i}].bits must be one of {PACKED + DENSE}, got {r.bits!r}.")
-        if r.n < 0:
-            raise ValueError(f"runs[{i}].n must be >= 0, got {r.n}.")
-        parts = 3 if r.bits in PACKED else 1
-        for side, t, width in (("k", r.k, d), ("v", r.v, dv)):
-            if len(t) != parts:
-                raise ValueError(f"runs[{i}].{side} must hold {parts} tensor(s) for bits={r.bits}, got {len(t)}.")
-            if r.bits in PACKED:
-                if not isinstance(r.group, int) or r.group <= 0 or width % r.group or (width * r.bits) % 8:
-                    raise ValueError(
-                        f"runs[{i}].group={r.group!r} must divide the head dimension {width} "
-                        f"(and {width} * {r.bits} bits must fill whole bytes)."
-                    )
-                shapes = [
-                    (width * r.bits // 8, torch.uint8),
-                    (width // r.group, torch.uint8),
-                    (width // r.group, torch.uint8),
-                ]
-            else:
-                shapes = [(width, torch.float16 if r.bits == 16 else None)]
-            table = getattr(r, "table", None)
-            if table is not None and (
-                table.dim() != 2
-                or table.shape[0] != b
-                or table.dtype != torch.long
-                or table.shape[1] * r.page < r.n
-                or table.device != q.device
-            ):
-                raise ValueError(
-                    f"runs[{i}].table must be int64 ({b}, >= {-(-r.n // max(1, r.page))}) on "
-                    f"{q.device}, got {table.dtype} {tuple(table.shape)}."
-                )
-            for x, (last, dtype) in zip(t, shapes):
-                rows_ok = x.shape[0] == b and x.shape[2] >= r.n if table is None else x.shape[2] == r.page
-                if (
-                    x.dim() != 4
-                    or not rows_ok
-                    or x.shape[1] not in (hkv, 1)
-                    or x.shape[3] != last
-                    or x.device != q.device
-                ):
-                    want = (
-                        f"({b}, {hkv} or 1, >= {r.n}, {last})"
-                        if table is None
-                        else f"pools (pages, {hkv} or 1, {r.page}, {last})"
-                    )
-                    raise ValueError(
-                        f"runs[{i}].{side} tensors must be {want} on {q.device}, got {tuple(x.shape)} on {x.device}."
-                    )
-                if dtype is not None and x.dtype != dtype:
-                    raise ValueError(f"runs[{i}].{side} (bits={r.bits}) must be {dtype}, got {x.dtype}.")
-                if dtype is None and x.dtype not in _DTYPES:
-                    raise ValueError(f"runs[{i}].{side} (bits=32) must be a float dtype, got {x.dtype}.")
+        _check_run(i, r, q, b, hkv, d, dv)
         n_total += r.n
     if mask is not None:
         if (
@@ -553,3 +589,77 @@ def _check(q, runs, k_new, v_new, mask):
                 f"got {mask.dtype} {tuple(mask.shape)} on {mask.device}."
             )
     return b, hq, hkv, d, dv, n_total
+
+
+def _check_new(q, k_new, v_new) -> tuple:
+    """The query and the new key and value: (b, hq, hkv, d, dv)."""
+    if q.dim() != 4 or q.shape[2] != 1:
+        raise ValueError(f"q must be (batch, query heads, 1, head_dim) for one decode step, got {tuple(q.shape)}.")
+    b, hq, _, d = q.shape
+    if k_new.dim() != 4 or k_new.shape[0] != b or k_new.shape[2] != 1 or k_new.shape[3] != d:
+        raise ValueError(f"k_new must be ({b}, kv heads, 1, {d}), got {tuple(k_new.shape)}.")
+    hkv = k_new.shape[1]
+    if hq % hkv:
+        raise ValueError(f"the {hq} query heads must be a multiple of the {hkv} KV heads (GQA).")
+    if v_new.dim() != 4 or tuple(v_new.shape[:3]) != (b, hkv, 1):
+        raise ValueError(f"v_new must be ({b}, {hkv}, 1, head_dim_v), got {tuple(v_new.shape)}.")
+    for name, t in (("k_new", k_new), ("v_new", v_new)):
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{name} must be {q.dtype} on {q.device} like q, got {t.dtype} on {t.device}.")
+    return b, hq, hkv, d, v_new.shape[3]
+
+
+def _check_run(i: int, r, q, b: int, hkv: int, d: int, dv: int) -> None:
+    """runs[i]: its bits and length, then per side (keys, values) its tensors' count, group, table,
+    shapes, devices and dtypes."""
+    if r.bits not in PACKED + DENSE:
+        raise ValueError(f"runs[{i}].bits must be one of {PACKED + DENSE}, got {r.bits!r}.")
+    if r.n < 0:
+        raise ValueError(f"runs[{i}].n must be >= 0, got {r.n}.")
+    parts = 3 if r.bits in PACKED else 1
+    table = getattr(r, "table", None)
+    for side, t, width in (("k", r.k, d), ("v", r.v, dv)):
+        if len(t) != parts:
+            raise ValueError(f"runs[{i}].{side} must hold {parts} tensor(s) for bits={r.bits}, got {len(t)}.")
+        shapes = _stored_shapes(i, r, width)
+        if table is not None and (
+            table.dim() != 2
+            or table.shape[0] != b
+            or table.dtype != torch.long
+            or table.shape[1] * r.page < r.n
+            or table.device != q.device
+        ):
+            raise ValueError(
+                f"runs[{i}].table must be int64 ({b}, >= {-(-r.n // max(1, r.page))}) on "
+                f"{q.device}, got {table.dtype} {tuple(table.shape)}."
+            )
+        for x, (last, dtype) in zip(t, shapes):
+            _check_stored(f"runs[{i}].{side}", x, r, table is not None, (b, hkv, last), q.device)
+            if dtype is not None and x.dtype != dtype:
+                raise ValueError(f"runs[{i}].{side} (bits={r.bits}) must be {dtype}, got {x.dtype}.")
+            if dtype is None and x.dtype not in _DTYPES:
+                raise ValueError(f"runs[{i}].{side} (bits=32) must be a float dtype, got {x.dtype}.")
+
+
+def _stored_shapes(i: int, r, width: int) -> list:
+    """(last dimension, dtype) of each tensor of run i's side of head dim ``width``: codes, zeros and
+    steps (uint8) of a packed run, after its group is checked; a dense run's keys (fp16 for 16
+    bits, None: any float dtype, for 32)."""
+    if r.bits not in PACKED:
+        return [(width, torch.float16 if r.bits == 16 else None)]
+    if not isinstance(r.group, int) or r.group <= 0 or width % r.group or (width * r.bits) % 8:
+        raise ValueError(
+            f"runs[{i}].group={r.group!r} must divide the head dimension {width} "
+            f"(and {width} * {r.bits} bits must fill whole bytes)."
+        )
+    return [(width * r.bits // 8, torch.uint8), (width // r.group, torch.uint8), (width // r.group, torch.uint8)]
+
+
+def _check_stored(name: str, x, r, paged: bool, want: tuple, device) -> None:
+    """One stored tensor's shape and device: (b, hkv or 1, >= n, last), or a page pool (pages, hkv
+    or 1, page, last) for a paged run; ``want`` is (b, hkv, last)."""
+    b, hkv, last = want
+    rows_ok = x.shape[2] == r.page if paged else x.shape[0] == b and x.shape[2] >= r.n
+    if x.dim() != 4 or not rows_ok or x.shape[1] not in (hkv, 1) or x.shape[3] != last or x.device != device:
+        shape = f"pools (pages, {hkv} or 1, {r.page}, {last})" if paged else f"({b}, {hkv} or 1, >= {r.n}, {last})"
+        raise ValueError(f"{name} tensors must be {shape} on {device}, got {tuple(x.shape)} on {x.device}.")

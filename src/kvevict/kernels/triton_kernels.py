@@ -12,7 +12,10 @@ with s_hi = scale * q_h . k_i (fp32 accumulate), softcapped (c * tanh(s / c)) an
 masked. ``_finish`` adds the new key and merges the splits: M = max_j m_j,
 L = sum_j l_j exp(m_j - M), out = sum_j acc_j exp(m_j - M) / L, and turns the saved scores into
 pg_i = sum_h exp(s_hi - M_h) / L_h, each key's probability summed over the group's heads.
-``_split_rows_kernel`` is ``_split_kernel`` for packed runs read factored (its docstring).
+``_split_rows_kernel`` is ``_split_kernel`` for packed runs read factored (its docstring). The two
+share the program's setup, the online softmax and the partials' stores (``_program``, ``_query``,
+``_at_row``, ``_tile``, ``_softmax_start``, ``_online``, ``_store_partials``); each reads and
+multiplies a tile its own way.
 """
 
 from __future__ import annotations
@@ -164,19 +167,58 @@ def _dequant(
 
 
 @triton.jit
-def _at_row(
-    kc, kz, ks, vc, vz, vs, skc_b, skc_h, skz_b, skz_h, sks_b, sks_h, svc_b, svc_h, svz_b, svz_h, svs_b, svs_h, bi, kh
+def _program(HKV: tl.constexpr):
+    """A program's (pid = sequence x KV head, its second index: the split or block, sequence bi,
+    KV head kh)."""
+    pid = tl.program_id(0).to(tl.int64)  # offsets of big batches overflow int32
+    return pid, tl.program_id(1), pid // HKV, pid % HKV
+
+
+@triton.jit
+def _at_row(c, z, s, sc_b, sc_h, sz_b, sz_h, ss_b, ss_h, bi, kh):
+    """One side's three stored tensors' (codes, zeros, steps) pointers at sequence bi, KV head kh (a
+    pooled run, one head, arrives with head strides 0; a paged one with batch strides 0)."""
+    return c + bi * sc_b + kh * sc_h, z + bi * sz_b + kh * sz_h, s + bi * ss_b + kh * ss_h
+
+
+@triton.jit
+def _tile(offs, end, tab_ptr, tab_row, page_rows, PAGED: tl.constexpr, PAGE: tl.constexpr):
+    """The keys ``offs`` of a tile: (which are the split's, their rows: ``_slots``)."""
+    nm = offs < end
+    return nm, _slots(offs, nm, tab_ptr, tab_row, page_rows, PAGED, PAGE)
+
+
+@triton.jit
+def _query(
+    q_ptr, sq_b, sq_h, sq_d, bi, kh, rows, cols, mask, scale, G: tl.constexpr, CDT: tl.constexpr, EMU: tl.constexpr
 ):
-    """The six stored tensors' pointers at sequence bi, KV head kh (a pooled run, one head, arrives
-    with head strides 0; a paged one with batch strides 0)."""
-    return (
-        kc + bi * skc_b + kh * skc_h,
-        kz + bi * skz_b + kh * skz_h,
-        ks + bi * sks_b + kh * sks_h,
-        vc + bi * svc_b + kh * svc_h,
-        vz + bi * svz_b + kh * svz_h,
-        vs + bi * svs_b + kh * svs_h,
-    )
+    """Query heads ``rows`` of KV group (bi, kh) at channels ``cols`` (rows x cols; 0 outside
+    ``mask``), scaled in the compute dtype as the reference does, held in fp32."""
+    q = tl.load(q_ptr + bi * sq_b + (kh * G + rows[:, None]) * sq_h + cols[None, :] * sq_d, mask=mask, other=0.0)
+    return _rnd(q.to(tl.float32) * scale, CDT, EMU)
+
+
+@triton.jit
+def _softmax_start(ROWS: tl.constexpr, BLOCK_N: tl.constexpr, LCOLS: tl.constexpr):
+    """``_online``'s state before the first tile: the running max and normalizer of ROWS rows."""
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    if LCOLS:
+        l_i = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    else:
+        l_i = tl.zeros([ROWS], tl.float32)
+    return m_i, l_i
+
+
+@triton.jit
+def _store_partials(
+    m_ptr, l_ptr, m_i, l_i, pid, n_splits, split_off, sp, rows, rmask, G: tl.constexpr, LCOLS: tl.constexpr
+):
+    """A split's softmax max and normalizer to its rows of the partials; returns those rows' index
+    (the caller stores acc at part * DV + channel)."""
+    part = (pid * n_splits + split_off + sp) * G + rows
+    tl.store(m_ptr + part, m_i, mask=rmask)
+    tl.store(l_ptr + part, _normalizer(l_i, LCOLS), mask=rmask)
+    return part
 
 
 @triton.jit
@@ -324,52 +366,22 @@ def _split_kernel(
     bytes are loaded before this tile is computed (the loop's runtime bounds keep triton from
     pipelining it). LOWP: see ``_dequant``. SCORES: the raw scores are saved for ``_finish``'s pg
     (off when the caller wants no pg: out only, as SDPA computes)."""
-    pid = tl.program_id(0).to(tl.int64)  # offsets of big batches overflow int32
-    sp = tl.program_id(1)
-    bi = pid // HKV
-    kh = pid % HKV
+    pid, sp, bi, kh = _program(HKV)
     rows = tl.arange(0, GP)
     rmask = rows < G
     dk = tl.arange(0, D_P)
     dv = tl.arange(0, DV_P)
-    # the query rows of this KV group, scaled in the compute dtype as the reference does
-    q = tl.load(
-        q_ptr + bi * sq_b + (kh * G + rows[:, None]) * sq_h + dk[None, :] * sq_d,
-        mask=rmask[:, None] & (dk[None, :] < D),
-        other=0.0,
-    )
-    q = _operand(_rnd(q.to(tl.float32) * scale, CDT, EMU), CDT, EMU)
-    kc_ptr, kz_ptr, ks_ptr, vc_ptr, vz_ptr, vs_ptr = _at_row(
-        kc_ptr,
-        kz_ptr,
-        ks_ptr,
-        vc_ptr,
-        vz_ptr,
-        vs_ptr,
-        skc_b,
-        skc_h,
-        skz_b,
-        skz_h,
-        sks_b,
-        sks_h,
-        svc_b,
-        svc_h,
-        svz_b,
-        svz_h,
-        svs_b,
-        svs_h,
-        bi,
-        kh,
-    )
-    start = sp * split
+    q = _query(q_ptr, sq_b, sq_h, sq_d, bi, kh, rows, dk, rmask[:, None] & (dk[None, :] < D), scale, G, CDT, EMU)
+    q = _operand(q, CDT, EMU)
+    kc_ptr, kz_ptr, ks_ptr = _at_row(kc_ptr, kz_ptr, ks_ptr, skc_b, skc_h, skz_b, skz_h, sks_b, sks_h, bi, kh)
+    vc_ptr, vz_ptr, vs_ptr = _at_row(vc_ptr, vz_ptr, vs_ptr, svc_b, svc_h, svz_b, svz_h, svs_b, svs_h, bi, kh)
+    start = sp * split  # inline: loop bounds returned by a helper compile to another schedule
     end = tl.minimum(start + split, n)
-    m_i = tl.full([GP], float("-inf"), tl.float32)
-    l_i = tl.zeros([GP, BLOCK_N], tl.float32)  # per key column (``_online``'s LCOLS)
+    m_i, l_i = _softmax_start(GP, BLOCK_N, True)  # l per key column (``_online``'s LCOLS)
     acc = tl.zeros([GP, DV_P], tl.float32)
     if PREFETCH:  # the first tile's bytes
         offs = start + tl.arange(0, BLOCK_N)
-        nm = offs < end
-        slots = _slots(offs, nm, tab_ptr, bi * tab_b, page_rows, PAGED, PAGE)
+        nm, slots = _tile(offs, end, tab_ptr, bi * tab_b, page_rows, PAGED, PAGE)
         kr, kz, ks = _fetch(
             kc_ptr, kz_ptr, ks_ptr, skc_n, skc_d, skz_n, skz_d, sks_n, sks_d, slots, nm, dk, BITS, GROUP, D, GROUPED_K
         )
@@ -380,9 +392,7 @@ def _split_kernel(
         offs = t + tl.arange(0, BLOCK_N)
         nm = offs < end
         if PREFETCH:  # the next tile's bytes in flight while this one is computed
-            nxt = offs + BLOCK_N
-            nm_next = nxt < end
-            slots = _slots(nxt, nm_next, tab_ptr, bi * tab_b, page_rows, PAGED, PAGE)
+            nm_next, slots = _tile(offs + BLOCK_N, end, tab_ptr, bi * tab_b, page_rows, PAGED, PAGE)
             kr_next, kz_next, ks_next = _fetch(
                 kc_ptr,
                 kz_ptr,
@@ -491,9 +501,7 @@ def _split_kernel(
         m_i = m_new
         if PREFETCH:
             kr, kz, ks, vr, vz, vs = kr_next, kz_next, ks_next, vr_next, vz_next, vs_next
-    part = (pid * n_splits + split_off + sp) * G + rows
-    tl.store(m_ptr + part, m_i, mask=rmask)
-    tl.store(l_ptr + part, _normalizer(l_i, True), mask=rmask)
+    part = _store_partials(m_ptr, l_ptr, m_i, l_i, pid, n_splits, split_off, sp, rows, rmask, G, True)
     tl.store(acc_ptr + part[:, None] * DV + dv[None, :], acc, mask=rmask[:, None] & (dv[None, :] < DV))
 
 
@@ -843,10 +851,7 @@ def _split_rows_kernel(
     GPU gives a warpgroup MMA, the query and the weights its second, from shared memory) and the
     keys' words loaded where that operand wants them (``_key_words``); the same sums. LCOLS: see
     ``_online`` (off with TRANS, whose program would spill for it)."""
-    pid = tl.program_id(0).to(tl.int64)  # offsets of big batches overflow int32
-    sp = tl.program_id(1)
-    bi = pid // HKV
-    kh = pid % HKV
+    pid, sp, bi, kh = _program(HKV)
     M: tl.constexpr = NGP * GH
     B: tl.constexpr = (128.0 if CDT == tl.bfloat16 else 1024.0) if (MAGIC and FOLD) else 0.0
     NGK: tl.constexpr = D // GROUP
@@ -861,48 +866,19 @@ def _split_rows_kernel(
     KL: tl.constexpr = TRANS and MAGIC and BLOCK_N % 64 == 0 and (D * BITS) % 128 == 0  # keys in lanes order
     ck = _word_order(D, BITS, MAGIC, KL)
     cv = _word_order(DV, BITS, MAGIC and not VPAIR)
-    qx = tl.load(
-        q_ptr + bi * sq_b + (kh * G + rh[:, None]) * sq_h + ck[None, :] * sq_d,
-        mask=((rg < NGK) & (rh < G))[:, None] & ((ck // GROUP)[None, :] == rg[:, None]),
-        other=0.0,
-    )
-    qx = _rnd(qx.to(tl.float32) * scale, CDT, EMU)
+    qmask = ((rg < NGK) & (rh < G))[:, None] & ((ck // GROUP)[None, :] == rg[:, None])  # row r: group g only
+    qx = _query(q_ptr, sq_b, sq_h, sq_d, bi, kh, rh, ck, qmask, scale, G, CDT, EMU)
     q_sum = tl.reshape(tl.sum(qx, axis=1), (NGP, GH))  # head h's scaled query summed over group g
     qx = _operand(qx, CDT, EMU)
-    kc_ptr, kz_ptr, ks_ptr, vc_ptr, vz_ptr, vs_ptr = _at_row(
-        kc_ptr,
-        kz_ptr,
-        ks_ptr,
-        vc_ptr,
-        vz_ptr,
-        vs_ptr,
-        skc_b,
-        skc_h,
-        skz_b,
-        skz_h,
-        sks_b,
-        sks_h,
-        svc_b,
-        svc_h,
-        svz_b,
-        svz_h,
-        svs_b,
-        svs_h,
-        bi,
-        kh,
-    )
-    start = sp * split
+    kc_ptr, kz_ptr, ks_ptr = _at_row(kc_ptr, kz_ptr, ks_ptr, skc_b, skc_h, skz_b, skz_h, sks_b, sks_h, bi, kh)
+    vc_ptr, vz_ptr, vs_ptr = _at_row(vc_ptr, vz_ptr, vs_ptr, svc_b, svc_h, svz_b, svz_h, svs_b, svs_h, bi, kh)
+    start = sp * split  # inline: loop bounds returned by a helper compile to another schedule
     end = tl.minimum(start + split, n)
-    m_i = tl.full([GH], float("-inf"), tl.float32)
-    if LCOLS:
-        l_i = tl.zeros([GH, BLOCK_N], tl.float32)
-    else:
-        l_i = tl.zeros([GH], tl.float32)
+    m_i, l_i = _softmax_start(GH, BLOCK_N, LCOLS)
     acc = tl.zeros([M, DV], tl.float32)
     if PREFETCH:  # the first tile's bytes
         offs = start + tl.arange(0, BLOCK_N)
-        nm = offs < end
-        slots = _slots(offs, nm, tab_ptr, bi * tab_b, page_rows, PAGED, PAGE)
+        nm, slots = _tile(offs, end, tab_ptr, bi * tab_b, page_rows, PAGED, PAGE)
         kw = _key_words(
             kc_ptr, skc_n, skc_d, slots, nm, start, end, tab_ptr, bi * tab_b, page_rows, NWK, BLOCK_N, PAGED, PAGE, KL
         )
@@ -920,9 +896,7 @@ def _split_rows_kernel(
         offs = t + tl.arange(0, BLOCK_N)
         nm = offs < end
         if PREFETCH:  # the next tile's bytes in flight while this one is computed
-            nxt = offs + BLOCK_N
-            nm_next = nxt < end
-            slots = _slots(nxt, nm_next, tab_ptr, bi * tab_b, page_rows, PAGED, PAGE)
+            nm_next, slots = _tile(offs + BLOCK_N, end, tab_ptr, bi * tab_b, page_rows, PAGED, PAGE)
             kw_next = _key_words(
                 kc_ptr,
                 skc_n,
@@ -1022,9 +996,7 @@ def _split_rows_kernel(
     # head h's position p (channel cv[p]) is row (cv[p] // GROUP) GH + h's
     own = tl.arange(0, NGP)[:, None, None] == (cv // GROUP)[None, None, :]
     out = tl.sum(tl.where(own, tl.reshape(acc, (NGP, GH, DV)), 0.0), axis=0)  # (GH, DV)
-    part = (pid * n_splits + split_off + sp) * G + heads
-    tl.store(m_ptr + part, m_i, mask=hmask)
-    tl.store(l_ptr + part, _normalizer(l_i, LCOLS), mask=hmask)
+    part = _store_partials(m_ptr, l_ptr, m_i, l_i, pid, n_splits, split_off, sp, heads, hmask, G, LCOLS)
     tl.store(acc_ptr + part[:, None] * DV + cv[None, :], out, mask=hmask[:, None])
 
 
@@ -1081,21 +1053,13 @@ def _finish(
     and value (b, hkv, d) and log n (b, hkv), contiguous) joins as one more partial, m = s + log n,
     l = 1, acc = its value; it has no pg column. Without ``PG`` (out only: the split programs saved
     no scores) there is one program per (sequence, KV head), and it writes out alone."""
-    pid = tl.program_id(0).to(tl.int64)  # offsets of big batches overflow int32
-    blk = tl.program_id(1)
-    bi = pid // HKV
-    kh = pid % HKV
+    pid, blk, bi, kh = _program(HKV)
     rows = tl.arange(0, GP)
     rmask = rows < G
     dk = tl.arange(0, D_P)
     dv = tl.arange(0, DV_P)
     # the new key's scores: the scaled query and the key rounded to CDT as the split programs do
-    q = tl.load(
-        q_ptr + bi * sq_b + (kh * G + rows[:, None]) * sq_h + dk[None, :] * sq_d,
-        mask=rmask[:, None] & (dk[None, :] < D),
-        other=0.0,
-    )
-    q = _rnd(q.to(tl.float32) * scale, CDT, EMU)
+    q = _query(q_ptr, sq_b, sq_h, sq_d, bi, kh, rows, dk, rmask[:, None] & (dk[None, :] < D), scale, G, CDT, EMU)
     kn = tl.load(kn_ptr + bi * skn_b + kh * skn_h + dk * skn_d, mask=dk < D, other=0.0).to(tl.float32)
     s_new = tl.sum(q * kn[None, :], axis=1)
     if SOFTCAP:

@@ -17,7 +17,7 @@ _STORAGE = ("memory", "kv_bits", "evicted_bits", "compact", "group", "evicted_bu
 def needs_prompt(policy: str) -> bool:
     """Whether the policy scores the prompt in a pass of its own before the cache exists (kvzip)."""
     found = policy_class(policy) if policy != "full" else None
-    return found is not None and getattr(found[0], "needs_prompt", False)
+    return found is not None and found[0].needs_prompt
 
 
 def new_cache(model, tokenizer, settings, kind: str, prompt=None):

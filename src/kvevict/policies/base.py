@@ -84,11 +84,31 @@ class Policy:
     stats: ClassVar[tuple[str, ...]] = ()
     # whether its candidates may mix KV heads (adaptive budgets): False when the scope ranks a row
     adaptable: ClassVar[bool] = True
+    # scores the whole prompt in a pass of its own before the cache exists (kvzip): ``generate``
+    # records it on the prompt first (``cls.record``), and a memory plan spends its bytes for it
+    needs_prompt: ClassVar[bool] = False
+    # built by recording a sequence (kvzip, the oracle: a classmethod ``record``), so it holds
+    # per-sequence state and its rows share no cache with others; set for every class defining ``record``
+    recorded: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         for name in cls.__dict__.get("stats", ()):  # an undeclared statistic fails here, not mid-forward
             stat(name)
+        if "record" in cls.__dict__:
+            cls.recorded = True
+
+    @property
+    def prompt_tokens(self) -> int | None:
+        """The length of the prompt the policy was recorded on (kvzip), None when it was not:
+        fractional budgets resolve against it for ``layer_budgets``."""
+        return None
+
+    def layer_budgets(self, budget: int, num_layers: int, caps: list[int] | None = None) -> list[int] | None:
+        """The policy's own budget per layer for a uniform ``budget`` (PyramidKV, kvzip's pool), or
+        None: every layer ``budget`` (no schedule). ``caps``: the most each layer can hold (a
+        sliding layer's window), given for a policy recorded on the prompt (``prompt_tokens``)."""
+        return None
 
     def score(self, c: Candidates) -> torch.Tensor:
         raise NotImplementedError

@@ -18,7 +18,9 @@ class PyramidKV(SnapKV):
     beta: int = 20
     name = "pyramidkv"
 
-    def layer_budgets(self, budget: int, num_layers: int) -> list[int]:
+    def layer_budgets(self, budget: int, num_layers: int, caps: list[int] | None = None) -> list[int]:
+        """The pyramid above; ``caps`` are a recorded policy's (``Policy.prompt_tokens``), never
+        given to PyramidKV, whose schedule is fixed before any prompt."""
         if num_layers == 1:
             return [budget]
         lo = max(1, budget // self.beta)

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-POLICIES: dict[str, type] = {}
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .base import Policy
+
+POLICIES: dict[str, type[Policy]] = {}
 
 
 def register(*names: str):
@@ -18,7 +23,7 @@ ADAPTIVE = "ada-"  # "ada-h2o": a policy with Ada-KV head-adaptive budgets (adap
 MERGE = "merge-"  # "merge-kvzip-span": evicted tokens kept as one mean slot per head (merge=True)
 
 
-def policy_class(name):
+def policy_class(name) -> tuple[type[Policy], dict] | None:
     """The class of a policy name (``"h2o"``, ``"ada-h2o"`` for its adaptive form, ``"merge-h2o"``
     with its evicted tokens merged, see kvevict.merge) and the parameters the name implies; None
     when unknown."""

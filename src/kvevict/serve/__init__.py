@@ -1,8 +1,11 @@
 """kvevict's OpenAI-compatible server (``kvevict serve``; needs the ``serve`` extra).
 
-app.py        routes: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics
+app.py        the FastAPI app: its routes, lifespan, exception handlers and middleware
+routes.py     the handlers: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics
+relay.py      a request's events as its HTTP response: whole, streamed (SSE), with logprobs
 protocol.py   request validation (kv_policy, kv_budget, ...) -> GenRequest, or HTTP 400
 engine.py     the request queue and the worker thread that makes every model call
+work.py       the queue state the handlers and the worker share, under one lock
 admission.py  which waiting requests start now (K/V memory, batch slots) and which prefill together
 decode.py     prefill, one decode step of every running batch, streaming, rows that end
 handle.py     a request's handle (events, cancel, deadline), its row, the batch it may join

@@ -34,10 +34,9 @@ from ..shape import layer_windows
 from ..stats import stat_bytes
 from ..stock import STOCK_BYTES
 from ..storage import PAGE, page_slots
-from ..tier import POS16_MAX
+from ..storage.layout import POS16_MAX, SlotLayout
 
 PROBES = (64, 128)  # budgets of the two probe caches
-TABLE_BYTES = 8  # a page table entry (int64), per row, layer and page column
 
 
 @functools.lru_cache(maxsize=None)
@@ -194,7 +193,7 @@ class Budgeter:
         names = stat_names(pols)
         union = stat_bytes(names)
         shared = self.shared(pols[0])
-        tensors = 2 + (shared > 1) + len(names)  # paged: K/V, positions, head ids, each statistic
+        tables = SlotLayout(0, 0, stats=names, pooled=shared > 1, page=PAGE)  # paged: a table per per-slot tensor
         own = [self.own_pages(pol, r[1], r[3]) for pol, r in zip(pols, rows)] if paged else []
         widened = wide(longest)
         total = held = 0
@@ -209,7 +208,7 @@ class Budgeter:
                 continue
             # every per-slot tensor is each row's own pages (a page: PAGE slots of K/V, position, head
             # id and statistics); what stays batch-wide is a table per tensor, as wide as the widest row
-            total += rest + -(-w * shared // PAGE) * TABLE_BYTES * tensors
+            total += rest + tables.table_bytes(1, -(-w * shared // PAGE))
             held += sum(pages[i] for pages in own) * (PAGE * per_slot // shared)
         return len(rows) * total + held
 

@@ -32,22 +32,20 @@ from .handle import Handle, Running
 from .metrics import Metrics
 from .protocol import GenRequest
 from .settings import Settings
+from .work import Work
 
 __all__ = ["Engine", "Handle"]
 
 
 class Engine:
-    """The queue and the worker thread; ``Admission`` decides who starts, ``Decoder`` runs them."""
+    """The queue and the worker thread; ``Admission`` decides who starts, ``Decoder`` runs them,
+    ``Work`` holds who waits and who runs under the lock both threads share."""
 
     def __init__(self, model, tokenizer, settings: Settings, metrics: Metrics | None = None):
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
         self.metrics = metrics or Metrics()
         self.context = getattr(model.config, "max_position_embeddings", None) or 1 << 30
         self.log: deque[dict] = deque(maxlen=10_000)  # admissions, joins, finishes: for inspection and tests
-        self._running: list[Running] = []
-        self._cond = threading.Condition()
-        self._stopping = False
-        self.draining = False  # SIGTERM: new requests get 503, those admitted or waiting finish
         self.loops = 0  # worker loops so far: how soon a cancelled row leaves is counted in them
         self.trims = 0  # times the idle worker gave the freed heap back to the OS (``heap``)
         self.received = 0  # requests taken into the queue so far (tests wait on it)
@@ -58,7 +56,9 @@ class Engine:
         self.budgeter = Budgeter(model, settings.kv_bits)
         # every budgeted row's keys and values: its own pages of these pools (kvevict.storage.paged)
         self.pages = Pools(limit=settings.kv_memory)
-        self.admission = Admission(settings, self.budgeter, self.pages, self.metrics, self.log, self._running)
+        running: list[Running] = []
+        self.admission = Admission(settings, self.budgeter, self.pages, self.metrics, self.log, running)
+        self.work = Work(self.admission.pending, running)
         self.decoder = Decoder(
             model,
             tokenizer,
@@ -67,12 +67,10 @@ class Engine:
             self.pages,
             self.metrics,
             self.log,
-            self._running,
-            freed=self._freed,
+            running,
+            freed=self.work.notify,  # memory was freed: the next admission sees it
             loops=lambda: self.loops,
         )
-        self._pending = self.admission.pending
-        self._starting = 0  # admitted requests still prefilling: neither waiting nor running, not idle
         if settings.budget is None:
             settings.budget = self.default_budget()
         self.metrics.set("kvevict_kv_memory_bytes", settings.kv_memory)
@@ -97,10 +95,13 @@ class Engine:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def draining(self) -> bool:
+        """Draining (SIGTERM): new requests get 503, those admitted or waiting finish."""
+        return self.work.draining
+
     def stop(self, timeout: float = 10.0) -> None:
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
+        self.work.stop()
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -123,18 +124,17 @@ class Engine:
     @property
     def idle(self) -> bool:
         """Nothing waits and nothing runs (a drain is over)."""
-        with self._cond:
-            return not self._pending and not self._running and not self._starting
+        return self.work.idle
 
     def drain(self) -> None:
         """Refuse new requests from now on (503); those already here go on (``idle`` says when done)."""
-        with self._cond:
-            self.draining = True
+        self.work.drain()
 
     def submit(self, req: GenRequest, loop) -> Handle:
         handle = Handle(req, loop, self.reserve_bytes(req), self.settings.request_timeout, lambda: self.loops)
-        with self._cond:
-            if self.draining or self._stopping:
+        work = self.work
+        with work.cond:
+            if work.draining or work.stopping:
                 raise BadRequest(
                     "the server is shutting down and takes no new requests; send this one to "
                     "another replica, or retry once it is back.",
@@ -143,11 +143,11 @@ class Engine:
                     headers={"Retry-After": "5"},
                     outcome="draining",
                 )
-            if len(self._pending) >= self.settings.max_queue:
+            if len(work.pending) >= self.settings.max_queue:
                 # 429 + Retry-After: clients (the openai one included) back off and retry; one second
                 # is about a decode step's worth of rows leaving at the defaults
                 raise BadRequest(
-                    f"the server is overloaded: {len(self._pending)} requests already wait for "
+                    f"the server is overloaded: {len(work.pending)} requests already wait for "
                     f"memory (--max-queue {self.settings.max_queue}); retry after a moment.",
                     status=429,
                     type="rate_limit_error",
@@ -155,10 +155,10 @@ class Engine:
                     headers={"Retry-After": "1"},
                     outcome="overloaded",
                 )
-            self._pending.append(handle)
+            work.pending.append(handle)
             self.received += 1
-            self.metrics.set("kvevict_queued_requests", len(self._pending))
-            self._cond.notify_all()
+            self.metrics.set("kvevict_queued_requests", len(work.pending))
+            work.cond.notify_all()
         return handle
 
     # -- the worker thread ------------------------------------------------------------------------
@@ -172,53 +172,50 @@ class Engine:
                     break
                 for group in self.admission.groups(admitted):
                     self.decoder.start(group)
-                with self._cond:  # each one runs now, or has ended
-                    self._starting = 0
+                with self.work.cond:  # each one runs now, or has ended
+                    self.work.starting = 0
                 self.decoder.step_all()
                 self._gauges()
-        for run in self._running:
+        for run in self.work.running:
             for r in run.rows:
                 r.handle.push(("error", "the server is shutting down.", 503))
-        self._running.clear()
+        self.work.running.clear()
         self._gauges()
 
     def _admit(self) -> list[Handle] | None:
         """Waiting requests that fit now (``Admission.take``), after waiting for work; None when
         the server stops."""
-        trimmed = False
+        trimmed, work = False, self.work
         while True:
-            with self._cond:
-                if self._stopping:
-                    for h in self._pending:
+            with work.cond:
+                if work.stopping:
+                    for h in work.pending:
                         h.push(("error", "the server is shutting down.", 503))
-                    self._pending.clear()
+                    work.pending.clear()
                     return None
                 self.admission.drop_gone(time.monotonic())
-                if self._running or self._pending:
+                if work.running or work.pending:
                     taken = self.admission.take()
-                    self._starting = len(taken)
+                    work.starting = len(taken)
                     return taken
                 if trimmed:
-                    self._cond.wait(0.5)
+                    work.cond.wait(0.5)
                     continue
             # idle from now: what the work freed goes back to the OS, outside the lock so that a
             # request arriving meanwhile is not held up by the trim
             self.trims += heap.trim()
             trimmed = True
 
-    def _freed(self) -> None:
-        with self._cond:  # memory was freed: the next admission sees it
-            self._cond.notify_all()
-
     def _gauges(self) -> None:
-        held = sum(run.batch.kv_bytes() for run in self._running)
+        running = self.work.running
+        held = sum(run.batch.kv_bytes() for run in running)
         m = self.metrics
-        m.set("kvevict_running_sequences", sum(len(run.rows) for run in self._running))
-        m.set("kvevict_running_batches", len(self._running))
+        m.set("kvevict_running_sequences", sum(len(run.rows) for run in running))
+        m.set("kvevict_running_batches", len(running))
         m.set("kvevict_kv_bytes_held", held)
         reserved = self.admission.bound()
         self.pages.reserved = reserved  # rows that left give the pools room for slack again
         m.set("kvevict_kv_bytes_reserved", reserved)
         m.set("kvevict_kv_pool_bytes", self.pages.nbytes())
-        m.set("kvevict_kv_bytes_full", sum(self.budgeter.stock_bytes(r.fed) for run in self._running for r in run.rows))
+        m.set("kvevict_kv_bytes_full", sum(self.budgeter.stock_bytes(r.fed) for run in running for r in run.rows))
         m.peak("kvevict_kv_bytes_peak", held)

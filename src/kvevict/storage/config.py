@@ -6,11 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..budget import check_budget
-from .codes import check_bits, slot_bytes
+from .codes import check_bits
+from .layout import SlotLayout
 
 # per-token groups of 32 channels: measured against 16 and 64 on SmolLM2 (docs/results/quality-per-byte.md)
 DEFAULT_GROUP = 32
-POS_BYTES = 2  # a slot's position, int16 (kvevict.tier)
+POS_BYTES = 2  # a slot's position, int16 while it fits (kvevict.storage.layout)
 
 # keys stored in a rotated basis by default at these bits: a per-token group with one step cannot
 # hold outlier channels as the model makes them (docs/results/families.md: Qwen2.5-Coder-1.5B)
@@ -91,6 +92,7 @@ class Storage:
 
     def slot_bytes(self, head_dim_k: int, head_dim_v: int, dtype_bytes: int, stats_bytes: int) -> float:
         """Bytes one kept slot of one (sequence, KV head) takes at ``kv_bits``: key, value, position
-        (int16, -1 for an empty slot; a sequence past ``tier.POS16_MAX`` tokens widens it to int32,
+        (int16, -1 for an empty slot; a sequence past ``storage.layout.POS16_MAX`` tokens widens it to int32,
         2 bytes more), the policy's statistics (``stats_bytes``: ``stat_bytes(policy.stats)``)."""
-        return slot_bytes(head_dim_k, head_dim_v, self.kv_bits, self.group, dtype_bytes) + POS_BYTES + stats_bytes
+        layout = SlotLayout(head_dim_k, head_dim_v, self.kv_bits, self.group, dtype_bytes)
+        return layout.slot_bytes() + stats_bytes

@@ -100,7 +100,7 @@ def _generate_cell(model, tokenizer, prompt, policy, budget, max_new, recorded: 
             policy, prompt_known=True, model=model, share=budget
         )  # "mem-kvzip-pool/int4": the bytes at int4
     found = policy_class(policy)
-    if found is None or not getattr(found[0], "needs_prompt", False):
+    if found is None or not found[0].needs_prompt:
         return generate(model, tokenizer, prompt, policy, budget, max_new, memory=memory, **bits)
     if policy not in recorded:
         from ...generate import encode_chat

@@ -1,0 +1,98 @@
+"""An eviction layer's state, grouped by what owns it: what the layer was asked for (``LayerSpec``,
+what ``reset`` starts again from), what its first forward fixed (``LayerShape``), the host-side
+counts of what went through it (``Progress``), one forward's hand-off between update and attention
+(``Handoff``) and the per-row state besides the tiers, declared once (``PER_ROW``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .policies import Policy
+from .storage import Storage
+
+
+@dataclass
+class LayerSpec:
+    """What a layer was made with. ``storage`` may be replaced by a memory plan's choice at the
+    first forward (a short prompt kept at 16 bits), and ``prompt_len`` is set when the prompt's
+    length is known before the first forward (chunked prefill); a reset keeps both."""
+
+    policy: Policy
+    budget: Any  # tokens, a fraction of the prompt, or a memory plan (``kvevict.memory``)
+    layer_idx: int
+    inv_freq: torch.Tensor | None = None  # compact positions' RoPE frequencies, or None
+    storage: Storage | None = None
+    window: int | None = None  # a sliding-window layer's ``sliding_window`` (None: global attention)
+    pools: Any = None  # a kvevict.storage.Pools: each row its own pages of a shared pool (None: rectangles)
+    slack: int | None = None  # batch eviction; None: ``budget.default_slack`` of the layer's budget
+    prompt_len: int | None = None
+    memory_plan: bool = False  # the budget was a memory plan's share (``kvevict.memory``)
+
+
+@dataclass
+class LayerShape:
+    """What the first forward fixed: the model's dtype and device, (KV heads, key and value
+    widths), the heads sharing one row of slots (Ada-KV's pool, else 1), the tokens kept per
+    (sequence, KV head) and the slots a memory plan gave up for a recent tier."""
+
+    dtype: torch.dtype
+    device: torch.device
+    dims: tuple[int, int, int]
+    shared: int
+    budget: int
+    recent_cost: int = 0
+
+
+@dataclass
+class Progress:
+    """Host-side counts: tokens given (padding included), the most real tokens any row holds (an
+    upper bound on the host: exact when read, above it by the padding fed since), tokens that left
+    the first tier per (sequence, head), and the most key/value entries held at once."""
+
+    seen: int = 0
+    longest: int = 0
+    evicted: int = 0
+    peak_entries: int = 0
+
+    def join(self, other: "Progress") -> None:
+        """Rows of ``other`` appended: the longer history, the larger counts."""
+        for name in ("seen", "longest", "evicted", "peak_entries"):
+            setattr(self, name, max(getattr(self, name), getattr(other, name)))
+
+
+@dataclass
+class Handoff:
+    """One forward's keys and values from ``update`` until ``absorb`` stores them, the stand-in
+    keys handed back (attention checks it gets these), the query heads per KV head (once a forward
+    has shown its queries), and the last decode step's positions check, read by the next forward."""
+
+    new: tuple[torch.Tensor, torch.Tensor] | None = None
+    returned_keys: torch.Tensor | None = None
+    group: int | None = None
+    position_check: Any = None
+
+
+class RowTensor:
+    """A per-row tensor (b, ...) as a holder of the registry: selected with the batch, concatenated
+    when rows join, its bytes counted."""
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+
+    def map_batch(self, fn) -> None:
+        self.t = fn(self.t)
+
+    def tensors(self) -> list:
+        return [self.t]
+
+    def nbytes(self) -> int:
+        return self.t.nbytes
+
+
+# The per-row state besides the tiers, in one order, with whether its bytes are the cache's (a
+# row's policy kind is bookkeeping of the batch, not of the tokens): each holder maps its rows
+# (``map_batch``), hands its tensors in that order when rows join (``tensors``), counts ``nbytes``.
+PER_ROW = (("_n_real", True), ("_prompt_end", True), ("rows", False), ("summary", True), ("keyspace", True))
