@@ -8,6 +8,7 @@ import torch
 import kvevict
 from conftest import tiny_model
 from h2o_reference import H2OReference
+from kvevict.budget import default_slack
 
 
 def _decode(model, spec, prompt, steps, **kw):
@@ -60,6 +61,39 @@ def test_slack_one_evicts_every_step_and_the_default_a_sixteenth_of_the_budget(s
     for budget, slack in ((31, 1), (32, 2), (256, 16), (280, 16)):
         cache, _, _ = _decode(model, f"{spec}@{budget}", prompt, 1)
         assert cache.layers[0].tiers[0].slack == slack, budget
+
+
+@pytest.mark.parametrize("spec", ["h2o/int4@memory=0.25", "ada-snapkv/int4@memory=0.2", "snapkv/int8@memory=0.3"])
+def test_a_memory_plans_default_slack_is_the_largest_whose_recent_tier_fits_a_sixteenth(spec):
+    model = tiny_model("qwen2").to(torch.bfloat16)  # a recent tier costs 2 bytes a value, as on real models
+    torch.manual_seed(0)
+    prompt = torch.randint(0, 128, (2, 400))
+    cache = kvevict.make_cache(model, spec)
+    cache.set_prompt_length(prompt.shape[1])
+    held = []
+    with torch.no_grad():
+        tok = model(prompt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        for _ in range(20):
+            tok = model(tok, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            t = cache.layers[0].tiers[0]  # its tokens, and those waiting in its recent tier
+            held.append(sum((p.pos[..., : p.filled] >= 0).sum(-1) for p in t.parts()))
+    layer = cache.layers[0]
+    t, pooled, planned = layer.tiers[0], layer.shared, layer.budget + layer.recent_cost
+    s = t.slack
+    cost = [layer._recent_slots(n, *layer.dims[1:], layer.policy) for n in (s, s + 1)]
+    # the default (a sixteenth of the plan's tokens) would quantize every step: the slack shrank
+    # to the largest whose recent tier fits, and the plan paid for it in slots
+    assert 2 <= s < default_slack(planned) and cost[0] * 16 <= planned < cost[1] * 16
+    assert t.recent is not None and layer.recent_cost == cost[0]
+    # one ranking every s steps, the tokens between waiting in 16 bits: never more than the budget
+    want = [(layer.budget - (s - 1 - i % s)) * pooled for i in range(20)]
+    for step, h in enumerate(held):
+        assert (h == want[step]).all(), (step, h.tolist(), want[step])
+    given = kvevict.make_cache(model, f"{spec}+slack=12")
+    given.set_prompt_length(prompt.shape[1])
+    with torch.no_grad():
+        model(prompt, cache=given, use_cache=True)
+    assert given.layers[0].tiers[0].slack == 12 and given.layers[0].recent_cost == 0  # asked for: kept
 
 
 @pytest.mark.parametrize("spec", ["h2o@12", "snapkv/int8@12", "ada-snapkv/int8+int4@12", "h2o/int4+int2@12"])

@@ -72,6 +72,7 @@ class EvictingLayer(BatchChanges, CacheLayerMixin):
         # a memory plan's share: the first forward resolves its storage, and its recent tier's
         # bytes come out of its slots (still so once ``set_prompt_length`` resolved the budget)
         self.spec.memory_plan = isinstance(budget, MemoryPlan)
+        self.spec.floor = budget.floor if isinstance(budget, MemoryPlan) else 0
         self._start()
 
     def _start(self) -> None:
@@ -179,15 +180,8 @@ class EvictingLayer(BatchChanges, CacheLayerMixin):
         self.pool = HeadPool(h, key_states.device) if policy.adaptive and h > 1 else None
         shared = 1 if self.pool is None else h
         self.shape = LayerShape(key_states.dtype, key_states.device, (h, dk, dv), shared, budget)
-        # a share of a short prompt may leave fewer slots than the slack asked; a sliding layer's
-        # window moves a token a step, and what leaves it must leave at once (as the stock cache's)
-        slack = default_slack(budget) if spec.slack is None else min(spec.slack, budget)
-        slack = 1 if spec.window is not None else slack
-        # a recent tier where its bytes are at most a sixteenth of the kept tokens' (RECENT_SHARE);
-        # a memory plan holds it too, in as many fewer slots as it takes
-        recent = self.compact is None and slack > 1 and st.kv_bits in (8, 4, 2)
-        cost = self._recent_slots(slack, dk, dv, policy) if recent else 0
-        recent = recent and cost * RECENT_SHARE <= budget
+        slack, cost = self._slack_and_recent(budget, dk, dv, policy)
+        recent = cost > 0
         if recent and self.spec.memory_plan:  # the slots a memory plan gave up
             self.shape.recent_cost = cost
             self.shape.budget -= cost
@@ -214,13 +208,37 @@ class EvictingLayer(BatchChanges, CacheLayerMixin):
         check_group(st.group, dv, st.evicted_bits)
         if st.evicted_budget is not None:
             low = resolve_budget(st.evicted_budget, self.prompt_len or m)
-        else:  # room for the rest of the prompt; later tokens evict by the policy
-            low = max(1, (self.prompt_len or m) - budget)
+        else:  # room for the rest of the prompt (past the first tier's slots, a recent tier's too)
+            low = max(1, (self.prompt_len or m) - budget - self.recent_cost)
         if self.window is not None:  # both tiers together never hold more than the window
             low = min(low, self.window - 1 - budget)
         if low > 0:
             tiers.append(Tier(low * shared, *args, bits=st.evicted_bits, **kw))
         return tiers
+
+    def _slack_and_recent(self, budget: int, dk: int, dv: int, policy) -> tuple[int, int]:
+        """(the slack, the slots a recent tier costs: 0 for none). A share of a short prompt may
+        leave fewer slots than the slack asked; a sliding layer's window moves a token a step, and
+        what leaves it must leave at once (as the stock cache's). A packed layer keeps a recent tier
+        where its bytes are at most a sixteenth of the kept tokens' (RECENT_SHARE) and, under a
+        memory plan, which pays for it in slots, leave the plan's floor of tokens. A memory plan's
+        default slack shrinks until its recent tier fits: a quantization every step costs more
+        launches than a ranking every few steps saves, and the plan's bytes stay what they are."""
+        spec = self.spec
+        slack = default_slack(budget) if spec.slack is None else min(spec.slack, budget)
+        if spec.window is not None:
+            return 1, 0
+        if self.compact is not None or slack < 2 or self.storage.kv_bits not in (8, 4, 2):
+            return slack, 0
+
+        def fits(s: int) -> int:
+            cost = self._recent_slots(s, dk, dv, policy)
+            return cost if cost * RECENT_SHARE <= budget and budget - cost >= spec.floor else 0
+
+        for s in range(slack, 1 if spec.slack is None and spec.memory_plan else slack - 1, -1):
+            if cost := fits(s):
+                return s, cost
+        return slack, 0
 
     def _recent_slots(self, slack: int, dk: int, dv: int, policy) -> int:
         """The packed slots a recent tier's bytes take (``Tier.recent``: slack - 1 tokens a head in

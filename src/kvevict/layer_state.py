@@ -30,6 +30,7 @@ class LayerSpec:
     slack: int | None = None  # batch eviction; None: ``budget.default_slack`` of the layer's budget
     prompt_len: int | None = None
     memory_plan: bool = False  # the budget was a memory plan's share (``kvevict.memory``)
+    floor: int = 0  # the fewest tokens that plan keeps (``MemoryPlan.floor``)
 
 
 @dataclass
