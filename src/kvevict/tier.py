@@ -34,19 +34,21 @@ import torch
 
 from .caps import RowCaps
 from .policies import Candidates
+from .replace import evicted, replace_many, replace_one
 from .rows import Rows
 from .stats import FP16_MAX, STATS, stat_dtype
 from .storage import paged
 from .storage.layout import POS16_MAX, SlotLayout
 from .storage.paged import PagedField, PagedStore, page_slots
-from .storage.rect import RectField, expand_index, make_store, trailing
+from .storage.rect import RectField, make_store
+from .tier_batch import TierBatch
 from .turnover import Turnover
 
 # per-candidate metadata besides the key/value pair: position (-1: not a token), one entry per statistic
 _META = ("pos",)
 
 
-class Tier:
+class Tier(TierBatch):
     def __init__(
         self,
         budget: int,
@@ -325,42 +327,10 @@ class Tier:
         return out
 
     def _replace_one(self, policy, new, ctx, protected_newcomer, want_evicted):
-        """Decoding: the new token takes the slot of the lowest-priority candidate."""
-        B = self.capacity
-        if protected_newcomer and policy.keeps_newest(ctx["budget"]) and policy.independent:
-            # the newcomer is protected and cannot change the others' ranks: rank the slots only
-            slot, take = self.priority(policy, None, ctx).argmin(-1, keepdim=True), None
-        else:
-            victim = self.priority(policy, new, ctx).argmin(-1, keepdim=True)  # (b, h, 1)
-            slot, take = victim.clamp(max=B - 1), victim < B
-        gone = self.read(slot) if want_evicted else None
-        if gone is not None and take is not None:  # where the newcomer lost, it is what leaves
-            gone = {n: torch.where(trailing(take, t), t, new[n]) for n, t in gone.items()}
-        self.write(slot, new, take)
-        return gone
+        return replace_one(self, policy, new, ctx, protected_newcomer, want_evicted)
 
     def _replace_many(self, policy, new, ctx, want_evicted, all_real=False):
-        """Prefill chunks: evict the m lowest-priority of the B slots + m new tokens; the kept new
-        tokens move into the evicted slots, pairwise, so storage is overwritten in place."""
-        B, m = self.capacity, new["pos"].shape[-1]
-        prio = self.priority(policy, new, ctx)
-        # empty slots go first in slot order (topk breaks ties arbitrarily), so a row fills its
-        # slots in order and never writes past its fill
-        order = torch.arange(prio.shape[-1], device=prio.device, dtype=torch.float32)
-        prio = torch.where(prio == -float("inf"), order * 1e32 - 3e38, prio)
-        out = prio.topk(m, dim=-1, largest=False).indices  # (b, h, m) evicted candidates
-        gone = self.evicted(out, new, all_real) if want_evicted else None
-        ev_slot = torch.zeros(prio.shape[0], prio.shape[1], B + m, dtype=torch.bool, device=prio.device)
-        ev_slot.scatter_(-1, out, True)
-        k = min(m, B)
-        # evicted slots first, then kept ones (stable); kept new tokens first, then evicted ones
-        targets = torch.argsort((~ev_slot[..., :B]).to(torch.int8), dim=-1, stable=True)[..., :k]
-        sources = torch.argsort(ev_slot[..., B:].to(torch.int8), dim=-1, stable=True)[..., :k]
-        n_moves = ev_slot[..., :B].sum(-1, keepdim=True)  # = number of kept new tokens
-        move = torch.arange(k, device=prio.device).view(1, 1, k) < n_moves  # (b, h, k)
-        moved = {n: t.gather(2, expand_index(sources, t)) for n, t in new.items()}
-        self.write(targets, moved, move)
-        return gone
+        return replace_many(self, policy, new, ctx, want_evicted, all_real)
 
     def flush(self) -> None:
         """The recent tier's tokens to their slots (``Turnover.flush``)."""
@@ -397,51 +367,7 @@ class Tier:
         self.set_fills([j + m] * len(self.fills))
 
     def evicted(self, out, new: dict, all_real: bool = False) -> dict:
-        """The entries of evicted candidates ``out`` (indices into slots + new), valid ones first,
-        cut to the most valid ones any (sequence, head) has (every one, with ``all_real``)."""
-        B = self.capacity
-        from_slot = out < B
-        stored = self.read(out.clamp(max=B - 1))
-        fresh = {n: t.gather(2, expand_index((out - B).clamp(min=0), t)) for n, t in new.items()}
-        got = {n: torch.where(trailing(from_slot, stored[n]), stored[n], fresh[n]) for n in stored}
-        if all_real:
-            return got
-        valid = got["pos"] >= 0
-        order = torch.argsort((~valid).to(torch.int8), dim=-1, stable=True)
-        keep = int(valid.sum(-1).max())
-        order = order[..., :keep]
-        return {n: t.gather(2, expand_index(order, t)) for n, t in got.items()}
-
-    def map_batch(self, fn) -> None:
-        """Apply ``fn`` to every per-row tensor (slots, then each row's fill and cap); ``fit`` after.
-        Slots a batch eviction freed stay empty (ranked first to be taken) but are no longer handed
-        out in order: rows that join may be at another step of their turn-over."""
-        self.settle()
-        self._map_slots(fn)
-        self.fill = fn(self.fill)
-        if self.caps is not None:
-            self._caps = RowCaps(fn(self.caps))
-
-    def _map_slots(self, fn, store: bool = True) -> None:
-        if store:
-            self.store.map_batch(fn)
-        for name in self.names():  # positions, head ids, then the statistics
-            self._meta[name].map_batch(fn)
-
-    @property
-    def caps(self) -> torch.Tensor | None:
-        """(b,) each row's own number of slots (``kvevict.caps``), or None: every row has the budget."""
-        return None if self._caps is None else self._caps.tensor
-
-    @caps.setter
-    def caps(self, caps: torch.Tensor | None) -> None:
-        self._caps = None if caps is None else RowCaps(caps)
-
-    def row_caps(self) -> torch.Tensor:
-        """(b,) each row's own number of slots."""
-        if self.caps is not None:
-            return self.caps
-        return torch.full((len(self.fills),), self.budget, dtype=torch.long, device=self.device)
+        return evicted(self, out, new, all_real)
 
     def reserve(self, n: int) -> None:
         """Allocate the pages ``n`` tokens need (never past the budget); the new slots are empty."""
@@ -450,40 +376,6 @@ class Tier:
     def grow_to(self, n: int) -> None:
         if n > self.capacity:
             self._resize(n)
-
-    def widen(self, budget: int, stats: tuple) -> None:
-        """Take rows of up to ``budget`` slots and carry every statistic in ``stats``, so rows of
-        another tier can be appended; each row keeps its own cap. No slot is allocated here: the
-        pages come as the rows grow into them."""
-        if stats != self.layout.stats:
-            for s in stats:
-                if s not in self._meta:
-                    self._meta[s] = self._field(len(self.fills), stat_dtype(s), 0)
-            self.layout = replace(self.layout, stats=tuple(stats))
-        if budget > self.budget:
-            self._caps = RowCaps(self.row_caps())
-            self.budget = budget
-
-    def fit(self) -> None:
-        """After rows joined or left: pages no row uses any more are given back, the budget is the
-        widest row's cap (a row writes only below its cap, so nothing kept is cut), and no caps
-        once every row has the full width."""
-        self.set_fills(self.fill.tolist())  # one host read per batch change, none per step
-        keep = page_slots(self.filled, self.budget)
-        if keep < self.capacity:  # rows that left held the last pages
-            self._resize(keep)
-        if self.caps is None:
-            return
-        widest = int(self.caps.max()) if self.caps.numel() else self.budget
-        if widest < self.budget:
-            self.budget = widest
-            if self.capacity > widest:
-                self._resize(widest)
-        if (int(self.caps.min()) if self.caps.numel() else self.budget) >= self.budget:
-            self._caps = None
-            return
-        assert self._caps is not None
-        self._caps.index()
 
     def _resize(self, n: int) -> None:
         """Reallocate every per-slot tensor to ``n`` slots (cut, or padded with empty slots)."""
