@@ -9,6 +9,7 @@ import kvevict
 from conftest import tiny_model
 from h2o_reference import H2OReference
 from kvevict.budget import default_slack
+from kvevict.turnover import recent_slots
 
 
 def _decode(model, spec, prompt, steps, **kw):
@@ -80,7 +81,8 @@ def test_a_memory_plans_default_slack_is_the_largest_whose_recent_tier_fits_a_si
     layer = cache.layers[0]
     t, pooled, planned = layer.tiers[0], layer.shared, layer.budget + layer.recent_cost
     s = t.slack
-    cost = [layer._recent_slots(n, *layer.dims[1:], layer.policy) for n in (s, s + 1)]
+    stats, heads = layer.policy.stats, layer.shared > 1
+    cost = [recent_slots(layer.storage, n, layer.dims[1:], layer.dtype, stats, heads) for n in (s, s + 1)]
     # the default (a sixteenth of the plan's tokens) would quantize every step: the slack shrank
     # to the largest whose recent tier fits, and the plan paid for it in slots
     assert 2 <= s < default_slack(planned) and cost[0] * 16 <= planned < cost[1] * 16

@@ -14,13 +14,12 @@ keys in a rotated basis (``keyspace.KeySpace``), compact positions (``rope``), p
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from .attention import PaddingInfo, _Segments, hand_off
-from .budget import default_slack, resolve_budget
+from .budget import resolve_budget
 from .headpool import HeadPool, cat_slots
 from .keyspace import KeySpace
 from .layer_batch import BatchChanges
@@ -31,11 +30,11 @@ from .policies import Policy
 from .policies.window import Windowed, window_recency
 from .rope import CompactPositions
 from .rows import Rows
-from .stats import stat_bytes
 from .storage import Storage, check_group
 from .storage.layout import POS16_MAX
 from .storage.rect import DenseStore
 from .tier import Tier
+from .turnover import slack_and_recent
 
 
 @functools.lru_cache(maxsize=16)
@@ -43,9 +42,6 @@ def _zero(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero made once per dtype and device: the shape-only stand-ins ``update`` hands back expand
     it, so a decode step launches nothing for them."""
     return torch.zeros((), dtype=dtype, device=device)
-
-
-RECENT_SHARE = 16  # a recent tier (Tier.recent) costs at most 1 / 16 of the bytes of the tokens kept
 
 
 class EvictingLayer(BatchChanges, CacheLayerMixin):
@@ -180,7 +176,9 @@ class EvictingLayer(BatchChanges, CacheLayerMixin):
         self.pool = HeadPool(h, key_states.device) if policy.adaptive and h > 1 else None
         shared = 1 if self.pool is None else h
         self.shape = LayerShape(key_states.dtype, key_states.device, (h, dk, dv), shared, budget)
-        slack, cost = self._slack_and_recent(budget, dk, dv, policy)
+        slack, cost = slack_and_recent(
+            spec, self.storage, budget, (dk, dv), self.dtype, policy.stats, shared > 1, self.compact is not None
+        )
         recent = cost > 0
         if recent and self.spec.memory_plan:  # the slots a memory plan gave up
             self.shape.recent_cost = cost
@@ -215,38 +213,6 @@ class EvictingLayer(BatchChanges, CacheLayerMixin):
         if low > 0:
             tiers.append(Tier(low * shared, *args, bits=st.evicted_bits, **kw))
         return tiers
-
-    def _slack_and_recent(self, budget: int, dk: int, dv: int, policy) -> tuple[int, int]:
-        """(the slack, the slots a recent tier costs: 0 for none). A share of a short prompt may
-        leave fewer slots than the slack asked; a sliding layer's window moves a token a step, and
-        what leaves it must leave at once (as the stock cache's). A packed layer keeps a recent tier
-        where its bytes are at most a sixteenth of the kept tokens' (RECENT_SHARE) and, under a
-        memory plan, which pays for it in slots, leave the plan's floor of tokens. A memory plan's
-        default slack shrinks until its recent tier fits: a quantization every step costs more
-        launches than a ranking every few steps saves, and the plan's bytes stay what they are."""
-        spec = self.spec
-        slack = default_slack(budget) if spec.slack is None else min(spec.slack, budget)
-        if spec.window is not None:
-            return 1, 0
-        if self.compact is not None or slack < 2 or self.storage.kv_bits not in (8, 4, 2):
-            return slack, 0
-
-        def fits(s: int) -> int:
-            cost = self._recent_slots(s, dk, dv, policy)
-            return cost if cost * RECENT_SHARE <= budget and budget - cost >= spec.floor else 0
-
-        for s in range(slack, 1 if spec.slack is None and spec.memory_plan else slack - 1, -1):
-            if cost := fits(s):
-                return s, cost
-        return slack, 0
-
-    def _recent_slots(self, slack: int, dk: int, dv: int, policy) -> int:
-        """The packed slots a recent tier's bytes take (``Tier.recent``: slack - 1 tokens a head in
-        the model's dtype), which a memory budget gives up so that it holds them too."""
-        stats = stat_bytes(policy.stats) + (1 if self.shared > 1 else 0)  # a pooled slot's head id
-        dense = Storage(kv_bits=16).slot_bytes(dk, dv, 2, stats)  # 16 bits: Tier.recent
-        packed = self.storage.slot_bytes(dk, dv, self.dtype.itemsize, stats)
-        return math.ceil((slack - 1) * dense / packed)
 
     def _summary(self, b, h, dk, dv) -> "Summary | None":
         """The evicted tokens' mean slot (``kvevict.merge``) when the policy asks for it (``merge``).

@@ -16,14 +16,50 @@ groups are its own channels.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
+from .budget import default_slack
+from .stats import stat_bytes
+from .storage import Storage
 from .storage.rect import expand_index
 
 # the tier whose slots turn over (``kvevict.tier.Tier``: not imported, which imports this module)
 Tier = Any
+RECENT_SHARE = 16  # a recent tier costs at most 1 / 16 of the bytes of the tokens kept
+
+
+def recent_slots(storage: Storage, slack: int, dims: tuple[int, int], dtype, stats, pooled: bool) -> int:
+    """The slots of ``storage`` a recent tier's bytes take (slack - 1 tokens a head at 16 bits),
+    which a memory budget gives up so that it holds them too."""
+    dk, dv = dims
+    extra = stat_bytes(stats) + (1 if pooled else 0)  # a pooled slot's head id
+    dense = Storage(kv_bits=16).slot_bytes(dk, dv, 2, extra)
+    packed = storage.slot_bytes(dk, dv, dtype.itemsize, extra)
+    return math.ceil((slack - 1) * dense / packed)
+
+
+def slack_and_recent(spec, storage: Storage, budget: int, dims, dtype, stats, pooled: bool, compact: bool):
+    """(a layer's slack, the slots its recent tier costs: 0 for none). ``spec``: the layer's
+    ``LayerSpec``. A share of a short prompt may leave fewer slots than the slack asked; a sliding
+    layer's window moves a token a step, and what leaves it must leave at once (as the stock
+    cache's). A packed layer keeps a recent tier where its bytes are at most a sixteenth of the kept
+    tokens' (RECENT_SHARE) and, under a memory plan, which pays for it in slots, leave the plan's
+    floor of tokens. A memory plan's default slack shrinks until its recent tier fits: a
+    quantization every step costs more launches than a ranking every few steps saves, and the
+    plan's bytes stay what they are."""
+    slack = default_slack(budget) if spec.slack is None else min(spec.slack, budget)
+    if spec.window is not None:
+        return 1, 0
+    if compact or slack < 2 or storage.kv_bits not in (8, 4, 2):
+        return slack, 0
+    for s in range(slack, 1 if spec.slack is None and spec.memory_plan else slack - 1, -1):
+        cost = recent_slots(storage, s, dims, dtype, stats, pooled)
+        if cost * RECENT_SHARE <= budget and budget - cost >= spec.floor:
+            return s, cost
+    return slack, 0
 
 
 class Turnover:
