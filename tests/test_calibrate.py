@@ -11,7 +11,8 @@ from conftest import tiny_model
 from eval_helpers import tiny_tokenizer
 from kvevict.cli import main
 from kvevict.eval.calibrate import calibrate, candidates, default_path, load, save, signature
-from kvevict.memory import head_from, plan
+from kvevict.memory import head_from
+from memory_plans import plan
 
 
 @pytest.fixture(scope="module")

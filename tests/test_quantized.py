@@ -246,7 +246,8 @@ def test_bad_storage_options_are_clear_errors(kw, match):
 
 
 def test_memory_plans_follow_the_measured_rule():
-    from kvevict.memory import HEAD_BYTES, HEAD_FROM, parse_memory, plan
+    from kvevict.memory import HEAD_BYTES, HEAD_FROM, parse_memory
+    from memory_plans import plan
 
     # SmolLM2's shape: head_dim 64, H2O (one statistic): per slot and KV head a 16-bit stock token is
     # 256 bytes, whatever the model's dtype; int8 140, int4 76 (codes + a step byte and a zero byte

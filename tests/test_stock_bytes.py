@@ -129,8 +129,9 @@ def test_a_memory_budget_picks_a_streaming_policy_or_a_prompt_scoring_one(tmp_pa
 @pytest.mark.parametrize("memory", [0.05, 0.1])
 def test_mas_streams_in_three_tiers_where_h2o_keeps_int4_alone(memory):
     """Below 15% of a 16-bit cache the rule gives MAS (the streaming pick) three tiers and H2O int4 alone."""
-    from kvevict.memory import HEAD_BYTES, head_from, plan
+    from kvevict.memory import HEAD_BYTES, head_from
     from kvevict.policies import make_policy
+    from memory_plans import plan
 
     r8, r4 = (Storage(kv_bits=b).slot_bytes(64, 64, 4, 2) / 256 for b in (8, 4))
     mas = plan(memory, 64, 64, 4, 2, head_from=head_from(make_policy("mas")))
@@ -144,7 +145,8 @@ def test_mas_streams_in_three_tiers_where_h2o_keeps_int4_alone(memory):
 
 @pytest.mark.parametrize("memory", [0.05, 0.1, 0.2, 0.4])
 def test_a_prompt_scoring_policy_keeps_int4_alone_only_on_a_sliding_model(memory):
-    from kvevict.memory import PROMPT_HEAD_BYTES, plan
+    from kvevict.memory import PROMPT_HEAD_BYTES
+    from memory_plans import plan
 
     r8, r4 = (Storage(kv_bits=b).slot_bytes(64, 64, 4, 0) / 256 for b in (8, 4))  # slots over a 16-bit token
     stream, scored = plan(memory, 64, 64, 4, 2), plan(memory, 64, 64, 4, 0, scores_prompt=True)
@@ -227,7 +229,7 @@ def test_a_sliding_model_plans_its_budget_in_bytes():
     # three tiers are solved for every layer alike: a sliding model keeps int4 alone below r4,
     # even where a calibrated plan asks for int8 + int4
     for kind in (None, "int8+int4"):
-        from kvevict.memory import plan
+        from memory_plans import plan
 
         assert plan(0.3, 8, 8, 4, 2, group=8, windows=windows, kind=kind).storage == Storage(kv_bits=4, group=8)
         assert plan(0.3, 8, 8, 4, 2, group=8, kind=kind).storage.label == "int8+int4"  # without sliding layers
@@ -237,7 +239,8 @@ def test_a_sliding_model_plans_its_budget_in_bytes():
     "bits, label", [((4, None), "int4"), ((8, None), "int8"), ((16, None), "fp16"), ((8, 4), "int8+int4")]
 )
 def test_a_memory_budget_is_spent_at_the_bits_the_caller_names(bits, label):
-    from kvevict.memory import PROMPT_HEAD_BYTES, plan
+    from kvevict.memory import PROMPT_HEAD_BYTES
+    from memory_plans import plan
 
     model = tiny_model("llama-mha")  # head_dim 16, groups of 8
     kv_bits, evicted_bits = bits

@@ -333,30 +333,6 @@ class Spending:
     planned: bool = False
 
 
-def plan(
-    memory,
-    head_dim_k: int,
-    head_dim_v: int,
-    dtype_bytes: int,
-    stats_bytes: int,
-    layers_heads: int = 1,
-    group: int = DEFAULT_GROUP,
-    slot_extra: int = 0,
-    windows=None,
-    floor: int = MIN_TOKENS,
-    scores_prompt: bool = False,
-    kind: str | None = None,
-    head_from: float = HEAD_FROM,
-    planned: bool = False,
-) -> Plan:
-    """``plan_memory`` with the slot's shape (``SlotShape``) and the way to spend (``Spending``)
-    given field by field."""
-    shape = SlotShape(
-        head_dim_k, head_dim_v, dtype_bytes, stats_bytes, layers_heads, group, slot_extra, tuple(windows or ())
-    )
-    return plan_memory(memory, shape, Spending(floor, scores_prompt, kind, head_from, planned))
-
-
 def plan_memory(memory, shape: SlotShape, spend: Spending | None = None) -> Plan:
     """The storage and token budget for ``memory`` (see the module's rule), as a share of a 16-bit
     stock cache whatever ``shape.dtype_bytes``, or bytes per sequence."""

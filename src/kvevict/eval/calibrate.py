@@ -5,7 +5,7 @@ to a plan file that ``memory=`` then uses for that model.
 For a memory share m of a 16-bit stock cache and a streaming policy (by default the one a memory
 budget picks for streamed text, ``memory.STREAM_POLICY``), the
 candidates are the ways the bytes can be spent (r_b: a b-bit slot's bytes over a 16-bit token's,
-``Storage.slot_bytes``; the same arithmetic as ``kvevict.memory.plan``):
+``Storage.slot_bytes``; the same arithmetic as ``kvevict.memory.plan_memory``):
 
   - evict, keep the rest at b bits, b in {16, 8, 4}:     m / r_b of the tokens
   - every token kept, the policy's top f at int8, the rest at int4 (r_4 <= m < r_8):
@@ -41,7 +41,7 @@ import torch
 
 from ..data.essays import haystack
 from ..data.passkey import for_tokenizer, passkey_prompt
-from ..memory import STREAM_POLICY, head_from, plan
+from ..memory import STREAM_POLICY, SlotShape, Spending, head_from, plan_memory
 from ..plans import FORMAT, KINDS, default_path, load, save, signature  # noqa: F401  (the plan file's API)
 from ..policies import make_policy, policy_class
 from ..shape import head_dim_of
@@ -54,11 +54,12 @@ def candidates(
     memory: float, head_dim: int, dtype_bytes: int, stats_bytes: int, group: int = DEFAULT_GROUP, windows=None
 ) -> list:
     """[(storage label, share of the tokens at the first tier's bits)] for a memory share (see the
-    module): ``kvevict.memory.plan`` with each kind forced, so the bytes are the rule's own
+    module): ``kvevict.memory.plan_memory`` with each kind forced, so the bytes are the rule's own
     (``windows``: a sliding model's, so its token budgets are solved per layer as ``memory=`` does)."""
+    shape = SlotShape(head_dim, head_dim, dtype_bytes, stats_bytes, group=group, windows=tuple(windows or ()))
     out = []
     for kind in KINDS:
-        p = plan(memory, head_dim, head_dim, dtype_bytes, stats_bytes, group=group, windows=windows, floor=1, kind=kind)
+        p = plan_memory(memory, shape, Spending(floor=1, kind=kind))
         if all((p.storage.label, float(p.budget)) != (label, float(share)) for label, share in out):
             out.append((p.storage.label, p.budget))  # int8+int4 from r8 up is int8
     return out
@@ -161,18 +162,8 @@ def calibrate(
                 f"NLL {scored[cell] - scored[full]:+.4f}"
             )
         best = min(cells, key=lambda c: scored[c])
-        kind = plan(
-            m,
-            d,
-            d,
-            dtype_bytes,
-            stats_bytes,
-            group=group,
-            windows=sliding,
-            floor=1,
-            head_from=head_from(pol),
-            scores_prompt=needs,
-        ).storage.label
+        shape = SlotShape(d, d, dtype_bytes, stats_bytes, group=group, windows=tuple(sliding or ()))
+        kind = plan_memory(m, shape, Spending(floor=1, scores_prompt=needs, head_from=head_from(pol))).storage.label
         picks[m] = (best, next(c for c in cells if c[0] == cell_of(policy, kind)))
     held_nll = score(held, [full] + sorted({c for pair in picks.values() for c in pair}))
     choices = [
