@@ -59,6 +59,9 @@ STOCK = "stock"
 # transformers' fast path: a StaticCache, its decode step compiled by generate itself (CUDA graphs
 # on a GPU, ``mode="reduce-overhead"``); what a user who wants speed runs
 STATIC = "static-compiled"
+# a kvevict cache whose decode step generate compiles (fullgraph; CUDA graphs on a GPU); without
+# the prefix a kvevict cache runs eager (generate would otherwise compile it on CUDA by itself)
+COMPILED = "compiled:"
 STATIC_ROOM = 512  # the most new tokens a StaticCache made by ``fill`` has room for
 
 
@@ -101,7 +104,7 @@ def new_cache(model, spec: str, pages=None, length: int = 0):
         return DynamicCache(config=model.config)
     from kvevict import make_cache
 
-    return make_cache(model, spec, pages=pages)
+    return make_cache(model, spec.removeprefix(COMPILED), pages=pages).compileable(spec.startswith(COMPILED))
 
 
 def cache_bytes(cache) -> int:
@@ -120,13 +123,22 @@ def fill(model, spec, ids, pages=None):
     return cache
 
 
-def decode(model, cache, ids, new):
+def decode(model, cache, ids, new, compiled: bool = False):
     from transformers import CompileConfig, StaticCache
 
-    # a StaticCache is compiled by generate on a GPU; elsewhere only when asked (a CPU check of the script)
-    compile_config = None
-    if isinstance(cache, StaticCache) and ids.device.type != "cuda":
+    from kvevict import EvictingCache
+
+    # a StaticCache is compiled by generate on a GPU; elsewhere only when asked (a CPU check of the
+    # script); a kvevict cache only when its name says ``compiled:``
+    compile_config, extra = None, {}
+    cuda = ids.device.type == "cuda"
+    if isinstance(cache, EvictingCache) and compiled:
+        compile_config = CompileConfig(fullgraph=True, mode="reduce-overhead" if cuda else "default")
+    elif isinstance(cache, EvictingCache):
+        extra = {"disable_compile": True}
+    elif isinstance(cache, StaticCache) and not cuda:
         compile_config = CompileConfig(mode="default")
+    if compile_config is not None and not cuda:
         compile_config._compile_all_devices = True  # a flag, not a field, of transformers' CompileConfig
     return model.generate(
         ids,
@@ -137,6 +149,7 @@ def decode(model, cache, ids, new):
         min_new_tokens=new,
         pad_token_id=0,
         compile_config=compile_config,
+        **extra,
     )
 
 
@@ -151,7 +164,7 @@ def one_run(model, spec, ids, new, device, weights) -> dict:
     sync(device)
     t1 = time.perf_counter()
     held = cache_bytes(cache)
-    out = decode(model, cache, ids, new)
+    out = decode(model, cache, ids, new, spec.startswith(COMPILED))
     sync(device)
     t2 = time.perf_counter()
     peak = torch.cuda.max_memory_allocated() - weights if device.type == "cuda" else 0
@@ -219,7 +232,7 @@ def fit(model, spec, args, device, weights, gen) -> dict:
     prefill_peak = torch.cuda.max_memory_allocated() - base
     torch.cuda.reset_peak_memory_stats()
     held = torch.cuda.memory_allocated()
-    decode(model, cache, ids, args.new)
+    decode(model, cache, ids, args.new, spec.startswith(COMPILED))
     step_peak = (torch.cuda.max_memory_allocated() - held) / rows  # a decode step's transient, per row
     del cache, ids
     room = limit - weights - prefill_peak  # the last chunk's prompt is entered beside the rows before it
@@ -233,7 +246,7 @@ def fit(model, spec, args, device, weights, gen) -> dict:
             try:
                 cache, ids = build(batch)
                 t0 = time.perf_counter()
-                out = decode(model, cache, ids, args.new)
+                out = decode(model, cache, ids, args.new, spec.startswith(COMPILED))
                 sync(device)
                 seconds = time.perf_counter() - t0
                 tried.append({"batch": batch, "ran": True, "tokens_per_s": batch * (out.shape[1] - n) / seconds})
@@ -339,8 +352,9 @@ def main(argv=None):
     p.add_argument("--batches", default="8", help="batch sizes (8: the issue's targets; 1,8 for both)")
     p.add_argument(
         "--caches",
-        default=f"{STOCK};{STATIC};memory=0.2",
-        help=f"';'-separated: {STOCK} (DynamicCache, eager), {STATIC} (StaticCache, compiled), or cache specs",
+        default=f"{STOCK};{STATIC};memory=0.2;{COMPILED}memory=0.2",
+        help=f"';'-separated: {STOCK} (DynamicCache, eager), {STATIC} (StaticCache, compiled), or cache specs "
+        f"(eager; {COMPILED}SPEC: its decode step compiled by generate, CUDA graphs on a GPU)",
     )
     p.add_argument("--new", type=int, default=64, help="tokens generated per prompt")
     p.add_argument("--rounds", type=int, default=3, help="rounds per configuration, the first a warm-up")
@@ -381,6 +395,7 @@ def main(argv=None):
         "weights_bytes": weights,
         "runs": [],
         "fit": {},
+        "failed": {},
     }
     if args.check:
         specs = [c.strip() for c in args.check.split(";") if c.strip()]
@@ -393,10 +408,19 @@ def main(argv=None):
             got = {c: [] for c in caches}
             for r in range(args.rounds):
                 for c in caches[r % len(caches) :] + caches[: r % len(caches)]:  # each round its own order
-                    got[c].append(one_run(model, c, ids, args.new, device, weights))
+                    if c in report["failed"]:
+                        continue
+                    try:
+                        got[c].append(one_run(model, c, ids, args.new, device, weights))
+                    except Exception as err:  # a compiled step that fails must not lose the others' run
+                        if not c.startswith(COMPILED):
+                            raise
+                        report["failed"][c] = f"{n} tokens, batch {b}: {type(err).__name__}: {err}"[:800]
+                        print(f"{c} failed: {report['failed'][c]}", flush=True)
+                        continue
                     print(f"{n} tokens, batch {b}, round {r}: {c}: {got[c][-1]}", flush=True)
-            timed = {c: v[1:] or v for c, v in got.items()}  # the warm-up round left out
-            for c in caches:
+            timed = {c: v[1:] or v for c, v in got.items() if v}  # the warm-up round left out
+            for c in timed:
                 med = {k: statistics.median(x[k] for x in timed[c]) for k in timed[c][0]}
                 stock = timed.get(STOCK)
                 px = tx = float("nan")
@@ -407,7 +431,9 @@ def main(argv=None):
             report["runs"] = rows
             out.write_text(json.dumps(report, indent=1))
     if device.type == "cuda" and args.fit_gib > 0:
-        for c in (c for c in caches if c != STATIC):  # its rows are allocated whole: the stock cache's fit
+        for c in (
+            c for c in caches if c != STATIC and c not in report["failed"]
+        ):  # its rows are allocated whole: the stock cache's fit
             report["fit"][c] = fit(model, c, args, device, weights, gen)
             print(f"fit {c}: {report['fit'][c]}", flush=True)
             out.write_text(json.dumps(report, indent=1))

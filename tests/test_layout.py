@@ -22,7 +22,7 @@ def _check(cache) -> None:
     tiers = [t for layer in cache.layers if layer.is_initialized for t in layer.tiers]
     assert tiers
     for t in tiers:
-        assert t.nbytes() == _measured(t), (t.layout, t.capacity, t.fills)
+        assert t.nbytes() == _measured(t), (t.layout, t.capacity, t.row_fills)
 
 
 SPECS = ["h2o@40", "h2o/int4@40+slack=4", "snapkv/int8+int2@24", "ada-snapkv/int4@40", "tova/fp16@40", "h2o/int2@40"]

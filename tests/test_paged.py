@@ -120,7 +120,7 @@ def test_padding_takes_no_slot_a_short_row_holds_its_own_tokens(kv_bits):
     with torch.no_grad():
         out = model(ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
         tiers = [layer.tiers[0] for layer in cache.layers]
-        assert all(t.fills == [10, 40] and t.capacity == page_slots(40, 512) for t in tiers)
+        assert all(t.row_fills == [10, 40] and t.capacity == page_slots(40, 512) for t in tiers)
         for t in tiers:
             assert torch.equal(t.pos[0, :, :10], torch.arange(10).expand(H, 10))
             assert (t.pos[0, :, 10:] == -1).all() and torch.equal(t.pos[1, :, :40], torch.arange(40).expand(H, 40))
@@ -132,7 +132,7 @@ def test_padding_takes_no_slot_a_short_row_holds_its_own_tokens(kv_bits):
             cache=cache,
             use_cache=True,
         )
-        assert all(t.fills == [11, 41] and int(t.pos[0, 0, 10]) == 10 for t in tiers)
+        assert all(t.row_fills == [11, 41] and int(t.pos[0, 0, 10]) == 10 for t in tiers)
         alone = kvevict.make_cache(model, "h2o", 512, kv_bits=kv_bits, group=8)
         want = model(short[None], cache=alone, use_cache=True).logits[0, -1]
     assert torch.allclose(out.logits[0, -1], want, atol=1e-5)
@@ -161,7 +161,7 @@ def test_padding_is_stored_when_no_slot_past_a_rows_tokens_is_free():
         model(torch.randint(1, 128, (2, m)), attention_mask=mask, position_ids=pos, cache=a, use_cache=True)
     for layer in a.layers:
         t = layer.tiers[0]
-        assert t.fills == [PAGE - 2 + m, 1 + m]  # the pads took slots (empty ones)
+        assert t.row_fills == [PAGE - 2 + m, 1 + m]  # the pads took slots (empty ones)
         for row in range(2):
             assert sorted(p for p in t.pos[row, 0].tolist() if p >= 0) == list(range(PAGE))  # no token lost
         assert t.pos[1, 0, 1:10].tolist() == [-1] * 9

@@ -58,6 +58,9 @@ class PaddingInfo:
 
     padding: torch.Tensor | None  # (batch, seen + q_length) bool, or None when nothing is padded
     kv_offset: int
+    # a compileable cache's ``generate`` makes the masks before the forward, whose mask function
+    # then gets this back: transformers reads ``ndim`` (2 would be a raw padding mask, 4 a mask made)
+    ndim = 0
 
     def real_upto(self, n: int) -> torch.Tensor:
         """The padding mask for positions [0, n); tokens past its end are real."""
@@ -71,7 +74,10 @@ class PaddingInfo:
 def kvevict_mask(
     batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None, **kwargs
 ):
-    """Mask function for ``AttentionMaskInterface``: keep the 2-D padding mask, build nothing."""
+    """Mask function for ``AttentionMaskInterface``: keep the 2-D padding mask, build nothing. Given
+    what it made already (generate makes a compileable cache's masks before the forward), that."""
+    if isinstance(attention_mask, PaddingInfo):
+        return attention_mask
     if attention_mask is not None and attention_mask.dim() == 2:
         check_mask_length(attention_mask.shape[-1], kv_offset + kv_length - q_length, q_length)
     padding = attention_mask

@@ -52,7 +52,19 @@ class EvictingCache(Cache):
                 for i, (b, w) in enumerate(zip(budgets, windows))
             ]
         )
+        if isinstance(budget, MemoryPlan):  # a schedule's tokens (kvzip-pool's) still spend the plan's
+            for layer in self.layers:  # bytes: its recent tiers are paid in slots, as a share's are
+                layer.spec.memory_plan = True
         self.policy = policy
+
+    def compileable(self, on: bool = True) -> "EvictingCache":
+        """Declare the decode step compileable (``torch.compile(fullgraph=True)`` traces it, see
+        docs/guide.md), so transformers' ``generate`` compiles it through its ``compile_config``, and on
+        CUDA by itself (CUDA graphs). Off by default: a compiled step is not yet measured on a GPU,
+        and inductor still fails on some batched shapes. Returns the cache."""
+        for layer in self.layers:
+            layer.is_compileable = on
+        return self
 
     def set_prompt_length(self, n: int) -> None:
         """Fix fractional budgets against the whole prompt before it is fed in chunks

@@ -107,7 +107,7 @@ def _question_or_none(tokenizer, prompt) -> int | None:
         return None
 
 
-def _spec_budget(spec: CacheSpec, budget, memory):
+def spec_budget(spec: CacheSpec, budget, memory):
     """The token or memory budget of a call given a spec: the spec's own, unless the call gives one."""
     if spec.budget is None:
         if spec.memory and memory is None:
@@ -153,6 +153,7 @@ def generate(
     stride=None,
     memory=None,
     question=None,
+    cache=None,
     **policy_params,
 ) -> Result:
     """Greedy generation of one prompt (chat messages or raw text) under ``policy`` and ``budget``;
@@ -167,32 +168,90 @@ def generate(
     under token or block prefill (``kvevict.memory.pick_policy``); without, ``h2o``.
     ``question``: protect the prompt's last N tokens and observe them (``make_cache(question=N)``);
     True (or a spec with ``+q``) counts the question with ``question_tokens``.
+    ``cache``: a compressed context (``kvevict.compress``): ``prompt`` is a question asked of it, read
+    whole after it in a fork that leaves it as it was; it was made with its policy and budget.
     Switches the model's attention implementation: not for concurrent use on a shared model
     (the server runs every model call on one worker thread)."""
+    if cache is not None:
+        return _ask_compressed(cache, prompt, max_new_tokens, (policy, budget, memory, question, stride), policy_params)
     check_mode(prefill_mode, stride)
     spec, label, policy, budget, memory = _resolve_policy(model, policy, budget, memory, prefill_mode)
     question = _question_count(model, tokenizer, prompt, spec, policy, memory, question)
     ids = encode_chat(tokenizer, prompt) if not isinstance(prompt, torch.Tensor) else prompt
     if ids.shape[-1] == 0:
         raise ValueError(no_new_tokens(0))
-    warned = _warn_if_long(model, ids.shape[-1] + max_new_tokens - 1, policy, policy_params)
+    warned = warn_if_long(model, ids.shape[-1] + max_new_tokens - 1, policy, policy_params)
     if policy == "oracle":  # Belady needs the future: the full cache's own continuation, recorded
         policy, policy_params = _record_oracle(model, tokenizer, ids, max_new_tokens, policy_params)
     if spec is not None:
-        policy, budget = _spec_params(spec, policy, budget, policy_params, ids.shape[1] + max_new_tokens)
-    policy, policy_params, context, record_seconds = _record_prompt(
-        model, tokenizer, ids, policy, policy_params, prefill_mode
-    )
-    cache, budget = _new_cache(model, policy, budget, memory, question, warned, policy_params)
+        policy, budget = spec_params(spec, policy, budget, policy_params, ids.shape[1] + max_new_tokens)
     start = time.perf_counter()
+    built = build_cache(
+        model, tokenizer, ids, Plan(policy, budget, memory, question, prefill_mode, stride, warned), policy_params
+    )
+    out = _greedy(model, tokenizer, ids, built.cache, max_new_tokens)
+    seconds = time.perf_counter() - start
+    return _result(tokenizer, label, built.policy, built.budget, built.cache, ids, out, seconds)
+
+
+def _ask_compressed(context, question, max_new_tokens, given: tuple, policy_params: dict) -> Result:
+    """``generate(..., cache=context)``: the question answered over a compressed context."""
+    if not callable(getattr(context, "answer", None)):
+        raise ValueError(
+            f"cache= takes a compressed context (kvevict.compress(model, tok, context, ...)), got {type(context).__name__}."
+        )
+    if any(x is not None for x in given) or policy_params:
+        raise ValueError(
+            "a compressed context was made with its policy and budget: drop policy=, budget=, memory=, "
+            "question= and the policy's parameters when asking it (cache=)."
+        )
+    return context.answer(question, max_new_tokens)
+
+
+@dataclass
+class Plan:
+    """How ``build_cache`` makes and fills a cache: the policy (a name or a Policy, ``full`` for the
+    stock cache), its token or memory budget, the question it protects, how the prompt enters
+    (``kvevict.prefill``), whether a long-sequence warning was given, and ``whole``: every prompt
+    token stored (``kvevict.compress``), else all but the last, which ``model.generate`` feeds."""
+
+    policy: object
+    budget: object
+    memory: object = None
+    question: int | None = None
+    prefill_mode: str = "full"
+    stride: int | None = None
+    warned: bool = False
+    whole: bool = False
+
+
+@dataclass
+class Built:
+    """``build_cache``'s cache, with the policy it ended with (kvzip recorded), the budget it was
+    made with (a memory plan's, resolved) and the seconds the recording took."""
+
+    cache: object
+    policy: object
+    budget: object
+    record_seconds: float
+
+
+def build_cache(model, tokenizer, ids: torch.Tensor, plan: Plan, policy_params: dict) -> Built:
+    """A cache for ``ids`` (1, n) made and filled as ``plan`` says: a policy that scores the prompt
+    in a pass of its own (kvzip) recorded on it first, then the prompt's tokens stored. The stock
+    cache (``full``) is left empty (``model.generate`` fills it). ``policy_params`` is used up."""
+    policy, policy_params, context, record_seconds = _record_prompt(
+        model, tokenizer, ids, plan.policy, policy_params, plan.prefill_mode, plan.whole
+    )
+    cache, budget = _new_cache(model, policy, plan.budget, plan.memory, plan.question, plan.warned, policy_params)
     if context is not None:
         fill_from(cache, context)
         context = None  # its full-size keys and values go now, before decoding
+    elif policy != FULL and plan.whole and plan.prefill_mode == "full":
+        model(ids, cache=cache, use_cache=True, logits_to_keep=1)
     elif policy != FULL:
-        prefill(model, cache, ids, mode=prefill_mode, stride=stride)
-    out = _greedy(model, tokenizer, ids, cache, max_new_tokens)
-    seconds = time.perf_counter() - start + record_seconds
-    return _result(tokenizer, label, policy, budget, cache, ids, out, seconds)
+        prefill(model, cache, ids, mode=plan.prefill_mode, stride=plan.stride, keep_last=0 if plan.whole else 1)
+    return Built(cache, policy, budget, record_seconds)
 
 
 def _resolve_policy(model, policy, budget, memory, prefill_mode):
@@ -201,7 +260,7 @@ def _resolve_policy(model, policy, budget, memory, prefill_mode):
     label = policy if isinstance(policy, str) else None
     spec = CacheSpec.parse(policy) if isinstance(policy, str) else None
     if spec is not None:
-        budget, memory = _spec_budget(spec, budget, memory)
+        budget, memory = spec_budget(spec, budget, memory)
         policy = spec.policy
     budget = DEFAULT_BUDGET if budget is None else budget
     share = _share(memory)
@@ -228,7 +287,7 @@ def _question_count(model, tokenizer, prompt, spec, policy, memory, question):
     return question
 
 
-def _warn_if_long(model, fed: int, policy, policy_params) -> bool:
+def warn_if_long(model, fed: int, policy, policy_params) -> bool:
     """Warn, before a long prefill rather than after it, when ``fed`` positions (the last token is
     never fed) pass the model's own; whether it warned."""
     limit = max_positions(model)
@@ -249,7 +308,7 @@ def _record_oracle(model, tokenizer, ids, max_new_tokens, policy_params):
     return policy, ({"compact": compact} if compact else {})
 
 
-def _spec_params(spec: CacheSpec, policy, budget, policy_params: dict, total: int):
+def spec_params(spec: CacheSpec, policy, budget, policy_params: dict, total: int):
     """(policy, budget) after a spec's storage and slack go into ``policy_params``; "full/int4"
     evicts nothing: h2o with room for all ``total`` tokens, the prompt's and the answer's."""
     if spec.storage is not None:  # "h2o/int4", "full/int4": a storage named with the policy
@@ -261,9 +320,10 @@ def _spec_params(spec: CacheSpec, policy, budget, policy_params: dict, total: in
     return policy, budget
 
 
-def _record_prompt(model, tokenizer, ids, policy, policy_params, prefill_mode):
+def _record_prompt(model, tokenizer, ids, policy, policy_params, prefill_mode, whole=False):
     """(policy, cache parameters, full-cache context or None, seconds): a policy that scores the
-    prompt in a pass of its own (kvzip) recorded, its cost timed with the rest; others as given."""
+    prompt in a pass of its own (kvzip) recorded, its cost timed with the rest; others as given.
+    ``whole``: the context cache holds every prompt token (else all but the last, which generate feeds)."""
     found = policy_class(policy)
     if found is None or not found[0].needs_prompt:
         return policy, policy_params, None, 0.0
@@ -271,10 +331,11 @@ def _record_prompt(model, tokenizer, ids, policy, policy_params, prefill_mode):
     cache_params = {k: policy_params.pop(k) for k in _CACHE_PARAMS if k in policy_params}
     params = {**found[1], **policy_params}
     context = None
-    if prefill_mode == "full" and ids.shape[1] > 1 and all(w is None for w in layer_windows(model)):
+    ids_ctx = ids if whole else ids[:, :-1]
+    if prefill_mode == "full" and ids_ctx.shape[1] > 0 and all(w is None for w in layer_windows(model)):
         # the prompt (but its last token, which generate feeds) runs once: scored on top of this
         # cache, which then fills the budgeted one (prefill.fill_from)
-        ids_ctx, context = ids[:, :-1], DynamicCache(config=model.config)
+        context = DynamicCache(config=model.config)
         model.set_attn_implementation("sdpa")
         model(ids_ctx, cache=context, use_cache=True, logits_to_keep=1)
         policy = found[0].record(model, tokenizer, ids_ctx, context=context, **params)
@@ -318,12 +379,12 @@ def _result(tokenizer, label, policy, budget, cache, ids, out, seconds: float) -
         kv_bytes=held,
         full_kv_bytes=full,
         seconds=seconds,
-        storage="" if policy == FULL else _storage_label(cache),
+        storage="" if policy == FULL else storage_label(cache),
         model_kv_bytes=own,
     )
 
 
-def _storage_label(cache) -> str:
+def storage_label(cache) -> str:
     """'int8+int4, 1068 of 1084 tokens': how the kept tokens are stored, and how many of the tokens
     seen a layer and KV head keeps, on average over the layers and KV heads (a pooled budget, as
     kvzip-pool's, gives layers and heads unequal shares)."""

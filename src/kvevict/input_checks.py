@@ -15,6 +15,8 @@ from pathlib import Path
 from types import FrameType
 from typing import cast
 
+import torch
+
 from .shape import text_config
 
 _NEW_CACHE = (
@@ -50,7 +52,10 @@ def check_positions_follow(layer, position_ids, info) -> None:
     tokens is checked at once. A one-token forward is a decode step, which reads nothing back from
     the device: its positions are compared there and the verdict copied to the host without waiting
     (``layer.position_check``); the next forward reads it, so a wrong step fails the call before
-    generate returns anything of it."""
+    generate returns anything of it. A compiled step (``torch.compile``) checks nothing: the
+    verdict is a host read, which a captured graph cannot make."""
+    if torch.compiler.is_compiling():
+        return
     pending = getattr(layer, "position_check", None)
     layer.position_check = None
     if pending is not None:

@@ -61,7 +61,12 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
     n = d & -d
     y = x.float().reshape(-1, n)  # every block of n channels of every vector, one per row
     bufs = (torch.empty_like(y), torch.empty_like(y))  # never written into y: it may be x itself
-    sign = _signs(y.device)
+    # traced (torch.compile): made in the graph, which does not trace through an lru_cache
+    sign = (
+        torch.tensor([1.0, -1.0], device=y.device).view(1, 1, 2, 1)
+        if torch.compiler.is_compiling()
+        else _signs(y.device)
+    )
     h, i = 1, 0
     while h < n:
         a, out = y.view(-1, n // (2 * h), 2, h), bufs[i].view(-1, n // (2 * h), 2, h)

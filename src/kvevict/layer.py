@@ -13,8 +13,6 @@ keys in a rotated basis (``keyspace.KeySpace``), compact positions (``rope``), p
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -23,7 +21,7 @@ from .budget import resolve_budget
 from .headpool import HeadPool, cat_slots
 from .keyspace import KeySpace
 from .layer_batch import BatchChanges
-from .layer_state import PER_ROW, Handoff, LayerShape, LayerSpec, Progress, RowTensor
+from .layer_state import PER_ROW, Handoff, LayerShape, LayerSpec, Progress, RowTensor, stand_ins
 from .memory import MemoryPlan
 from .merge import Summary
 from .policies import Policy
@@ -37,18 +35,12 @@ from .tier import Tier
 from .turnover import slack_and_recent
 
 
-@functools.lru_cache(maxsize=16)
-def _zero(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero made once per dtype and device: the shape-only stand-ins ``update`` hands back expand
-    it, so a decode step launches nothing for them."""
-    return torch.zeros((), dtype=dtype, device=device)
-
-
 class EvictingLayer(BatchChanges, CacheLayerMixin):
     """One decoder layer's budgeted key/value storage: one ``Tier`` of ``budget`` slots, or two for
     mixed precision (the evicted tokens demoted to ``evicted_bits`` instead of dropped)."""
 
     is_sliding = False
+    # EvictingCache.compileable() turns it on per layer: generate then compiles a step by itself on CUDA
     is_compileable = False
     is_croppable = False
 
@@ -264,9 +256,7 @@ class EvictingLayer(BatchChanges, CacheLayerMixin):
         ):
             keys, values = t0.store.keys[:, :, : t0.filled], t0.store.values[:, :, : t0.filled]
         else:  # packed, two tiers or shared: attention reads the tiers itself; hand back shape-only stand-ins
-            h, dk, dv = self.dims
-            keys = _zero(key_states.dtype, key_states.device).expand(b, h, held, dk)
-            values = _zero(value_states.dtype, value_states.device).expand(b, h, held, dv)
+            keys, values = stand_ins(key_states, value_states, held)
         self.io.returned_keys = keys
         hand_off(self)
         return keys, values

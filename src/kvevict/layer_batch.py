@@ -152,5 +152,5 @@ class BatchChanges:
         for tier in other.tiers:  # paged: their rows' pages are this cache's now (a rectangle: copied)
             tier.disown()
         # rows of different fills: slots below ``filled`` that a row has not used are empty, masked
-        self._padded = self._padded or any(len(set(t.fills)) > 1 for t in self.tiers)
+        self._padded = self._padded or any(len(set(t.row_fills)) > 1 for t in self.tiers)
         self._padded = self._padded or other._padded or any(t.caps is not None for t in self.tiers)

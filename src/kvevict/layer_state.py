@@ -5,6 +5,7 @@ counts of what went through it (``Progress``), one forward's hand-off between up
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +75,25 @@ class Handoff:
     returned_keys: torch.Tensor | None = None
     group: int | None = None
     position_check: Any = None
+
+
+@functools.lru_cache(maxsize=16)
+def _zero(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero made once per dtype and device: the shape-only stand-ins expand it, so a decode step
+    launches nothing for them."""
+    return torch.zeros((), dtype=dtype, device=device)
+
+
+def stand_ins(key_states: torch.Tensor, value_states: torch.Tensor, held: int) -> tuple:
+    """Shape-only keys and values (b, h, held, d) that ``update`` hands back where attention reads
+    the tiers itself (every element zero, nothing stored). Traced (``torch.compile``), zeros made in
+    the graph: dynamo does not trace through an lru_cache."""
+    b, h, _, dk = key_states.shape
+    if torch.compiler.is_compiling():
+        zk, zv = key_states.new_zeros(()), value_states.new_zeros(())
+    else:
+        zk, zv = _zero(key_states.dtype, key_states.device), _zero(value_states.dtype, value_states.device)
+    return zk.expand(b, h, held, dk), zv.expand(b, h, held, value_states.shape[-1])
 
 
 class RowTensor:

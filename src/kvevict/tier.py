@@ -74,11 +74,12 @@ class Tier(TierBatch):
             slack, ((slack - 1) * heads, h, dk, dv, dtype, device, tuple(stats), heads) if packed else None
         )
         self.capacity = 0  # slots allocated: pages, grown on demand up to ``budget``
-        # slots each row has used: a row writes its next tokens at its own fill, so rows that joined
-        # a batch at different lengths leave no holes (``fills`` on the host, ``fill`` its mirror);
-        # ``filled``, the most any row used, bounds what attention reads
-        self.fills = [0] * b
-        self.fill = torch.zeros(b, dtype=torch.long, device=device)
+        # the fill level, per row and of the widest row (``set_fills`` sets them together):
+        # ``row_fills``, each row's used slots on the host (a row writes its next tokens at its own
+        # fill, so rows that joined a batch at different lengths leave no holes), ``row_fills_dev``
+        # its device mirror (the write index); ``filled``, the most any row used: what attention reads
+        self.row_fills = [0] * b
+        self.row_fills_dev = torch.zeros(b, dtype=torch.long, device=device)
         # rows of a shared batch may have smaller budgets than the tier is wide (``kvevict.caps``);
         # None: every row has the tier's budget
         self._caps: RowCaps | None = None
@@ -113,7 +114,7 @@ class Tier(TierBatch):
             return RectField(torch.full((b, self.h, self.capacity), empty, dtype=dtype, device=self.device), empty)
         f = PagedField(self.pools, b, self.h, dtype, empty, self.device)
         f.resize(self.capacity)
-        f.ensure(self.fills)
+        f.ensure(self.row_fills)
         return f
 
     @property
@@ -232,19 +233,19 @@ class Tier(TierBatch):
         room and every new entry holds a token (an unpadded decode step), so what leaves is never
         cut to its valid entries (a host read)."""
         m = new["pos"].shape[-1]
-        caps = (None if self._caps is None else self._caps.host) or [self.budget] * len(self.fills)
+        caps = (None if self._caps is None else self._caps.host) or [self.budget] * len(self.row_fills)
         real, adds = self._padding(new["pos"], caps, all_real)
         turned = False
-        fills = [min(c, f + a) for f, c, a in zip(self.fills, caps, adds)]  # every row takes its free slots first
-        self.reserve(max(fills, default=0))
-        if fills != self.fills and self._crosses(fills):  # a row grows into a page: paged holders give it first
+        fills = [min(c, f + a) for f, c, a in zip(self.row_fills, caps, adds)]  # every row takes its free slots first
+        self.reserve(max(fills) if fills else 0)
+        if fills != self.row_fills and self._crosses(fills):  # a row grows into a page: paged holders give it first
             self.store.ensure(fills)
             for f in self._meta.values():
                 f.ensure(fills)
         gone = None
-        if all(f + a <= c for f, c, a in zip(self.fills, caps, adds)):  # room everywhere: append at each row's fill
+        if all(f + a <= c for f, c, a in zip(self.row_fills, caps, adds)):  # room everywhere: append at each row's fill
             self._append(new, real)
-        elif self.slack > 1 and all_real and self.caps is None and all(f >= c for f, c in zip(self.fills, caps)):
+        elif self.slack > 1 and all_real and self.caps is None and all(f >= c for f, c in zip(self.row_fills, caps)):
             gone = self.turnover.step(self, policy, new, ctx, protected_newcomer, want_evicted)
             turned = True
         elif m == 1:
@@ -252,7 +253,7 @@ class Tier(TierBatch):
             gone = self._replace_one(policy, new, ctx, protected_newcomer, want_evicted)
         else:
             gone = self._replace_many(policy, new, ctx, want_evicted, all_real)
-        if fills != self.fills:  # a full cache decoding (the steady state) changes nothing here
+        if fills != self.row_fills:  # a full cache decoding (the steady state) changes nothing here
             self.set_fills(fills)
         if not turned:  # the steps between rankings are over: their tokens to their slots
             self.flush()
@@ -266,7 +267,7 @@ class Tier(TierBatch):
         page = self.layout.page
         if page is None:
             return False
-        return any(-(-f // page) > -(-o // page) for f, o in zip(fills, self.fills))
+        return any(-(-f // page) > -(-o // page) for f, o in zip(fills, self.row_fills))
 
     def _padding(self, pos: torch.Tensor, caps: list[int], all_real: bool) -> tuple[torch.Tensor | None, list[int]]:
         """(which of the new entries are tokens (b, m), or None; the slots each row's entries
@@ -275,7 +276,7 @@ class Tier(TierBatch):
         unwritten entries. Else every entry takes a slot (padding ranked first to go). Decoding
         (one entry per row, or ``all_real``: a batch eviction's tokens) reads nothing from the device."""
         m = pos.shape[-1]
-        every = [m] * len(self.fills)
+        every = [m] * len(self.row_fills)
         if m == 1 or self.heads > 1 or all_real:  # a pooled tier's entries are (token, head) pairs: stored as given
             return None, every
         real = pos[:, 0] >= 0
@@ -283,9 +284,9 @@ class Tier(TierBatch):
             return None, every
         counts = real.sum(-1).tolist()
         width = max(
-            self.capacity, page_slots(max(min(c, f + a) for f, c, a in zip(self.fills, caps, counts)), self.budget)
+            self.capacity, page_slots(max(min(c, f + a) for f, c, a in zip(self.row_fills, caps, counts)), self.budget)
         )
-        if any(f + a > c or f + m > width for f, c, a in zip(self.fills, caps, counts)):
+        if any(f + a > c or f + m > width for f, c, a in zip(self.row_fills, caps, counts)):
             return None, every
         return real, counts
 
@@ -295,17 +296,21 @@ class Tier(TierBatch):
         slots after them, so no two entries share a slot; a row holds its own tokens, as alone."""
         b, h, m = new["pos"].shape
         if real is None:
-            self.write((self.fill.view(-1, 1, 1) + torch.arange(m, device=self.device)).expand(b, h, m), new, None)
+            self.write(
+                (self.row_fills_dev.view(-1, 1, 1) + torch.arange(m, device=self.device)).expand(b, h, m), new, None
+            )
             return
         r = real.long()
         rank = torch.where(real, r.cumsum(-1) - 1, r.sum(-1, keepdim=True) + (1 - r).cumsum(-1) - 1)
-        idx = (self.fill.view(-1, 1) + rank).view(b, 1, m).expand(b, h, m)
+        idx = (self.row_fills_dev.view(-1, 1) + rank).view(b, 1, m).expand(b, h, m)
         self.write(idx, new, real.view(b, 1, m).expand(b, h, m))
 
     def set_fills(self, fills: list[int]) -> None:
-        self.fills = fills
-        self.fill = torch.tensor(fills, dtype=torch.long, device=self.device)
-        self.filled = max(fills, default=0)
+        """Each row's fill level: ``row_fills`` (host), ``row_fills_dev`` (device) and ``filled``,
+        their largest, set together."""
+        self.row_fills = fills
+        self.row_fills_dev = torch.tensor(fills, dtype=torch.long, device=self.device)
+        self.filled = max(fills) if fills else 0
 
     def priority(self, policy, new: dict | None, ctx: dict) -> torch.Tensor:
         """The policy's priority of every slot (and new entry). Slots past a row's cap are +inf:
@@ -364,7 +369,7 @@ class Tier(TierBatch):
         self.store.values[:, :, j : j + m] = new["v"]
         for name in self.names():
             self.meta(name)[..., j : j + m] = new[name]
-        self.set_fills([j + m] * len(self.fills))
+        self.set_fills([j + m] * len(self.row_fills))
 
     def evicted(self, out, new: dict, all_real: bool = False) -> dict:
         return evicted(self, out, new, all_real)
@@ -391,12 +396,12 @@ class Tier(TierBatch):
             f.resize(n, fn)
         self.capacity = n
         if self.filled > n:  # cut below a row's fill (the budget shrank to the widest cap)
-            self.set_fills([min(f, n) for f in self.fills])
+            self.set_fills([min(f, n) for f in self.row_fills])
 
     def nbytes(self) -> int:
         """Every byte this tier holds: keys and values (codes, steps, zeros), positions, statistics,
         and its recent tier's."""
-        rows = len(self.fills)
+        rows = len(self.row_fills)
         if self.pools is None:
             own = self.layout.rect_bytes(rows, self.h, self.capacity, self.pos_dtype)
         else:  # every per-slot tensor holds the same pages of each row, and a table as wide

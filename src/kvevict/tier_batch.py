@@ -23,8 +23,8 @@ class TierBatch:
     budget: int
     capacity: int
     filled: int
-    fills: list[int]
-    fill: torch.Tensor
+    row_fills: list[int]
+    row_fills_dev: torch.Tensor
     device: torch.device
     layout: SlotLayout
     store: Any
@@ -52,7 +52,7 @@ class TierBatch:
         out in order: rows that join may be at another step of their turn-over."""
         self.settle()
         self._map_slots(fn)
-        self.fill = fn(self.fill)
+        self.row_fills_dev = fn(self.row_fills_dev)
         if self.caps is not None:
             self._caps = RowCaps(fn(self.caps))
 
@@ -75,7 +75,7 @@ class TierBatch:
         """(b,) each row's own number of slots."""
         if self.caps is not None:
             return self.caps
-        return torch.full((len(self.fills),), self.budget, dtype=torch.long, device=self.device)
+        return torch.full((len(self.row_fills),), self.budget, dtype=torch.long, device=self.device)
 
     def widen(self, budget: int, stats: tuple) -> None:
         """Take rows of up to ``budget`` slots and carry every statistic in ``stats``, so rows of
@@ -84,7 +84,7 @@ class TierBatch:
         if stats != self.layout.stats:
             for s in stats:
                 if s not in self._meta:
-                    self._meta[s] = self._field(len(self.fills), stat_dtype(s), 0)
+                    self._meta[s] = self._field(len(self.row_fills), stat_dtype(s), 0)
             self.layout = replace(self.layout, stats=tuple(stats))
         if budget > self.budget:
             self._caps = RowCaps(self.row_caps())
@@ -94,7 +94,7 @@ class TierBatch:
         """After rows joined or left: pages no row uses any more are given back, the budget is the
         widest row's cap (a row writes only below its cap, so nothing kept is cut), and no caps
         once every row has the full width."""
-        self.set_fills(self.fill.tolist())  # one host read per batch change, none per step
+        self.set_fills(self.row_fills_dev.tolist())  # one host read per batch change, none per step
         keep = page_slots(self.filled, self.budget)
         if keep < self.capacity:  # rows that left held the last pages
             self._resize(keep)

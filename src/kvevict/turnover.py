@@ -132,7 +132,7 @@ class Turnover:
         slots, h, dk, dv, dtype, device, stats, heads = self.recent_shape
         # 16 bits, as the stock cache the budgets are shares of: the model's dtype, or float16
         bits = 16 if dtype.itemsize > 2 else None
-        self.recent = type(tier)(slots, len(tier.fills), h, dk, dv, dtype, device, stats, bits=bits, heads=heads)
+        self.recent = type(tier)(slots, len(tier.row_fills), h, dk, dv, dtype, device, stats, bits=bits, heads=heads)
         self.recent.grow_to(slots)
 
     def flush(self, tier: Tier) -> None:
@@ -147,7 +147,7 @@ class Turnover:
         got.update({name: r.meta(name)[..., :n] for name in r.names()})
         tier.write(self.free[..., :n], got, None)
         r.meta("pos")[..., :n] = -1
-        r.set_fills([0] * len(r.fills))
+        r.set_fills([0] * len(r.row_fills))
         self.holes = n < self.free.shape[-1]
 
     def settle(self, tier: Tier) -> None:

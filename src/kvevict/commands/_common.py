@@ -34,7 +34,8 @@ def add_model_args(p, policy=True, prefill=True):
     p.add_argument(
         "--model",
         default="smollm2-135m",
-        help="known name (smollm2-135m, gemma3-270m, qwen2.5-coder-1.5b) or local HF folder",
+        help="known name (smollm2-135m, gemma3-270m, qwen2.5-coder-1.5b), local HF folder, or a .gguf file "
+        "(converted once and cached, as the known models are)",
     )
     p.add_argument(
         "--dtype",

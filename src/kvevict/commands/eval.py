@@ -54,6 +54,15 @@ def add_arguments(p):
         "the context alone, the question read after it, as kvpress's own pipeline does (policy "
         "kvpress-<press>/context, the same tokens held)",
     )
+    p.add_argument(
+        "--question",
+        choices=["inside", "apart"],
+        default="inside",
+        help="inside: kvevict's caches compress the whole prompt, question included; apart: the context "
+        "compressed alone (kvevict.compress, query-agnostic) and the question read whole after it, as "
+        "kvpress's pipeline does (policy NAME/context, the same tokens held; tasks whose prompt ends "
+        "with a question only)",
+    )
     p.add_argument("--summary-only", action="store_true", help="only rewrite summary.md and plots from the records")
 
 
@@ -139,7 +148,12 @@ def run(args):
             from ..eval.peer_kvpress import check_question_fits
 
             check_question_fits(tok, tasks, budgets, args.samples, first)
-        run_grid(model, tok, tasks, policies, budgets, args.samples, args.out, args.model, first=first)
+        own = getattr(args, "question", None) or "inside"
+        if own == "apart":
+            from ..eval.apart import check_fits
+
+            check_fits(tok, tasks, budgets, args.samples, first)
+        run_grid(model, tok, tasks, policies, budgets, args.samples, args.out, args.model, first=first, question=own)
         if args.peer == "kvpress":
             run_peer(
                 args.model,

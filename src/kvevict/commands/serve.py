@@ -55,11 +55,27 @@ def add_arguments(p):
     )
     p.add_argument("--max-tokens", type=int, default=128, help="max_tokens when a request gives none")
     p.add_argument("--max-tokens-limit", type=int, default=4096, help="the most max_tokens a request may ask")
+    add_access_arguments(p)
+    add_prefix_cache_arguments(p)
+    p.add_argument("--replicas", type=int, default=1, help="N > 1: N replicas under Ray Serve (needs kvevict[ray])")
+    p.add_argument(
+        "--ray",
+        default=None,
+        metavar="ADDRESS",
+        help="with --replicas: Ray cluster address or 'auto' (default: start a local Ray)",
+    )
+
+
+def add_access_arguments(p):
+    """Who may ask (API keys), how many may wait, and how long a request and a drain may take."""
     p.add_argument(
         "--api-key",
         default=None,
+        action="append",
         help="every /v1 route asks for 'Authorization: Bearer KEY' "
-        "(401 otherwise); default $KVEVICT_API_KEY, else none (open). /health stays open",
+        "(401 otherwise); default $KVEVICT_API_KEY (several: comma-separated), else none (open). "
+        "/health stays open. Give it several times for several keys: each key's stored prompt "
+        "prefixes serve its own requests only",
     )
     p.add_argument("--protect-metrics", action="store_true", help="/metrics asks for the --api-key too")
     p.add_argument(
@@ -82,12 +98,22 @@ def add_arguments(p):
         metavar="SECONDS",
         help="on SIGTERM: new requests get 503 and those in flight get this long to finish, then the server exits 0",
     )
-    p.add_argument("--replicas", type=int, default=1, help="N > 1: N replicas under Ray Serve (needs kvevict[ray])")
+
+
+def add_prefix_cache_arguments(p):
     p.add_argument(
-        "--ray",
-        default=None,
-        metavar="ADDRESS",
-        help="with --replicas: Ray cluster address or 'auto' (default: start a local Ray)",
+        "--prefix-cache-memory",
+        default="0",
+        metavar="SIZE",
+        help="bytes of K/V (part of --kv-memory) that stored prompt prefixes may hold: a chat request "
+        "whose prompt begins with one prefills only the rest, and stores its own earlier turns for the "
+        "next (e.g. 512MiB; default 0: off)",
+    )
+    p.add_argument("--no-prefix-cache", action="store_true", help="no prompt prefixes are stored or reused")
+    p.add_argument(
+        "--prefix-cache-shared-across-keys",
+        action="store_true",
+        help="with several --api-key: one key's stored prefixes serve every key's requests (default: its own only)",
     )
 
 
@@ -139,6 +165,7 @@ def settings_from_args(args) -> dict:
     ):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
+    kv_memory, hosting = parse_bytes(args.kv_memory), hosting_from_args(args)
     return dict(
         model_id=args.served_name or args.model,
         policy=policy,
@@ -148,19 +175,46 @@ def settings_from_args(args) -> dict:
         max_tokens_limit=args.max_tokens_limit,
         max_batch=args.max_batch,
         budget_share=args.budget_share,
-        kv_memory=parse_bytes(args.kv_memory),
+        kv_memory=kv_memory,
         min_budget=args.min_budget,
         budget_round=args.budget_round,
         **storage,
-        **hosting_from_args(args),
+        **hosting,
+        **prefix_cache_from_args(args, kv_memory, hosting["api_key"]),
     )
+
+
+def prefix_cache_from_args(args, kv_memory: int, api_key) -> dict:
+    """--prefix-cache-memory (0 or --no-prefix-cache: off), --prefix-cache-shared-across-keys."""
+    flag = "--prefix-cache-memory"
+    off = args.no_prefix_cache or args.prefix_cache_memory.strip().lower() in ("0", "off", "none")
+    if args.no_prefix_cache and args.prefix_cache_memory.strip() != "0":
+        raise ValueError(f"--no-prefix-cache turns the prefix store off: drop {flag} or --no-prefix-cache.")
+    memory = 0 if off else parse_bytes(args.prefix_cache_memory, flag)
+    if memory >= kv_memory:
+        raise ValueError(
+            f"{flag} ({memory} bytes) is the part of --kv-memory ({kv_memory} bytes) stored prefixes may "
+            "hold: give less than --kv-memory."
+        )
+    if args.prefix_cache_shared_across_keys and (not memory or not api_key):
+        raise ValueError(
+            "--prefix-cache-shared-across-keys lets one API key's stored prefixes serve another's: it needs "
+            f"{flag} and --api-key (without keys every request shares the store already)."
+        )
+    return dict(prefix_cache_memory=memory, prefix_cache_shared=args.prefix_cache_shared_across_keys)
 
 
 def hosting_from_args(args) -> dict:
     """--api-key (or $KVEVICT_API_KEY), --protect-metrics, --max-queue, --request-timeout; --drain-timeout checked."""
-    key = args.api_key if args.api_key is not None else os.environ.get("KVEVICT_API_KEY")
-    if key is not None and (not key.strip() or key != key.strip()):
-        raise ValueError("--api-key / KVEVICT_API_KEY must be a non-empty key without surrounding spaces.")
+    keys = args.api_key
+    if keys is None and os.environ.get("KVEVICT_API_KEY") is not None:
+        keys = os.environ["KVEVICT_API_KEY"].split(",")
+    if isinstance(keys, str):
+        keys = [keys]
+    for k in keys or ():
+        if not k.strip() or k != k.strip():
+            raise ValueError("--api-key / KVEVICT_API_KEY must be a non-empty key without surrounding spaces.")
+    key = None if not keys else keys[0] if len(keys) == 1 else tuple(dict.fromkeys(keys))
     if args.protect_metrics and not key:
         raise ValueError("--protect-metrics keys /metrics with the API key: give --api-key (or KVEVICT_API_KEY).")
     for name in ("request_timeout", "drain_timeout"):
@@ -201,11 +255,11 @@ UNITS = {
 }
 
 
-def parse_bytes(text: str) -> int:
+def parse_bytes(text: str, flag: str = "--kv-memory") -> int:
     """'2GiB' -> 2147483648, '500MB' -> 500000000, '1048576' -> 1048576."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in UNITS or float(m.group(1)) * UNITS[m.group(2).lower()] < 1:
-        raise ValueError(f"--kv-memory takes a size such as 512MiB or 2GiB, got {text!r}.")
+        raise ValueError(f"{flag} takes a size such as 512MiB or 2GiB, got {text!r}.")
     return int(float(m.group(1)) * UNITS[m.group(2).lower()])
 
 

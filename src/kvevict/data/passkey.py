@@ -11,6 +11,7 @@ class PasskeyPrompt:
     messages: list[dict]
     answer: str
     lead: str = "The pass key is"  # the answer's first words, for a base model to complete
+    text: str = ""  # the haystack with the key in it, without the question (a base model's completion form)
 
 
 def for_tokenizer(messages: list[dict], lead: str, tokenizer) -> list[dict]:
@@ -43,4 +44,4 @@ def passkey_prompt(haystack: str, depth: float, seed: int = 0) -> PasskeyPrompt:
         "There is a pass key hidden in the following text. Find it and remember it.\n\n"
         f"{text}\n\nWhat is the pass key? Answer with the number only."
     )
-    return PasskeyPrompt(messages=[{"role": "user", "content": question}], answer=key)
+    return PasskeyPrompt(messages=[{"role": "user", "content": question}], answer=key, text=text)

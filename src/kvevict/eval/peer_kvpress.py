@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from . import records
+from .apart import question_length
 from .tasks.base import GenerationTask
 
 CHILD = Path(__file__).with_name("kvpress_child.py")
@@ -37,20 +38,6 @@ def press_names(requested: str) -> list[str]:
             f"unknown kvpress press {', '.join(map(repr, bad)) or '(none given)'}; known: {', '.join(PRESSES)}."
         )
     return items
-
-
-def question_length(tokenizer, sample) -> int:
-    """Tokens of the sample's question, the answer's start included: a task's ``question`` text
-    ending its raw prompt (RULER), else the last paragraph of its chat (``question_tokens``)."""
-    from ..generate import question_tokens, tokens_after
-
-    prompt, question = sample.data["messages"], sample.data.get("question")
-    if isinstance(prompt, str) and question and prompt.endswith(question):
-        return tokens_after(tokenizer, prompt, prompt[: -len(question)])
-    try:
-        return question_tokens(tokenizer, prompt)
-    except ValueError as err:
-        raise ValueError(f"--peer-question apart: sample {sample.id}: {err}") from None
 
 
 def context_ratio(budget: float, n: int, q: int) -> float:

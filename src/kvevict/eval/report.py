@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..plotting import pyplot
 from . import records
+from .apart import protocol
 from .caches import FULL
 from .intervals import Interval, aggregate, mean_ci
 from .tasks import TASKS
@@ -67,12 +68,23 @@ def summarize(out_dir, model_name: str | None = None) -> str:
     return md
 
 
+def protocol_line(policies) -> str:
+    """How the rows of a table read their question: inside the compressed prompt, or apart (the
+    context compressed alone, the question read whole after it: ``NAME/context`` rows)."""
+    kinds = {protocol(p) for p in policies if p != FULL}
+    if kinds == {"apart"}:
+        return "Question: apart in every row but full (`/context`: the context compressed alone, the question read whole after it, as kvpress's pipeline does)."
+    if kinds == {"apart", "inside"}:
+        return "Question: inside the compressed prompt, but apart in `/context` rows (the context compressed alone, the question read whole after it, as kvpress's pipeline does)."
+    return "Question: inside the compressed prompt in every row."
+
+
 def _metric_table(metric, kind, cells):
     policies = [FULL] + sorted({p for p, _ in cells if p != FULL})
     budgets = sorted({b for p, b in cells if p != FULL}, key=_budget_sort)
     title = f"ppl = exp({metric})" if kind == "exp" else metric
     head = f"| {title} | " + " | ".join(str(b) for b in budgets) + " |"
-    out = [head, "|" + "---|" * (len(budgets) + 1)]
+    out = [protocol_line(policies), "", head, "|" + "---|" * (len(budgets) + 1)]
     for p in policies:
         if p == FULL:
             ci = aggregate(cells.get((FULL, None), {}).values(), kind)
@@ -105,7 +117,7 @@ def _paired_table(metric, kind, cells):
     budgets = sorted({b for _, b in diffs}, key=_budget_sort)
     label = "NLL" if kind == "exp" else metric
     out = [
-        f"Paired difference to the full cache ({label}, policy - full, same samples):",
+        f"Paired difference to the full cache ({label}, policy - full, same samples). {protocol_line(policies)}",
         "",
         "| policy | " + " | ".join(str(b) for b in budgets) + " |",
         "|" + "---|" * (len(budgets) + 1),

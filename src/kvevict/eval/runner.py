@@ -8,30 +8,55 @@ import sys
 import time
 
 from . import records
+from .apart import apart_label, check_question, protocol
 from .caches import FULL
 
 
-def cells_for(policies: list[str], budgets: list) -> list[tuple]:
+def cells_for(policies: list[str], budgets: list, question: str = "inside") -> list[tuple]:
     """The reference, then each policy at each budget; a storage that evicts nothing (``full/int4``)
-    is one cell, whatever the budgets."""
-    keep_all = [(p, None) for p in policies if p.startswith(FULL + "/")]
-    return [(FULL, None)] + keep_all + [(p, b) for p in policies if not p.startswith(FULL + "/") for b in budgets]
+    is one cell, whatever the budgets. ``question="apart"``: every cell but the reference reads the
+    question after its compressed context (``kvevict.eval.apart``, policy ``NAME/context``)."""
+    label = apart_label if check_question(question) == "apart" else (lambda p: p)
+    keep_all = [(label(p), None) for p in policies if p.startswith(FULL + "/")]
+    return (
+        [(FULL, None)] + keep_all + [(label(p), b) for p in policies if not p.startswith(FULL + "/") for b in budgets]
+    )
+
+
+def _task_cells(task, policies, budgets, question: str, log) -> list[tuple]:
+    """A task's cells: apart only where its prompt ends with its question (``Task.asks_last``)."""
+    if question == "apart" and not getattr(task, "asks_last", False):
+        log(f"{task.name}: no question ends its prompt; its cells keep it inside (--question apart skipped)")
+        question = "inside"
+    return cells_for(policies, budgets, question)
 
 
 def run_grid(
-    model, tokenizer, tasks, policies, budgets, n_samples: int, out_dir, model_name: str, log=None, first: int = 0
+    model,
+    tokenizer,
+    tasks,
+    policies,
+    budgets,
+    n_samples: int,
+    out_dir,
+    model_name: str,
+    log=None,
+    first: int = 0,
+    question: str = "inside",
 ) -> int:
     """Run every missing cell of samples ``first`` .. ``n_samples - 1`` of every task; return the number
     of records written. ``first`` splits one grid across processes or machines: each runs its range
     into its own folder, and the records merge (each is keyed by its sample's id). A cell that raises (a
-    policy that cannot run at some budget, say) is reported and skipped."""
+    policy that cannot run at some budget, say) is reported and skipped. ``question``: "inside" (the
+    prompt compressed with its question) or "apart" (``kvevict.eval.apart``); every record says which."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    cells = cells_for(policies, budgets)
+    check_question(question)
     done = records.load(out_dir)
     writer = records.Writer(out_dir)
     written, start = 0, time.perf_counter()
     try:
         for task in tasks:
+            cells = _task_cells(task, policies, budgets, question, log)
             samples = task.samples(tokenizer, n_samples)
             if len(samples) < n_samples:
                 log(f"{task.name}: only {len(samples)} samples available (asked for {n_samples})")
@@ -45,14 +70,7 @@ def run_grid(
                 key = records.record_key(task.name, *cell, sample.id, model_name)
                 if key in done:
                     return
-                rec = {
-                    "model": model_name,
-                    "task": task.name,
-                    "policy": cell[0],
-                    "budget": cell[1],
-                    "sample": sample.id,
-                    **res,
-                }
+                rec = _record(model_name, task.name, cell, sample.id, res)
                 writer.write(rec)
                 done[key] = rec
                 state["new"] += 1
@@ -88,6 +106,13 @@ def run_grid(
         writer.close()
     log(f"wrote {written} records in {_fmt(time.perf_counter() - start)} to {out_dir}")
     return written
+
+
+def _record(model_name: str, task_name: str, cell: tuple, sample_id: str, res: dict) -> dict:
+    """One cell's record: the cell, its sample, how its question was read, and what it scored."""
+    policy, budget = cell
+    head = {"model": model_name, "task": task_name, "policy": policy, "budget": budget, "sample": sample_id}
+    return {**head, "question": protocol(policy), **res}
 
 
 def _evaluate(task, model, tokenizer, sample, todo, ref, log, pending):

@@ -24,6 +24,8 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from .reference import decode_attention_reference
 from .runs import Run
 
@@ -101,8 +103,11 @@ def _say(key, level, line) -> None:
         log.log(level, line)
 
 
+@torch.compiler.assume_constant_result
 def resolve_backend(device_type: str = "cpu", backend: str | None = None) -> str:
-    """The backend that will run for queries on ``device_type`` (logged once per outcome)."""
+    """The backend that will run for queries on ``device_type`` (logged once per outcome).
+    Traced (``torch.compile``), it runs once, at tracing, and its answer is the graph's: a later
+    change of ``$KVEVICT_KERNEL`` reaches only graphs compiled after it."""
     wanted = (backend or os.environ.get(ENV) or "auto").lower()
     choices = ("auto", "torch", *BACKENDS, *_OPTIONAL)
     if wanted not in choices:

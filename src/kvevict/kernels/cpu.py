@@ -181,9 +181,33 @@ def decode_attention_cpu(q, runs, k_new, v_new, mask, scale, softcap=None, summa
     else:
         mask_t = mask if mask.stride(-1) == 1 else mask.contiguous()
     qs = (q * scale).reshape(b, hq, d).float().contiguous()  # scaled in q's dtype first, as attend does
-    out, probs = load().decode(qs, tensors, meta, tables, mask_t, float(softcap or 0.0), hkv, dv, bias, bias_at)
+    # traced (torch.compile), the kernel is an opaque custom op with a fake of its shapes; eager, a plain call
+    decode = _decode_op if torch.compiler.is_compiling() else load().decode
+    out, probs = decode(qs, tensors, meta, tables, mask_t, float(softcap or 0.0), hkv, dv, bias, bias_at)
     if not pg:
         probs = None
     elif summary is not None:  # the mean slot is no stored slot: its column leaves pg
         probs = torch.cat([probs[..., :bias_at], probs[..., bias_at + 1 :]], dim=-1)
     return out.to(q.dtype).view(b, hq, 1, dv), probs
+
+
+_SCHEMA = (
+    "(Tensor q, Tensor[] tensors, SymInt[] meta, Tensor[] tables, Tensor mask, float softcap, int hkv, int dv, "
+    "Tensor bias, int bias_at) -> (Tensor, Tensor)"
+)
+
+
+@torch.library.custom_op("kvevict::decode_cpu", mutates_args=(), schema=_SCHEMA)
+def _decode_op(q, tensors, meta, tables, mask, softcap, hkv, dv, bias, bias_at):
+    """The compiled module's ``decode`` as a custom op, so that ``torch.compile(fullgraph=True)``
+    keeps the fused kernel in its graph as one opaque call (the module itself cannot be traced)."""
+    out, pg = load().decode(q, tensors, meta, tables, mask, softcap, hkv, dv, bias, bias_at)
+    return out, pg
+
+
+@_decode_op.register_fake
+def _decode_shapes(q, tensors, meta, tables, mask, softcap, hkv, dv, bias, bias_at):
+    """out (b, hq, dv) and pg (b, hkv, N) float32, N the runs' slots (``meta``: 5 ints a run, n third)."""
+    n = sum(meta[2::5])
+    f32 = torch.float32
+    return q.new_empty(q.shape[0], q.shape[1], dv, dtype=f32), q.new_empty(q.shape[0], hkv, n, dtype=f32)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from ..cache import EvictingCache
 from ..prefill import check_mode
 
 
@@ -56,7 +57,7 @@ def feed_context(model, cache, ids, mask, mode="full", stride=None, prompt_lengt
     fraction of (default n)."""
     n = ids.shape[1]
     step = check_mode(mode, stride) or n
-    if hasattr(cache, "set_prompt_length") and (step < n or prompt_length is not None):
+    if isinstance(cache, EvictingCache) and (step < n or prompt_length is not None):
         cache.set_prompt_length(prompt_length or n)
     pos = positions(mask)
     logits = None

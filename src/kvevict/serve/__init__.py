@@ -11,6 +11,8 @@ decode.py     prefill, one decode step of every running batch, streaming, rows t
 handle.py     a request's handle (events, cancel, deadline), its row, the batch it may join
 budgeter.py   the K/V bytes a row holds, measured through the model: what admission counts
 batch.py      one left-padded decode batch sharing one cache
+prefix_store.py  stored prompt prefixes' caches: byte-bounded, least recently used out first
+prefix_fill.py   a request's prefill from a stored prefix, storing its own earlier turns
 detokenize.py token ids -> streamed text deltas, stop strings
 sampling.py   greedy / temperature / top-p
 logprobs.py   token log-probabilities from the step's logits, in OpenAI's layouts

@@ -3,7 +3,9 @@
 Requests wait in ``pending``, oldest first. One starts while fewer than ``max_batch`` sequences run
 and its K/V bytes fit ``Settings.kv_memory`` beside the running rows': every batch bounded as
 ``Budgeter.batch_bytes`` counts it (paged), plus page 0 of each page pool it would open and the
-pools' idle pages. The oldest that does not fit blocks the rest, so nobody starves.
+pools' idle pages. The oldest that does not fit blocks the rest, so nobody starves. The prefix
+store's bytes (``prefix_store``) count too, and so does a copy of each newcomer's prompt prefix it
+will store; the store gives up prefixes, least recently used first, when that lets a request in.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from ..storage import Pools
 from .budgeter import Budgeter, spec_policy
 from .handle import Handle, Running, joins, scores_prompt
 from .metrics import Metrics
+from .prefix_store import PrefixStore, prefix_spec
 from .settings import Settings
 
 PREFILL_TOKENS_PER_STEP = 2048  # prompt tokens prefilled between two decode steps (at least one prompt)
@@ -21,9 +24,17 @@ PREFILL_TOKENS_PER_STEP = 2048  # prompt tokens prefilled between two decode ste
 
 class Admission:
     def __init__(
-        self, settings: Settings, budgeter: Budgeter, pages: Pools, metrics: Metrics, log: deque, running: list[Running]
+        self,
+        settings: Settings,
+        budgeter: Budgeter,
+        pages: Pools,
+        metrics: Metrics,
+        log: deque,
+        running: list[Running],
+        store: PrefixStore | None = None,
     ):
         self.settings, self.budgeter, self.pages, self.metrics, self.log = settings, budgeter, pages, metrics, log
+        self.store = store  # stored prompt prefixes: counted against kv_memory, and evicted for a request
         self.running = running  # the engine's running batches (the same list, changed by the decoder)
         self.pending: deque[Handle] = deque()
         self.opened: set = set()  # keys of the page pools open (Budgeter.opening): their page 0 is idle bytes
@@ -48,10 +59,16 @@ class Admission:
         taken, tokens, compacted = [], 0, False
         running = sum(len(run.rows) for run in self.running)
         while self.pending and running + len(taken) < s.max_batch and tokens < PREFILL_TOKENS_PER_STEP:
-            need = self.need([*taken, self.pending[0]])
-            if need + self.pages.idle_bytes() > s.kv_memory:
-                if compacted or need + self.pages.zero_bytes() > s.kv_memory:
-                    break
+            need, stored = self.need([*taken, self.pending[0]]), self.stored()
+            if need + stored + self.pages.idle_bytes() > s.kv_memory:
+                if compacted or need + stored + self.pages.zero_bytes() > s.kv_memory:
+                    # stored prefixes give way to a request, least recently used first, when that
+                    # makes room; their pages are free then, and a compaction gives them back
+                    room = s.kv_memory - need - self.pages.zero_bytes()
+                    if self.store is None or room < 0 or not self.store.shrink(room):
+                        break
+                    compacted = False
+                    continue
                 # free pages of some pool stand in the way: every pool gives its free pages back
                 # (between steps, no view of the pages is live), then the request fits
                 self.pages.compact()  # a pool no row used is gone: only the running rows' stay open
@@ -67,9 +84,13 @@ class Admission:
             taken.append(h)
             tokens += len(h.req.prompt_ids)
         self.opened.update(key for h in taken for key in self.budgeter.opening(*_pools(h.spec)))
-        self.pages.reserved = self.bound(taken)
+        self.pages.reserved = self.bound(taken) + self.stored() + sum(self.stores(h) for h in taken)
         self.metrics.set("kvevict_queued_requests", len(self.pending))
         return taken
+
+    def stored(self) -> int:
+        """Bytes the prefix store holds (a part of kv_memory)."""
+        return 0 if self.store is None else self.store.nbytes
 
     def bound(self, extra: list[Handle] = ()) -> int:
         """The most bytes the running batches can hold, with each of ``extra`` joining the batch
@@ -92,7 +113,18 @@ class Admission:
             for key, n in self.budgeter.opening(*_pools(h.spec)).items():
                 if key not in self.opened:
                     opening[key] = max(opening.get(key, 0), n)
-        return self.bound(extra) + sum(opening.values())
+        # and a copy of each newcomer's prompt prefix, for the prefix store (``Handle.stores``)
+        return self.bound(extra) + sum(opening.values()) + sum(self.stores(h) for h in extra)
+
+    def stores(self, h: Handle) -> int:
+        """Bytes ``h`` reserves for storing its prompt's prefix: none when that is stored already.
+        Looking makes the prefix it would reuse the most recently used, so that the store gives
+        up others first to let it in."""
+        if not h.stores:
+            return 0
+        req = h.req
+        hit = self.store.lookup(req.owner, prefix_spec(req, self.settings.kv_bits), req.prompt_ids, count=False)
+        return 0 if hit is not None and hit.length >= req.prefix_len else h.stores
 
     def groups(self, handles: list[Handle]) -> list[list[Handle]]:
         """Admitted requests that are prefilled in one forward: the same policy, budget and recent

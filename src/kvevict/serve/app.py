@@ -14,6 +14,7 @@ from .auth import KeyGuard
 from .engine import Engine
 from .errors import BadRequest
 from .routes import Routes
+from .settings import api_keys
 
 
 def create_app(engine: Engine, stop_engine_on_shutdown: bool = True) -> FastAPI:
@@ -21,7 +22,7 @@ def create_app(engine: Engine, stop_engine_on_shutdown: bool = True) -> FastAPI:
     if engine.settings.api_key:
         app.add_middleware(
             KeyGuard,
-            key=engine.settings.api_key,
+            key=api_keys(engine.settings),
             protect_metrics=engine.settings.protect_metrics,
             on_reject=lambda: engine.metrics.add("kvevict_requests_total", outcome="unauthorized"),
         )

@@ -11,6 +11,8 @@ columns no remaining row needs are cut off.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
@@ -74,6 +76,37 @@ class DecodeBatch:
         logits = out.logits if all_logits else out.logits[:, -1]
         return cls(model, cache, mask, torch.tensor([len(p) for p in prompts])), logits
 
+    @classmethod
+    def resume(cls, model, cache, length: int) -> "DecodeBatch":
+        """One row over a copy of ``cache``, which holds a prompt's first ``length`` tokens (a
+        stored prefix, ``prefix_store``): the copy's storage is its own, ``cache`` is not changed."""
+        mask = torch.ones(1, length, dtype=torch.long)
+        return cls(model, copy.deepcopy(cache), mask, torch.tensor([length]))
+
+    def copy_cache(self):
+        """A copy of this batch's cache that nothing done to the batch changes (paged storage: pages
+        of its own in the same pools)."""
+        return copy.deepcopy(self.cache)
+
+    def extend(self, tokens: list[int]) -> torch.Tensor:
+        """Feed one row more of its prompt in one forward (the rest after a stored prefix): its
+        positions go on from the row's own, and an evicting cache keeps its budget by its policy
+        over them as over any prompt chunk; return the last logits (1, vocab)."""
+        if self.size != 1 or not tokens:
+            raise ValueError("extend feeds one row at least one token.")
+        n = len(tokens)
+        self.mask = torch.cat([self.mask, self.mask.new_ones(1, n)], dim=1)
+        out = self.model(
+            torch.tensor([tokens], dtype=torch.long),
+            attention_mask=self.mask,
+            position_ids=self.next_pos[:, None] + torch.arange(n),
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self.next_pos = self.next_pos + n
+        return out.logits[:, -1]
+
     @property
     def size(self) -> int:
         return self.mask.shape[0]
@@ -127,9 +160,14 @@ class DecodeBatch:
 
     def kv_bytes(self) -> int:
         """Bytes of K/V storage the whole batch holds now."""
-        if isinstance(self.cache, EvictingCache):
-            return self.cache.kv_bytes()
-        return dynamic_kv_bytes(self.cache)
+        return cache_bytes(self.cache)
+
+
+def cache_bytes(cache) -> int:
+    """Bytes of K/V storage a cache holds: an EvictingCache's ``kv_bytes``, a DynamicCache's tensors."""
+    if isinstance(cache, EvictingCache):
+        return cache.kv_bytes()
+    return dynamic_kv_bytes(cache)
 
 
 def _left_pad(t: torch.Tensor, width: int, dim: int = 2) -> torch.Tensor:

@@ -16,6 +16,7 @@ from .budgeter import Budgeter
 from .handle import Handle, Row, Running, joins, scores_prompt
 from .logprobs import prompt_entries, token_entries
 from .metrics import Metrics
+from .prefix_fill import PrefixFill
 from .sampling import pick_tokens
 from .settings import Settings
 
@@ -36,17 +37,20 @@ class Decoder:
         running: list[Running],
         freed: Callable[[], None],
         loops: Callable[[], int],
+        prefixes: PrefixFill | None = None,
     ):
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
         self.budgeter, self.pages, self.metrics, self.log = budgeter, pages, metrics, log
         self.running = running  # the engine's running batches (the same list)
         self.freed, self.loops = freed, loops
+        self.prefixes = prefixes  # the prefix store's prefill (None: the store is off)
         self.eos_ids = eos_ids(model, tokenizer)
 
     def start(self, handles: list[Handle]) -> None:
         """Prefill admitted requests of one group together, stream each one's first token, and join
         the first running batch that can take them (any policy and budget; full-cache rows among
-        themselves)."""
+        themselves). A request that reuses or stores a prompt prefix (``prefix_fill``) is
+        prefilled alone."""
         now = time.monotonic()
         running = sum(len(run.rows) for run in self.running)
         for i, h in enumerate(handles):  # running: the sequences decoding beside it once it starts
@@ -60,24 +64,42 @@ class Decoder:
                     "prefill": len(handles),
                 }
             )
-        rows = [Row(h, self.tokenizer) for h in handles]
+        plain = []
+        for h in handles:
+            plan = None if self.prefixes is None else self.prefixes.plan(h)
+            if plan is None:
+                plain.append(h)
+            else:
+                self._begin([h], self.prefixes.prefill, h, *plan)
+        if plain:
+            self._begin(plain, self._prefill, plain)
+
+    def _prefill(self, handles: list[Handle]):
+        """Prompts of one policy and budget in one forward: (their batch, each one's last logits)."""
         req = handles[0].req
         scores = scores_prompt(req)
+        batch, logits = DecodeBatch.prefill_many(
+            self.model,
+            [h.req.prompt_ids for h in handles],
+            req.policy,
+            req.budget_tokens,
+            req.recent,
+            self.settings.kv_bits,
+            self.pages,
+            all_logits=scores,
+        )
+        if scores:  # echo + logprobs: the prompt's own, from the prefill's logits at every position
+            for i, h in enumerate(handles):
+                h.push(("prompt", prompt_entries(logits[i], h.req.prompt_ids, h.req.logprobs)))
+            logits = logits[:, -1]
+        return batch, logits
+
+    def _begin(self, handles: list[Handle], prefill, *args) -> None:
+        """``prefill(*args)`` gives the requests' batch and last logits: stream each one's first
+        token and join a running batch."""
+        rows = [Row(h, self.tokenizer) for h in handles]
         try:
-            batch, logits = DecodeBatch.prefill_many(
-                self.model,
-                [h.req.prompt_ids for h in handles],
-                req.policy,
-                req.budget_tokens,
-                req.recent,
-                self.settings.kv_bits,
-                self.pages,
-                all_logits=scores,
-            )
-            if scores:  # echo + logprobs: the prompt's own, from the prefill's logits at every position
-                for i, h in enumerate(handles):
-                    h.push(("prompt", prompt_entries(logits[i], h.req.prompt_ids, h.req.logprobs)))
-                logits = logits[:, -1]
+            batch, logits = prefill(*args)
         except Exception as err:  # these requests fail alone; the running batches go on
             self._fail(rows, err)
             return

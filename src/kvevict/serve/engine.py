@@ -9,7 +9,8 @@ rows of any policies and budgets (each evicts by its own), and full-cache rows s
 their own; (2) steps every running batch by one token (``decode``). A sequence that ends (EOS,
 max_tokens, stop string), whose client went away or whose deadline (``request_timeout``) passed
 leaves its batch at the next step and its storage is freed, so a waiting request can take its
-place. At most ``max_queue`` requests wait (429 past it); a draining engine (SIGTERM, ``drain``)
+place. With ``prefix_cache_memory`` a request whose prompt begins with a stored prefix prefills
+only the rest (``prefix_store``, ``prefix_fill``). At most ``max_queue`` requests wait (429 past it); a draining engine (SIGTERM, ``drain``)
 refuses new ones (503) and finishes those it has.
 """
 
@@ -30,6 +31,8 @@ from .decode import Decoder
 from .errors import BadRequest
 from .handle import Handle, Running
 from .metrics import Metrics
+from .prefix_fill import PrefixFill
+from .prefix_store import PrefixStore
 from .protocol import GenRequest
 from .settings import Settings
 from .work import Work
@@ -44,6 +47,8 @@ class Engine:
     def __init__(self, model, tokenizer, settings: Settings, metrics: Metrics | None = None):
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
         self.metrics = metrics or Metrics()
+        # stored prompt prefixes (``prefix_store``), their pages in the rows' pools: a part of kv_memory
+        self.prefixes = self._prefix_store(settings)
         self.context = getattr(model.config, "max_position_embeddings", None) or 1 << 30
         self.log: deque[dict] = deque(maxlen=10_000)  # admissions, joins, finishes: for inspection and tests
         self.loops = 0  # worker loops so far: how soon a cancelled row leaves is counted in them
@@ -57,8 +62,9 @@ class Engine:
         # every budgeted row's keys and values: its own pages of these pools (kvevict.storage.paged)
         self.pages = Pools(limit=settings.kv_memory)
         running: list[Running] = []
-        self.admission = Admission(settings, self.budgeter, self.pages, self.metrics, self.log, running)
+        self.admission = Admission(settings, self.budgeter, self.pages, self.metrics, self.log, running, self.prefixes)
         self.work = Work(self.admission.pending, running)
+        fill = None if self.prefixes is None else PrefixFill(model, settings, self.pages, self.prefixes, self.log)
         self.decoder = Decoder(
             model,
             tokenizer,
@@ -70,10 +76,22 @@ class Engine:
             running,
             freed=self.work.notify,  # memory was freed: the next admission sees it
             loops=lambda: self.loops,
+            prefixes=fill,
         )
         if settings.budget is None:
             settings.budget = self.default_budget()
         self.metrics.set("kvevict_kv_memory_bytes", settings.kv_memory)
+        self.metrics.set("kvevict_prefix_cache_memory_bytes", settings.prefix_cache_memory)
+
+    def _prefix_store(self, settings: Settings) -> PrefixStore | None:
+        limit = settings.prefix_cache_memory
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 0 <= limit < settings.kv_memory:
+            raise ValueError(
+                f"prefix_cache_memory (--prefix-cache-memory) is the part of kv_memory ({settings.kv_memory} "
+                f"bytes) stored prompt prefixes may hold: a size below it, or 0 to turn the store off; "
+                f"got {limit!r}."
+            )
+        return PrefixStore(limit, self.metrics) if limit else None
 
     def default_budget(self) -> int:
         """Tokens per layer and KV head one sequence may keep: its share of ``kv_memory`` when
@@ -130,8 +148,20 @@ class Engine:
         """Refuse new requests from now on (503); those already here go on (``idle`` says when done)."""
         self.work.drain()
 
+    def prefix_bytes(self, req: GenRequest, reserve: int) -> int:
+        """The most a copy of ``req``'s prompt prefix holds in the prefix store (what admission
+        reserves for it beside the request); 0 when it stores none, or when the two would not fit
+        kv_memory together (the request is then served without storing its prefix)."""
+        if self.prefixes is None or not req.prefix_cache or req.prefix_len is None:
+            return 0
+        row = (req.policy, req.budget_tokens, req.recent, req.prefix_len)
+        need = self.budgeter.batch_bytes([row], paged=True)
+        return need if need <= self.settings.prefix_cache_memory and reserve + need <= self.settings.kv_memory else 0
+
     def submit(self, req: GenRequest, loop) -> Handle:
-        handle = Handle(req, loop, self.reserve_bytes(req), self.settings.request_timeout, lambda: self.loops)
+        reserve = self.reserve_bytes(req)
+        handle = Handle(req, loop, reserve, self.settings.request_timeout, lambda: self.loops)
+        handle.stores = self.prefix_bytes(req, reserve)
         work = self.work
         with work.cond:
             if work.draining or work.stopping:
@@ -214,7 +244,8 @@ class Engine:
         m.set("kvevict_running_batches", len(running))
         m.set("kvevict_kv_bytes_held", held)
         reserved = self.admission.bound()
-        self.pages.reserved = reserved  # rows that left give the pools room for slack again
+        # rows that left give the pools room for slack again; stored prefixes' pages are held
+        self.pages.reserved = reserved + self.admission.stored()
         m.set("kvevict_kv_bytes_reserved", reserved)
         m.set("kvevict_kv_pool_bytes", self.pages.nbytes())
         m.set("kvevict_kv_bytes_full", sum(self.budgeter.stock_bytes(r.fed) for run in running for r in run.rows))

@@ -26,6 +26,7 @@ class Handle:
         self.req, self.loop, self.reserve = req, loop, reserve
         # what admission counts of this row in a shared batch (see Budgeter.batch_bytes)
         self.spec = (req.policy, req.budget_tokens, req.recent, len(req.prompt_ids) + req.max_tokens)
+        self.stores = 0  # bytes admission reserves for a copy of its prompt's prefix in the prefix store
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
         self.submitted = time.monotonic()

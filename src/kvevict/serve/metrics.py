@@ -35,6 +35,13 @@ SPECS = {
     "kvevict_running_batches": ("gauge", "Decode batches (one cache each: one per policy and budget)."),
     "kvevict_queued_requests": ("gauge", "Requests waiting for memory or a batch slot."),
     "kvevict_time_to_first_token_seconds": ("summary", "From arrival to the first token, recent requests."),
+    "kvevict_prefix_cache_memory_bytes": ("gauge", "Bytes the prompt-prefix store may hold (--prefix-cache-memory)."),
+    "kvevict_prefix_cache_bytes": ("gauge", "Bytes of K/V the prompt-prefix store holds now (a part of kv_memory)."),
+    "kvevict_prefix_cache_entries": ("gauge", "Prompt prefixes stored."),
+    "kvevict_prefix_cache_hits_total": ("counter", "Requests that began with a stored prefix and reused it."),
+    "kvevict_prefix_cache_misses_total": ("counter", "Requests that looked for a stored prefix and found none."),
+    "kvevict_prefix_cache_tokens_saved_total": ("counter", "Prompt tokens not prefilled: stored prefixes reused."),
+    "kvevict_prefix_cache_evictions_total": ("counter", "Stored prefixes evicted (least recently used first)."),
 }
 QUANTILES = (0.5, 0.95)
 RECENT = 1000  # observations a summary keeps for its quantiles

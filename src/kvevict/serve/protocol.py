@@ -3,7 +3,8 @@ whose message names the field and what to change.
 
 Extra body fields (``extra_body`` in the openai client): ``kv_policy`` (a name of
 ``kvevict.POLICIES`` or ``"full"``, or a cache spec with its token budget: ``h2o@0.2``), ``kv_budget`` (int: tokens kept per layer and KV head; float in
-(0, 1]: that fraction of this request's prompt), ``kv_recent`` (recent window), ``ignore_eos``.
+(0, 1]: that fraction of this request's prompt), ``kv_recent`` (recent window), ``ignore_eos``,
+``prefix_cache`` (false: neither reuse nor store prompt prefixes, ``prefix_store``).
 A float budget is resolved against the request's own prompt, never below the server's
 ``min_budget`` (so a short chat is not cut to a handful of tokens), rounded up to a multiple of
 ``budget_round``; batching never changes it.
@@ -49,6 +50,11 @@ class GenRequest:
     logprobs: int | None = None  # top tokens to list per token; None: no logprobs at all
     echo: bool = False  # completions: the prompt back first (its logprobs too with ``logprobs``)
     prompt_text: str | None = None  # what echo sends back: the prompt as given (token ids decoded)
+    prefix_cache: bool = True  # may reuse a stored prompt prefix and store its own (``prefix_store``)
+    # chat: the prompt's tokens before its newest message (stored as a prefix for the next turns),
+    # when the earlier messages alone render to a token prefix of the prompt; else None
+    prefix_len: int | None = None
+    owner: str | None = None  # whose stored prefixes it may reuse: its API key's ``auth.key_id``, or None
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -68,7 +74,22 @@ def parse_chat(body, tokenizer, settings: Settings, context: int, layers: int = 
     except Exception as err:  # a template that rejects the roles or their order
         raise BadRequest(f"the chat template refused these messages: {err}", "messages") from None
     limit_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    return _request("chat", body, list(ids), settings, context, limit_name, layers)
+    req = _request("chat", body, list(ids), settings, context, limit_name, layers)
+    if settings.prefix_cache_memory and req.prefix_cache and len(messages) > 1:
+        req.prefix_len = _earlier_turns(tokenizer, messages, req.prompt_ids)
+    return req
+
+
+def _earlier_turns(tokenizer, messages: list[dict], ids: list[int]) -> int | None:
+    """How many of the prompt's tokens the messages before its newest render to, when they are
+    the prompt's first tokens (a template may render or tokenize a turn's end otherwise once
+    another follows: then None, and nothing of this request is stored)."""
+    try:
+        earlier = tokenizer.apply_chat_template(messages[:-1], tokenize=True, return_dict=True)["input_ids"]
+    except Exception:  # a template that wants the conversation to end otherwise: no prefix, not an error
+        return None
+    n = len(earlier)
+    return n if 0 < n < len(ids) and list(earlier) == ids[:n] else None
 
 
 def parse_completion(body, tokenizer, settings: Settings, context: int, layers: int = 1) -> GenRequest:
@@ -167,7 +188,21 @@ def _request(kind, body, ids, settings: Settings, context: int, limit_name: str,
         ignore_eos=_bool(body, "ignore_eos"),
         logprobs=logprobs,
         echo=echo,
+        prefix_cache=_prefix_cache(body),
     )
+
+
+def _prefix_cache(body) -> bool:
+    """``prefix_cache``: false opts out of the server's prefix store (default true)."""
+    v = body.get("prefix_cache", True)
+    if v is None:
+        return True
+    if not isinstance(v, bool):
+        raise BadRequest(
+            f"'prefix_cache' must be true (reuse and store prompt prefixes, the default) or false, got {v!r}.",
+            "prefix_cache",
+        )
+    return v
 
 
 def _top(v, name: str, hint: str = "") -> int:

@@ -11,6 +11,7 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from .auth import OWNER
 from .engine import Engine
 from .errors import BadRequest
 from .logprobs import Layout
@@ -67,6 +68,8 @@ class Routes:
                 type="NotFoundError",
             )
         req = parse(body, engine.tokenizer, engine.settings, engine.context, len(engine.budgeter.per_layer))
+        if not engine.settings.prefix_cache_shared:  # the key's own prefixes only (None: no keys, all share)
+            req.owner = request.scope.get("state", {}).get(OWNER)
         handle = engine.submit(req, asyncio.get_running_loop())
         if req.stream:
             return StreamingResponse(self.relay.stream(handle), media_type="text/event-stream")

@@ -35,12 +35,24 @@ class Settings:
     # (int8 at the same tokens costs +0.0002 nats per token; docs/results/serving.md, "Packed storage")
     kv_bits: int | None = 8
     # -- hosting: API keys, a bounded queue, request timeouts --
-    # every /v1 route asks for "Authorization: Bearer <api_key>" (None: open); repr=False keeps it
-    # out of logs and tracebacks that print the settings
-    api_key: str | None = field(default=None, repr=False)
+    # every /v1 route asks for "Authorization: Bearer <api_key>" (None: open; several keys: any of
+    # them, each its own owner of stored prefixes); repr=False keeps it out of logs and tracebacks
+    api_key: str | tuple[str, ...] | None = field(default=None, repr=False)
     protect_metrics: bool = False  # /metrics asks for the key too (it tells request counts and memory)
     # requests waiting for memory or a batch slot; one more gets 429 with Retry-After at once, so
     # overload is answered instead of growing an unbounded queue (and its clients' latency)
     max_queue: int = 1024
     # seconds from arrival to the last token; past it the request ends with 504 and frees what it held
     request_timeout: float | None = None
+    # -- prefix caching (``prefix_store``) --
+    # bytes of K/V the store of prompt prefixes may hold (0: off). A part of kv_memory, not beside it:
+    # admission counts the store, and a waiting request that does not fit makes it give up prefixes
+    prefix_cache_memory: int = 0
+    # with API keys, whether one key's stored prefixes serve another key's requests (default: never)
+    prefix_cache_shared: bool = False
+
+
+def api_keys(settings: Settings) -> tuple[str, ...]:
+    """The keys a /v1 request may carry (none: the server is open)."""
+    key = settings.api_key
+    return () if not key else (key,) if isinstance(key, str) else tuple(key)

@@ -26,6 +26,7 @@ own size (``PagePool.nbytes``, free pages included) is the server's to report.
 
 from __future__ import annotations
 
+import copy
 import weakref
 
 import torch
@@ -55,6 +56,9 @@ class PagePool:
         self.free: list[int] = []
         # the stores and fields whose tables name its pages
         self.holders: weakref.WeakSet[_PageRows] = weakref.WeakSet()
+
+    def __deepcopy__(self, memo) -> "PagePool":
+        return self  # shared by every cache made with it: a copied cache takes pages of the same pool
 
     @property
     def pages(self) -> int:
@@ -128,6 +132,9 @@ class Pools:
         self.reserved: int | None = None
         self.pools: dict = {}
 
+    def __deepcopy__(self, memo) -> "Pools":
+        return self  # shared, never copied (``_PageRows.__deepcopy__``)
+
     def _room(self) -> int:
         assert self.limit is not None  # a pool is given this room only under a limit (``get``)
         used = self.nbytes() if self.reserved is None else self.reserved + self.idle_bytes()
@@ -181,6 +188,20 @@ class _PageRows:
         self._held: list[torch.Tensor | None] = [self.table]  # None once disowned
         weakref.finalize(self, _release, self.pool, self._held)
         pool.holders.add(self)
+
+    def __deepcopy__(self, memo) -> "_PageRows":
+        """A copy of these rows (``copy.deepcopy`` of a cache): pages of its own in the same pool."""
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        mine = ("pool", "page", "table", "own", "_held")
+        new.__dict__.update({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items() if k not in mine})
+        new._take_pool(self.pool, self.table.shape[0], self.table.device)
+        new.resize(self.table.shape[1] * self.page)  # a field's laid-out rectangle is dropped: read again
+        new.ensure([o * self.page for o in self.own])
+        held = self.table > 0  # a row's pages are its first ``own`` columns, in both tables
+        for t in self.pool.tensors:
+            t[new.table[held]] = t[self.table[held]]
+        return new
 
     def _rename(self, rename: torch.Tensor) -> None:
         """The pool moved pages: page p is now ``rename[p]`` (``PagePool.compact``)."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ...generate import generate
+from ..apart import answer_apart, split_label
 from ..caches import FULL, memory_cell, memory_spec
 
 
@@ -50,6 +51,9 @@ class GenerationTask(Task):
 
     max_new_tokens: int = 32
     uses_reference: bool = False  # True: score() also gets the full cache's answer
+    # whether the prompt ends with its question (its last paragraph), so ``--question apart`` can
+    # compress the context before it (``kvevict.eval.apart``); an instruction first (xsum): False
+    asks_last: ClassVar[bool] = True
 
     def prompt(self, sample: Sample) -> list[dict]:
         raise NotImplementedError
@@ -69,7 +73,12 @@ class GenerationTask(Task):
         prompt = sample.data["messages"] if "messages" in sample.data else self.prompt(sample)
         for cell in order:
             policy, budget = cell
-            res = _generate_cell(model, tokenizer, prompt, policy, budget, self.max_new(sample, tokenizer), recorded)
+            max_new = self.max_new(sample, tokenizer)
+            base, apart = split_label(policy)
+            if apart:  # the context compressed alone, the question read after it
+                res = answer_apart(model, tokenizer, prompt, sample, (base, budget), max_new, recorded)
+            else:
+                res = _generate_cell(model, tokenizer, prompt, policy, budget, max_new, recorded)
             if policy == FULL:
                 ref_text = res.text
             out[cell] = {

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from ...cache import EvictingCache
 from ...generate import dynamic_kv_bytes, stock_kv_bytes16
 from .. import metrics
 from ..caches import FULL, new_cache
@@ -31,7 +32,7 @@ from .ppl import SOURCES, PerplexityTask
 def continuation_logits(model, cache, context: torch.Tensor, continuation: torch.Tensor, chunk: int):
     """(C, vocab) logits predicting each continuation token: the last context position, then the
     continuation fed ``chunk`` tokens at a time (its last token predicts nothing and is not fed)."""
-    if hasattr(cache, "set_prompt_length"):
+    if isinstance(cache, EvictingCache):
         cache.set_prompt_length(context.shape[1])
     out = [model(context, cache=cache, use_cache=True).logits[0, -1:]]
     c = continuation.shape[1]

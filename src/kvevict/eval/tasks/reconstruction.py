@@ -13,6 +13,7 @@ class ReconstructionTask(GenerationTask):
     name = "reconstruct"
     metrics = {"bleu": "mean"}
     primary = "bleu"
+    asks_last = False  # the instruction comes first: no question to read apart
 
     def __init__(self, tokens: int = 160, items=None):
         self.tokens, self._items = tokens, items

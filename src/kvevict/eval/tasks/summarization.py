@@ -11,6 +11,7 @@ class XSumTask(GenerationTask):
     name = "xsum"
     metrics = {"rouge1": "mean", "rouge2": "mean", "rougeL": "mean", "rougeL_vs_full": "mean"}
     primary = "rougeL"
+    asks_last = False  # the instruction comes first: no question to read apart
     max_new_tokens = 48
     uses_reference = True
 

@@ -1,0 +1,103 @@
+"""A captured decode step: once the budget is reached, one decode step of a
+model with an ``EvictingCache`` (cache update, attention, statistics, eviction) traces under
+``torch.compile(fullgraph=True)`` with no graph break, a few graph variants cover the append steps
+and the ranking steps, and no step after them recompiles: 4 x slack steps cross several eviction
+boundaries. The compiled steps give the eager steps' logits."""
+
+import pytest
+import torch
+from transformers import CompileConfig
+
+import kvevict
+from conftest import tiny_model
+
+# the graph variants a full layer needs: the first ranking, the steps between two rankings (their
+# count and the recent tier's width specialised at 0 and 1, then symbolic) and the later rankings
+VARIANTS = 6
+
+
+def _step(model, tok, pos, cache):
+    """One decode step, the cache an argument (as generate hands it to its compiled forward)."""
+    return model(tok, cache=cache, position_ids=pos, use_cache=True).logits
+
+
+def _decode(model, spec, prompt, steps, compiled, warm=0):
+    """The logits of ``steps`` decode steps after an eager prefill that fills the budget, and the
+    cache; compiled: every step under fullgraph, and after ``warm`` steps none recompiles."""
+    _reset()
+    cache = kvevict.make_cache(model, spec)
+    cache.set_prompt_length(prompt.shape[1])
+    step = torch.compile(_step, fullgraph=True, backend="eager") if compiled else _step
+    logits = []
+    with torch.no_grad():
+        tok = model(prompt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        assert all(t.filled == t.budget for layer in cache.layers for t in layer.tiers[:1])
+        for i in range(steps):
+            pos = torch.full((prompt.shape[0], 1), cache.get_seq_length())
+            with torch._dynamo.config.patch(error_on_recompile=compiled and i >= warm):
+                logits.append(step(model, tok, pos, cache))
+            tok = logits[-1][:, -1:].argmax(-1)
+    return torch.cat(logits, 1), cache
+
+
+def _reset() -> None:
+    """No compiled graph and no count left from an earlier test."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+
+
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize(
+    "spec, prompt_len, dtype",
+    [
+        ("h2o@0.2", 400, torch.float32),  # 80 tokens, slack 5
+        ("snapkv@0.2", 400, torch.float32),
+        ("memory=0.2", 400, torch.float32),  # the rule's plan: int8 + int4 tiers
+        ("h2o/int4@memory=0.25", 400, torch.bfloat16),  # a recent tier of 16-bit tokens between rankings
+        ("ada-snapkv/int4@memory=0.2", 400, torch.float32),  # what Qwen's shipped plan picks: pooled heads, int4
+    ],
+)
+def test_a_full_caches_decode_step_compiles_whole_and_never_recompiles(spec, prompt_len, dtype):
+    model = tiny_model("qwen2").to(dtype)
+    torch.manual_seed(0)
+    prompt = torch.randint(0, 128, (2, prompt_len))
+    probe = kvevict.make_cache(model, spec)
+    probe.set_prompt_length(prompt_len)
+    with torch.no_grad():
+        model(prompt, cache=probe, use_cache=True)
+    slack = probe.layers[0].tiers[0].slack
+    assert slack > 1
+    steps = 4 * slack + 1  # rankings at steps 0, s, 2s, 3s and 4s
+    eager, _ = _decode(model, spec, prompt, steps, compiled=False)
+    # warm-up: the first ranking, a turn-over's steps between rankings, and the second ranking
+    compiled, cache = _decode(model, spec, prompt, steps, compiled=True, warm=2 * slack + 1)
+    assert _graphs() <= VARIANTS
+    assert torch.equal(eager, compiled)
+    assert cache.layers[0].seen == prompt_len + steps
+
+
+def test_generate_compiles_the_decode_step_through_its_compile_config():
+    model = tiny_model("qwen2")
+    torch.manual_seed(0)
+    prompt = torch.randint(0, 128, (2, 100))
+    kw = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=21, min_new_tokens=21, do_sample=False)
+    cache = kvevict.make_cache(model, "h2o@0.2+slack=4")
+    assert not cache.is_compileable  # opt-in: generate never compiles a cache that did not ask
+    eager = model.generate(prompt, cache=cache, disable_compile=True, **kw)
+    _reset()
+    config = CompileConfig(fullgraph=True, backend="eager", mode=None)
+    config._compile_all_devices = True  # generate compiles on CUDA by itself; on CPU when asked
+    plain = model.generate(prompt, cache=kvevict.make_cache(model, "h2o@0.2+slack=4"), compile_config=config, **kw)
+    assert torch.equal(eager, plain) and _graphs() == 0
+    cache = kvevict.make_cache(model, "h2o@0.2+slack=4").compileable()
+    assert cache.is_compileable
+    got = model.generate(prompt, cache=cache, compile_config=config, **kw)
+    assert torch.equal(eager, got)
+    assert 1 <= _graphs() <= VARIANTS
