@@ -87,7 +87,7 @@ def _resolve(policy, budget, memory, n: int, params: dict):
             )
         budget, memory = spec_budget(spec, budget, memory)
         policy, budget = spec_params(spec, spec.policy, budget, params, n)
-    if policy is None:
+    if policy is None:  # kvzip-pool: no cheaper score kept as many needles apart (docs/results/question-apart.md)
         policy = PROMPT_POLICY
     if policy == "oracle":
         raise ValueError("the oracle needs the answer before it is generated; compress() cannot record it.")
