@@ -114,7 +114,9 @@ def _convert_path(path: str) -> Path:
     try:
         import gguf  # noqa: F401  (transformers reads a llama, qwen2 or gemma3 GGUF's config with it)
     except ImportError:
-        raise ValueError(f'reading {path} needs the gguf package: pip install "gguf>=0.10" (a kvevict dependency this environment lacks).') from None
+        raise ValueError(
+            f'reading {path} needs the gguf package: pip install "gguf>=0.10" (a kvevict dependency this environment lacks).'
+        ) from None
     try:
         return _convert(Path(path).resolve(), out)
     except (ValueError, KeyError) as err:  # transformers' words for a file it cannot load
