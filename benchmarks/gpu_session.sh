@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The one prepared run for a lent GPU, under 9 minutes: the Triton kernel's whole-cache tests on the
-# GPU, then benchmarks/gpu_generate.py's default (Qwen2.5-1.5B's shape, bf16, random weights; the
+# The one prepared run for a lent GPU, under 9 minutes: the Triton kernel's whole-cache tests and the
+# store path's programs on the GPU, then benchmarks/gpu_generate.py's default (Qwen2.5-1.5B's shape, bf16, random weights; the
 # stock DynamicCache in eager mode, the compiled StaticCache, and memory=0.2, at 8K and 32K, batch 8;
 # the largest batch in 12 GiB). Its JSON and logs go to $OUT (the device tool's folder), else results/.
 #
@@ -18,6 +18,8 @@ fi
 export PYTHONPATH="$PWD/src:$PWD"
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())" | tee "$out/versions.txt"
 (cd tests && TRITON_INTERPRET=0 timeout 120 python3 -m pytest -q -x test_kernel_triton.py -k gpu_generates) 2>&1 | tail -5 | tee "$out/kernel_tests.txt"
+# the store path's programs (rotation, quantized write), held to the reference bit for bit, compiled
+(cd tests && TRITON_INTERPRET=0 timeout 90 python3 -m pytest -q -x test_store_triton.py) 2>&1 | tail -5 | tee -a "$out/kernel_tests.txt"
 timeout 420 python3 benchmarks/gpu_generate.py --out "$out/gpu_generate.json" > "$out/gpu_generate.log" 2>&1
 echo "gpu_generate exit $?" | tee -a "$out/gpu_generate.log"
 tail -25 "$out/gpu_generate.log"

@@ -254,7 +254,7 @@ def _with_recent(model, spec, prompt, steps):
 
 @pytest.mark.parametrize("spec", ["h2o/int4@450", "snapkv/int8@450", "ada-snapkv/int4@450", "h2o/int8+int4@450"])
 def test_packed_tokens_between_rankings_wait_in_full_precision_and_are_quantized_as_one_group(spec):
-    from kvevict.storage.codes import quantize_pair
+    from kvevict.kernels.store import quantize_pair
 
     model = tiny_model("qwen2")
     torch.manual_seed(0)

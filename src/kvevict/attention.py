@@ -277,11 +277,11 @@ def _attend_fused(query, seg: _Segments, scale, window, softcap, wanted, observe
     hkv = seg.k_new.shape[1]
     n_past = sum(r.n for r in seg.runs)
     f = Collection(wanted, seg, None, b, hq // hkv, 1, n_past, observe, gamma)
-    hidden = _hidden(seg, 0, 1, window, torch.arange(1, device=query.device))  # one query: no causal block
-    hide_past = hidden[0]
+    hidden = None if window is None else _hidden(seg, 0, 1, window, None)  # one query: no causal block
+    visible = seg.valid_past if hidden is None or hidden[0] is None else ~hidden[0]
     mask = None
-    if hide_past is not None:  # (b|1, hkv|1, 1, 1, n_past) -> (b, hkv|1, n_past)
-        mask = (~hide_past).reshape(hide_past.shape[0], hide_past.shape[1], n_past).expand(b, -1, -1)
+    if visible is not None:  # (b|1, hkv|1, [1, 1,] n_past) -> (b, hkv|1, n_past)
+        mask = visible.reshape(visible.shape[0], visible.shape[1], n_past).expand(b, -1, -1)
     # a policy that collects nothing from probabilities (kvzip, recency, knorm) needs no pg: out only, as SDPA computes
     out, pg = decode_attention(
         query, seg.runs, seg.k_new, seg.v_new, mask, scale, softcap, summary=seg.summary, pg="pg" in f.needs
@@ -291,7 +291,9 @@ def _attend_fused(query, seg: _Segments, scale, window, softcap, wanted, observe
         out = out * real.view(b, 1, 1, 1)
         pg = None if pg is None else pg * real
     if pg is not None:
-        seen = _seen(hidden, 1, n_past, 0, 1, query.device) if "seen" in f.needs else None
+        seen = None
+        if "seen" in f.needs:
+            seen = _seen(hidden or _hidden(seg, 0, 1, window, None), 1, n_past, 0, 1, query.device)
         f.add(Chunk(f, 0, 1, row=pg, seen=seen))
     return out.transpose(1, 2).contiguous(), f.finish()
 

@@ -18,19 +18,34 @@ class HeadPool:
         if heads > 256:
             raise ValueError(f"adaptive budgets record a slot's head in one byte: at most 256 KV heads, got {heads}.")
         self.heads, self.device = heads, device
+        self._ids: torch.Tensor | None = None  # (1, h, 1) 0 .. h - 1, made at the first step
+        self._whose: torch.Tensor | None = None  # this forward's slots' head ids, from visible to pooled
+
+    def _head_ids(self) -> torch.Tensor:
+        """(1, h, 1): 0 .. h - 1, made once (traced: made in the graph, never kept)."""
+        if torch.compiler.is_compiling():
+            return torch.arange(self.heads, device=self.device).view(1, -1, 1)
+        if self._ids is None:
+            self._ids = torch.arange(self.heads, device=self.device).view(1, -1, 1)
+        return self._ids
 
     def visible(self, tiers: list, valid_past: torch.Tensor | None, padded: bool) -> torch.Tensor:
-        """(b, h, n_past): each head sees its own slots only (and, padded, the real ones: ``valid_past``)."""
-        heads = torch.arange(self.heads, device=self.device).view(1, -1, 1)
-        mine = cat_slots([t.head[:, :, : t.filled] for t in tiers]) == heads
+        """(b, h, n_past): each head sees its own slots only (and, padded, the real ones: ``valid_past``).
+        The slots' head ids laid side by side are kept for this forward's ``pooled``."""
+        self._whose = cat_slots([t.head[:, :, : t.filled] for t in tiers])
+        mine = self._whose == self._head_ids()
         return mine & valid_past if padded and valid_past is not None else mine
 
     def pooled(self, stats: dict, new: dict, n_past: int, tiers: list) -> tuple[dict, dict]:
         """Each stored slot's statistics from its own head's row, and the new tokens laid out head
         after head in one row ((b, h, m) -> (b, 1, h x m)), with their head ids."""
         b, h, m = new["pos"].shape
-        whose = cat_slots([t.head[:, :, : t.filled] for t in tiers]).long()  # (b, 1, n_past)
+        whose, self._whose = self._whose, None  # as ``visible`` laid them out this forward
+        if whose is None or whose.shape[-1] != n_past:
+            whose = cat_slots([t.head[:, :, : t.filled] for t in tiers])
+        whose = whose.long()  # (b, 1, n_past)
         stats = {n: stats[n][..., :n_past].gather(1, whose) for n in tiers[0].stat_names}
         new = {n: t.reshape(b, 1, h * m, *t.shape[3:]) for n, t in new.items()}
-        new["head"] = torch.arange(h, device=self.device).repeat_interleave(m).view(1, 1, -1).expand(b, 1, h * m)
+        ids = self._head_ids().view(1, 1, h)
+        new["head"] = (ids if m == 1 else ids.view(-1).repeat_interleave(m).view(1, 1, -1)).expand(b, 1, h * m)
         return stats, new

@@ -27,6 +27,10 @@ import functools
 
 import torch
 
+from .kernels.store import fused, rotate
+
+__all__ = ["KeySpace", "hadamard", "rotate"]
+
 
 @functools.lru_cache(maxsize=16)
 def _hadamard_cpu(d: int) -> torch.Tensor:
@@ -42,37 +46,6 @@ def _hadamard_cpu(d: int) -> torch.Tensor:
 def hadamard(d: int, dtype: torch.dtype, device) -> torch.Tensor:
     """H as a matrix (the specification ``rotate`` is held to)."""
     return _hadamard_cpu(d).to(device=device, dtype=dtype)
-
-
-@functools.lru_cache(maxsize=8)
-def _signs(device) -> torch.Tensor:
-    """(1, 1, 2, 1): a butterfly's +1 and -1, made once per device (no copy to it per call)."""
-    return torch.tensor([1.0, -1.0], device=device).view(1, 1, 2, 1)
-
-
-def rotate(x: torch.Tensor) -> torch.Tensor:
-    """x H over the last dimension, as a fast Walsh-Hadamard transform in float32: log2(n) stages of
-    butterflies (a + b, a - b), then 1 / sqrt(n). Element by element, so a row's result does not
-    depend on the batch around it (a matmul's blocking does, by the last bit, and a bit can flip a
-    stored code: a padded batch must store what each row alone stores). A stage is one kernel: its
-    sums and differences are a + b * (+1, -1), written straight into the next buffer (b * 1 and
-    b * -1 are exact, so the bits are the butterflies')."""
-    d = x.shape[-1]
-    n = d & -d
-    y = x.float().reshape(-1, n)  # every block of n channels of every vector, one per row
-    bufs = (torch.empty_like(y), torch.empty_like(y))  # never written into y: it may be x itself
-    # traced (torch.compile): made in the graph, which does not trace through an lru_cache
-    sign = (
-        torch.tensor([1.0, -1.0], device=y.device).view(1, 1, 2, 1)
-        if torch.compiler.is_compiling()
-        else _signs(y.device)
-    )
-    h, i = 1, 0
-    while h < n:
-        a, out = y.view(-1, n // (2 * h), 2, h), bufs[i].view(-1, n // (2 * h), 2, h)
-        torch.addcmul(a[:, :, :1], a[:, :, 1:], sign, out=out)
-        y, h, i = bufs[i], 2 * h, 1 - i
-    return (y.view(x.shape) * n**-0.5).to(x.dtype)
 
 
 class KeySpace:
@@ -93,13 +66,15 @@ class KeySpace:
                 real = k[i].contiguous() if valid is None else k[i][:, valid[i]]
                 rows.append(real.float().mean(1) if real.shape[1] else real.new_zeros(k.shape[1], k.shape[3]).float())
             self.center = torch.stack(rows).to(torch.float16)  # any c is exact: the smallest dtype that holds a key
-        return rotate(k - self.center.unsqueeze(2).to(k.dtype))
+        return rotate(k, self.center)
 
     def enter_with_query(self, k: torch.Tensor, q: torch.Tensor, valid: torch.Tensor | None = None):
         """``(enter(k, valid), query(q))`` in one rotation: keys and queries stacked along the heads
         (a rotation is row by row, so the bits are the same as two calls)."""
         if self.center is None or k.dtype != q.dtype:
             return self.enter(k, valid), self.query(q)
+        if fused(k):  # one pass each, the centre given up inside the first
+            return rotate(k, self.center), rotate(q)
         both = rotate(torch.cat([k - self.center.unsqueeze(2).to(k.dtype), q], dim=1))
         return both[:, : k.shape[1]], both[:, k.shape[1] :]
 

@@ -329,7 +329,9 @@ class EvictingLayer(BatchChanges, CacheLayerMixin):
             else:
                 k_new, query = self.keyspace.enter_with_query(k_new, query, valid_new)
             self.io.new = (k_new, v_new)
-        if valid_new is None:
+        if valid_new is None and q_len == 1:  # a copy: absorb() advances n_real in place
+            pos_new = self.n_real[:, None].clone()
+        elif valid_new is None:
             pos_new = self.n_real[:, None] + torch.arange(q_len, device=self.device)
         else:
             pos_new = self.n_real[:, None] + valid_new.long().cumsum(1) - 1
@@ -342,10 +344,12 @@ class EvictingLayer(BatchChanges, CacheLayerMixin):
         # positions are read by a sliding window's mask and by compact positions only
         masked = self._padded or self.tiers[0].holes
         valid_past = pos_past = None
-        if masked or self.compact is not None:
-            valid_past = cat_slots([t.valid[:, :, : t.filled] for t in parts])
-        if self.window is not None or self.compact is not None:
-            pos_past = cat_slots([t.pos[:, :, : t.filled] for t in parts]).long()
+        if masked or self.window is not None or self.compact is not None:
+            pos_all = cat_slots([t.pos[:, :, : t.filled] for t in parts])  # -1: an empty slot
+            if masked or self.compact is not None:
+                valid_past = pos_all >= 0
+            if self.window is not None or self.compact is not None:
+                pos_past = pos_all.long()
         if self.pool is not None:  # one row for every head: each head sees its own slots only
             valid_past = self.pool.visible(parts, valid_past, masked)
         if self.compact is not None:
@@ -390,7 +394,8 @@ class EvictingLayer(BatchChanges, CacheLayerMixin):
             tier.accumulate(stats, offset, decay, m, m * self.io.group if self.io.group else float("inf"))
             offset += tier.filled
         ctx = {
-            "newest": (self.n_real - 1).view(-1, 1, 1),
+            # one unpadded token: its position is the newest (n_real counted it above)
+            "newest": pos_new.view(-1, 1, 1) if m == 1 and valid_new is None else (self.n_real - 1).view(-1, 1, 1),
             "budget": budget,
             "layer_idx": self.layer_idx,
             "prompt_len": self.prompt_end,

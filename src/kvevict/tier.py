@@ -199,12 +199,13 @@ class Tier(TierBatch):
             st = self.meta(name)
             got = stats[name][..., offset : offset + f]
             fold = STATS[name].fold
+            # in place on the view: ``st[..., :f] += got`` would copy the slice back onto itself
             if fold == "set":
-                st[..., :f] = got
+                st[..., :f].copy_(got)
             elif fold == "decay":  # older values fade: a history of about 1 / (1 - gamma) steps
                 st[..., :f].mul_(decay**m).add_(got)
             else:
-                st[..., :f] += got
+                st[..., :f].add_(got)
             if st.dtype == torch.float16 and added >= 16:  # a sum past float16's range stays the largest, not inf
                 st[..., :f].clamp_(max=FP16_MAX)
             self._meta[name].sync()  # paged: the rectangle is a copy of the pages

@@ -30,6 +30,7 @@ _NO_MASK = torch.empty(0, 0, 0, dtype=torch.bool)
 _NO_TABLE = torch.empty(0, 0, dtype=torch.long)
 _NO_BIAS = torch.empty(0, dtype=torch.float32)
 _LDFLAGS = ["-fopenmp"]
+_SOURCES = ("decode_cpu.cpp", "store_cpu.cpp")  # one module: decode attention, and the store path (kernels.store)
 
 
 def _isa_flags() -> tuple[str, list[str]]:
@@ -74,7 +75,8 @@ def _build() -> tuple[str, str, list[str], str]:
     """(this environment's build name, its folder, the compiler flags, the source)."""
     isa, isa_flags = _isa_flags()
     flags = ["-O3", "-fopenmp", *_REASSOCIATE, *isa_flags]
-    source = Path(__file__).with_name("decode_cpu.cpp").read_text()
+    here = Path(__file__).parent
+    source = "\n".join((here / f).read_text() for f in _SOURCES)
     name = build_name(
         isa, [*flags, *_LDFLAGS], source, torch.__version__, os.path.dirname(torch.__file__), sys.prefix, sys.version
     )
@@ -123,7 +125,7 @@ def _compile():
     return cpp_extension.load_inline(
         name=name,
         cpp_sources=[source],
-        functions=["decode"],
+        functions=["decode", "rotate", "quantize", "quantize_into", "dequantize_from"],
         extra_cflags=flags,
         extra_ldflags=_LDFLAGS,
         build_directory=folder,
@@ -180,34 +182,36 @@ def decode_attention_cpu(q, runs, k_new, v_new, mask, scale, softcap=None, summa
         mask_t = _NO_MASK
     else:
         mask_t = mask if mask.stride(-1) == 1 else mask.contiguous()
-    qs = (q * scale).reshape(b, hq, d).float().contiguous()  # scaled in q's dtype first, as attend does
+    qs = q.reshape(b, hq, d)  # the kernel scales it in q's dtype first, as attend does
+    if qs.stride(-1) != 1:
+        qs = qs.contiguous()
     # traced (torch.compile), the kernel is an opaque custom op with a fake of its shapes; eager, a plain call
     decode = _decode_op if torch.compiler.is_compiling() else load().decode
-    out, probs = decode(qs, tensors, meta, tables, mask_t, float(softcap or 0.0), hkv, dv, bias, bias_at)
+    out, probs = decode(qs, float(scale), tensors, meta, tables, mask_t, float(softcap or 0.0), hkv, dv, bias, bias_at)
     if not pg:
         probs = None
     elif summary is not None:  # the mean slot is no stored slot: its column leaves pg
         probs = torch.cat([probs[..., :bias_at], probs[..., bias_at + 1 :]], dim=-1)
-    return out.to(q.dtype).view(b, hq, 1, dv), probs
+    return out.view(b, hq, 1, dv), probs
 
 
 _SCHEMA = (
-    "(Tensor q, Tensor[] tensors, SymInt[] meta, Tensor[] tables, Tensor mask, float softcap, int hkv, int dv, "
+    "(Tensor q, float scale, Tensor[] tensors, SymInt[] meta, Tensor[] tables, Tensor mask, float softcap, int hkv, int dv, "
     "Tensor bias, int bias_at) -> (Tensor, Tensor)"
 )
 
 
 @torch.library.custom_op("kvevict::decode_cpu", mutates_args=(), schema=_SCHEMA)
-def _decode_op(q, tensors, meta, tables, mask, softcap, hkv, dv, bias, bias_at):
+def _decode_op(q, scale, tensors, meta, tables, mask, softcap, hkv, dv, bias, bias_at):
     """The compiled module's ``decode`` as a custom op, so that ``torch.compile(fullgraph=True)``
     keeps the fused kernel in its graph as one opaque call (the module itself cannot be traced)."""
-    out, pg = load().decode(q, tensors, meta, tables, mask, softcap, hkv, dv, bias, bias_at)
+    out, pg = load().decode(q, scale, tensors, meta, tables, mask, softcap, hkv, dv, bias, bias_at)
     return out, pg
 
 
 @_decode_op.register_fake
-def _decode_shapes(q, tensors, meta, tables, mask, softcap, hkv, dv, bias, bias_at):
-    """out (b, hq, dv) and pg (b, hkv, N) float32, N the runs' slots (``meta``: 5 ints a run, n third)."""
+def _decode_shapes(q, scale, tensors, meta, tables, mask, softcap, hkv, dv, bias, bias_at):
+    """out (b, hq, dv) in q's dtype and pg (b, hkv, N) float32, N the runs' slots (``meta``: 5 ints a
+    run, n third)."""
     n = sum(meta[2::5])
-    f32 = torch.float32
-    return q.new_empty(q.shape[0], q.shape[1], dv, dtype=f32), q.new_empty(q.shape[0], hkv, n, dtype=f32)
+    return q.new_empty(q.shape[0], q.shape[1], dv), q.new_empty(q.shape[0], hkv, n, dtype=torch.float32)

@@ -8,6 +8,7 @@
 // No dequantized copy of the cache is ever written.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
 #include <cmath>
@@ -345,17 +346,58 @@ Part part_of(const at::Tensor& data, const at::Tensor& zero, const at::Tensor& s
   return p;
 }
 
+// q * scale in q's dtype (one rounding there, as torch multiplies), as float32 (b * hq * d)
+template <typename T>
+void scale_rows(const at::Tensor& q, float scale, float* dst) {
+  const int64_t B = q.size(0), H = q.size(1), d = q.size(2);
+  const T* src = static_cast<const T*>(q.data_ptr());
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h) {
+      const T* row = src + b * q.stride(0) + h * q.stride(1);
+      float* o = dst + (b * H + h) * d;
+      for (int64_t i = 0; i < d; ++i) o[i] = static_cast<float>(static_cast<T>(static_cast<float>(row[i]) * scale));
+    }
+}
+
+std::vector<float> scaled_queries(const at::Tensor& q, float scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "decode: q must be (b, hq, d) with unit stride along d");
+  std::vector<float> out(q.size(0) * q.size(1) * q.size(2));
+  if (q.scalar_type() == at::kFloat)
+    scale_rows<float>(q, scale, out.data());
+  else if (q.scalar_type() == at::kBFloat16)
+    scale_rows<c10::BFloat16>(q, scale, out.data());
+  else if (q.scalar_type() == at::kHalf)
+    scale_rows<c10::Half>(q, scale, out.data());
+  else
+    TORCH_CHECK(false, "decode: q must be float32, float16 or bfloat16");
+  return out;
+}
+
+// n floats of one task's output into out (q's dtype, contiguous) from element off on
+void store_out(at::Tensor& out, int64_t off, const float* src, int64_t n) {
+  if (out.scalar_type() == at::kFloat) {
+    std::memcpy(out.data_ptr<float>() + off, src, sizeof(float) * n);
+  } else if (out.scalar_type() == at::kBFloat16) {
+    c10::BFloat16* o = out.data_ptr<c10::BFloat16>() + off;
+    for (int64_t i = 0; i < n; ++i) o[i] = static_cast<c10::BFloat16>(src[i]);
+  } else {
+    c10::Half* o = out.data_ptr<c10::Half>() + off;
+    for (int64_t i = 0; i < n; ++i) o[i] = static_cast<c10::Half>(src[i]);
+  }
+}
+
 }  // namespace
 
-// q: (b, hq, d) float32 contiguous, already scaled. tensors: 6 per run (k codes|rows, k zeros,
-// k steps, v codes|rows, v zeros, v steps; dense runs repeat their rows), meta: 5 per run (kind,
-// group, n, heads, page: 0 unless paged), tables: one per run (int64 (b, pages) contiguous, or
-// empty); the last run is the new key (one slot, always visible). mask: (b, hm, n_mask)
-// bool with unit stride along the slots, or an empty tensor. bias: (b, hkv) float32 contiguous
-// added to slot bias_at's score after the softcap (log n of the evicted tokens' mean slot,
-// kvevict.merge; -inf: hidden), or an empty tensor. Returns out (b, hq, dv) and pg (b, hkv, N)
-// float32.
-std::vector<at::Tensor> decode(at::Tensor q, std::vector<at::Tensor> tensors, std::vector<int64_t> meta,
+// q: (b, hq, d) float32, float16 or bfloat16 with unit stride along d, unscaled: each query is
+// scaled in its own dtype (rounded there, as attention in torch scales it) and read as float32.
+// tensors: 6 per run (k codes|rows, k zeros, k steps, v codes|rows, v zeros, v steps; dense runs
+// repeat their rows), meta: 5 per run (kind, group, n, heads, page: 0 unless paged), tables: one
+// per run (int64 (b, pages) contiguous, or empty); the last run is the new key (one slot, always
+// visible). mask: (b, hm, n_mask) bool with unit stride along the slots, or an empty tensor. bias:
+// (b, hkv) float32 contiguous added to slot bias_at's score after the softcap (log n of the evicted
+// tokens' mean slot, kvevict.merge; -inf: hidden), or an empty tensor. Returns out (b, hq, dv) in
+// q's dtype and pg (b, hkv, N) float32.
+std::vector<at::Tensor> decode(at::Tensor q, double scale, std::vector<at::Tensor> tensors, std::vector<int64_t> meta,
                                std::vector<at::Tensor> tables, at::Tensor mask, double softcap, int64_t hkv,
                                int64_t dv, at::Tensor bias, int64_t bias_at) {
   const int64_t B = q.size(0), hq = q.size(1), d = q.size(2), g = hq / hkv;
@@ -382,16 +424,16 @@ std::vector<at::Tensor> decode(at::Tensor q, std::vector<at::Tensor> tensors, st
     N += v.n;
   }
   auto f32 = q.options().dtype(at::kFloat);
-  at::Tensor out = at::empty({B, hq, dv}, f32);
+  at::Tensor out = at::empty({B, hq, dv}, q.options());
   at::Tensor pg = at::empty({B, hkv, N}, f32);
+  std::vector<float> qv = scaled_queries(q, static_cast<float>(scale));
   const bool has_mask = mask.numel() > 0;
   const bool* mptr = has_mask ? mask.data_ptr<bool>() : nullptr;
   const int64_t mb = has_mask ? mask.stride(0) : 0, mh = has_mask ? mask.stride(1) : 0;
   const int64_t mn = has_mask ? mask.size(2) : 0, ms = has_mask ? mask.stride(2) : 0;
   const bool mask_per_head = has_mask && mask.size(1) > 1;
   const float* bp = bias.numel() > 0 ? bias.data_ptr<float>() : nullptr;
-  const float* qp = q.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  const float* qp = qv.data();
   float* pgp = pg.data_ptr<float>();
   at::parallel_for(0, B * hkv, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> sc(g * N), acc(g * dv), buf(std::max(d, dv));
@@ -423,7 +465,7 @@ std::vector<at::Tensor> decode(at::Tensor q, std::vector<at::Tensor> tensors, st
       std::fill(acc.begin(), acc.end(), 0.f);
       off = 0;
       for (const RunView& r : runs) { run_pass(true, t, r, off); off += r.n; }
-      std::memcpy(op + (t.b * hq + t.kvh * g) * dv, acc.data(), sizeof(float) * g * dv);
+      store_out(out, (t.b * hq + t.kvh * g) * dv, acc.data(), g * dv);
     }
   });
   return {out, pg};

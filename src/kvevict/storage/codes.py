@@ -92,16 +92,6 @@ def quantize(x: torch.Tensor, bits: int, group: int):
     return pack(codes.to(torch.uint8).reshape(x.shape), bits), z.to(torch.uint8), step
 
 
-def quantize_pair(k: torch.Tensor, v: torch.Tensor, bits: int, group: int) -> list:
-    """``quantize(k) + quantize(v)`` (codes, zeros, steps of K, then of V). Keys and values of one
-    head size are quantized as one stacked tensor: every operation is per group of one token's
-    channels, so the codes are the same bit for bit, in half the launches."""
-    if k.shape != v.shape:
-        return [*quantize(k, bits, group), *quantize(v, bits, group)]
-    both = quantize(torch.stack([k, v.to(k.dtype)]), bits, group)
-    return [t[0] for t in both] + [t[1] for t in both]
-
-
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """(..., d) codes < 2^bits -> (..., d * bits / 8) bytes; byte j holds channels j, j + w, j + 2w, ..."""
     if bits == 8:

@@ -32,7 +32,8 @@ import weakref
 import torch
 
 from ..kernels.runs import Run
-from .codes import dequantize, quantize_pair
+from ..kernels.store import quantize_pair
+from .codes import dequantize
 from .interface import Piece
 from .rect import DenseStore, PackedStore, _Packed, _spans, trailing
 

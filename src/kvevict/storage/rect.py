@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from ..kernels.runs import Run
-from .codes import dequantize, quantize_pair
+from ..kernels.store import dequantize_from, quantize_into, quantize_pair
+from .codes import dequantize
 from .interface import Piece
 
 CHUNK = 2048  # slots dequantized at once when attention reads a packed store
@@ -139,6 +140,8 @@ class PackedStore:
 
     def write(self, idx, k, v, take=None) -> None:
         stores = (*self.k.tensors(), *self.v.tensors())
+        if quantize_into(stores, idx, k, v, self.bits, self.group, take) is not NotImplemented:
+            return  # one fused call: quantized straight into the slots
         for store, src in zip(stores, quantize_pair(k, v, self.bits, self.group)):
             scatter(store, idx, src, take)
 
@@ -146,6 +149,9 @@ class PackedStore:
         return dequantize(part.codes[sl], part.zero[sl], part.step[sl], self.bits, self.group, self.compute_dtype)
 
     def read(self, idx):
+        got = dequantize_from([*self.k.tensors(), *self.v.tensors()], idx, self.bits, self.group, self.compute_dtype)
+        if got is not NotImplemented:
+            return got
         out = []
         for part in (self.k, self.v):
             got = [t.gather(2, expand_index(idx, t)) for t in part.tensors()]
