@@ -70,9 +70,14 @@ def _ids(value, what: str) -> torch.Tensor:
     return ids.long()
 
 
+# the score of a context given without its question, where none is named: no cheaper score kept as
+# many needles with the question apart (docs/results/question-apart.md)
+CONTEXT_POLICY = PROMPT_POLICY
+
+
 def _resolve(policy, budget, memory, n: int, params: dict):
     """(policy, token budget, memory budget, label) of a compression: a spec's parts, kvzip-pool
-    (query-agnostic, ``memory.PROMPT_POLICY``) where none is named, everything kept for ``full``."""
+    (query-agnostic, ``CONTEXT_POLICY``) where none is named, everything kept for ``full``."""
     if "question" in params:
         raise ValueError(
             "compress() keeps the question apart: the context is compressed before it is known (drop question=)."
@@ -87,8 +92,8 @@ def _resolve(policy, budget, memory, n: int, params: dict):
             )
         budget, memory = spec_budget(spec, budget, memory)
         policy, budget = spec_params(spec, spec.policy, budget, params, n)
-    if policy is None:  # kvzip-pool: no cheaper score kept as many needles apart (docs/results/question-apart.md)
-        policy = PROMPT_POLICY
+    if policy is None:
+        policy = CONTEXT_POLICY
     if policy == "oracle":
         raise ValueError("the oracle needs the answer before it is generated; compress() cannot record it.")
     if policy == FULL:

@@ -15,9 +15,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from ..compress import compress
+from ..compress import CONTEXT_POLICY, compress
 from ..generate import encode_chat
-from ..memory import PROMPT_POLICY
 from ..policies import policy_class
 from ..spec import CacheSpec
 from .caches import memory_cell, memory_spec
@@ -115,7 +114,7 @@ def answer_apart(model, tokenizer, prompt, sample, cell: tuple, max_new: int, re
         _, bits = memory_cell(policy, prompt_known=True, model=model, share=budget)
         kw = {k: v for k, v in bits.items() if v is not None}
         kw["memory"] = budget
-        policy = CacheSpec.parse(policy).policy or PROMPT_POLICY  # query-agnostic: never a +q one-shot pick
+        policy = CacheSpec.parse(policy).policy or CONTEXT_POLICY  # compress()'s: never a +q one-shot pick
     found = policy_class(policy)
     seconds = 0.0
     if found is not None and found[0].needs_prompt:
