@@ -72,3 +72,24 @@ def test_the_programs_are_checked_against_the_reference_before_their_first_use()
     from kvevict.kernels.store_check import agrees
 
     assert agrees(DEVICE) == (True, "")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits,group", [(8, 32), (4, 32), (2, 16)])
+def test_the_read_program_is_a_gather_and_dequantize(dtype, bits, group):
+    from kvevict.kernels.triton_store import dequantize_from_triton
+    from kvevict.storage.codes import dequantize
+
+    b, h, n, d = 2, 3, 8, 64
+    store = PackedStore(b, h, n, d, d, dtype, DEVICE, bits, group)
+    idx_all = torch.arange(n, device=DEVICE).expand(b, h, n)
+    stores = [*store.k.tensors(), *store.v.tensors()]
+    for t, src in zip(
+        stores, quantize_pair(_tokens((b, h, n, d), dtype, 6), _tokens((b, h, n, d), dtype, 7), bits, group)
+    ):
+        scatter(t, idx_all, src)
+    idx = torch.tensor([[5, 0, 7, 5]], device=DEVICE).expand(b, h, 4)
+    got = dequantize_from_triton(stores, idx, bits, group, dtype)
+    for part, out in zip((stores[:3], stores[3:]), got):
+        gathered = [t.gather(2, idx.unsqueeze(-1).expand(*idx.shape, t.shape[-1])) for t in part]
+        assert out.dtype == dtype and torch.equal(out, dequantize(*gathered, bits, group, dtype))

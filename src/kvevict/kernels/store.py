@@ -141,11 +141,16 @@ def quantize_into(
 
 def dequantize_from(stores: Sequence[torch.Tensor], idx: torch.Tensor, bits: int, group: int, dtype):
     """(k, v) (b, h, j, d) in ``dtype``: slots ``idx`` (b, h, j) of a packed store's six tensors,
-    dequantized, in one call on the compiled CPU backend (a tier's evicted tokens read on their way
-    to the next tier). NotImplemented elsewhere: the store's torch path (a gather each, then
+    dequantized, in one call on the compiled CPU backend or in Triton (a tier's evicted tokens read
+    on their way to the next tier). NotImplemented elsewhere: the store's torch path (a gather each, then
     ``dequantize``, its specification) then reads."""
-    if idx.dtype != torch.long or _backend_for(idx.device, dtype) != "cpu" or any(t.stride(-1) != 1 for t in stores):
+    where = _backend_for(idx.device, dtype)
+    if idx.dtype != torch.long or where == "torch" or any(t.stride(-1) != 1 for t in stores):
         return NotImplemented
+    if where == "triton":
+        from .triton_store import dequantize_from_triton
+
+        return dequantize_from_triton(stores, idx, bits, group, dtype)
     like = _LIKE[dtype]  # the outputs' dtype, as a tensor the module's signature takes
     op = torch.ops.kvevict.dequantize_from_cpu if torch.compiler.is_compiling() else _module().dequantize_from
     k, v = op(list(stores), idx, bits, group, like)

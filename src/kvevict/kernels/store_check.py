@@ -9,9 +9,9 @@ import torch
 
 def agrees(device: str) -> tuple[bool, str]:
     """(whether the Triton store programs give the reference's bits on ``device``, what differed)."""
-    from ..storage.codes import quantize
+    from ..storage.codes import dequantize, quantize
     from .store_reference import rotate_reference
-    from .triton_store import quantize_into_triton, rotate_triton
+    from .triton_store import dequantize_from_triton, quantize_into_triton, rotate_triton
 
     g = torch.Generator().manual_seed(0)
     b, h, n, j, d, group = 2, 2, 6, 3, 128, 32
@@ -31,4 +31,9 @@ def agrees(device: str) -> tuple[bool, str]:
             quantize_into_triton(stores, idx, x, x.flip(-1), bits, group)
             if not all(torch.equal(a, w) for a, w in zip(stores, want)):
                 return False, f"the {bits}-bit write differs in {dtype}"
+            got = dequantize_from_triton(stores, idx, bits, group, dtype)
+            for part, out in zip((stores[:3], stores[3:]), got):
+                gathered = [t.gather(2, idx.unsqueeze(-1).expand(*idx.shape, t.shape[-1])) for t in part]
+                if not torch.equal(out, dequantize(*gathered, bits, group, dtype)):
+                    return False, f"the {bits}-bit read differs in {dtype}"
     return True, ""

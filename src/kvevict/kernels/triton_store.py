@@ -7,6 +7,8 @@ interpreter, what the tests use). Each is one launch, bit for bit the torch refe
 - ``_quantize_into_kernel``: a program per (sequence, KV head, new token): the token's groups'
   ranges, step and zero bytes and codes (``kvevict.storage.codes``), packed and written straight
   into its slot of the store, for K and V.
+- ``_dequantize_from_kernel``: a program per (sequence, KV head, slot read): the slot's codes
+  unpacked and dequantized, for K and V (a demoted token on its way to the next tier).
 
 Rounding to the nearest even integer is (x + 1.5 x 2^23) - 1.5 x 2^23, exact in float32 for
 |x| < 2^22 (the values are clamped into that range first, which the final clamps make harmless);
@@ -182,3 +184,60 @@ def quantize_into_triton(stores, idx, k, v, bits: int, group: int, take=None):
         k, v, idx, t, *stores, h, j, *strides, DK=dk, DV=dv, GROUP=group, BITS=bits, HAS_TAKE=take is not None
     )
     return None
+
+
+@triton.jit
+def _dequantize_token(codes_ptr, zero_ptr, step_ptr, out_ptr, D: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr):
+    """One stored token -> x_hat = (c U - z) (s / U), rounded once to the output's dtype
+    (kvevict.storage.codes.dequantize: c U - z and s / U are exact in it)."""
+    PER: tl.constexpr = 8 // BITS
+    W: tl.constexpr = D // PER
+    units: tl.constexpr = 1 << (8 - BITS)
+    i = tl.arange(0, D)
+    byte = tl.load(codes_ptr + i % W).to(tl.int32)  # channel i sits in byte i % W, at bits (i // W) x BITS
+    c = (byte >> ((i // W) * BITS)) & ((1 << BITS) - 1)
+    g = i // GROUP
+    z = tl.load(zero_ptr + g).to(tl.int32)
+    s = _step_value(tl.load(step_ptr + g).to(tl.int32)) * (1.0 / units)  # a power of two: exact
+    dtype: tl.constexpr = out_ptr.dtype.element_ty
+    s = _round_to(s, dtype).to(tl.float32)
+    tl.store(out_ptr + i, _round_to((c * units - z).to(tl.float32) * s, dtype))
+
+
+@triton.jit
+def _dequantize_from_kernel(
+    KC, KZ, KS, VC, VZ, VS, IDX, KO, VO,
+    H, J,
+    si0, si1, si2,
+    kc0, kc1, kc2, kz0, kz1, kz2, ks0, ks1, ks2,
+    vc0, vc1, vc2, vz0, vz1, vz2, vs0, vs1, vs2,
+    DK: tl.constexpr, DV: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    j = pid % J
+    h = (pid // J) % H
+    b = pid // (J * H)
+    slot = tl.load(IDX + b * si0 + h * si1 + j * si2)
+    _dequantize_token(
+        KC + b * kc0 + h * kc1 + slot * kc2, KZ + b * kz0 + h * kz1 + slot * kz2, KS + b * ks0 + h * ks1 + slot * ks2,
+        KO + pid * DK, DK, GROUP, BITS,
+    )  # fmt: skip
+    _dequantize_token(
+        VC + b * vc0 + h * vc1 + slot * vc2, VZ + b * vz0 + h * vz1 + slot * vz2, VS + b * vs0 + h * vs1 + slot * vs2,
+        VO + pid * DV, DV, GROUP, BITS,
+    )  # fmt: skip
+
+
+def dequantize_from_triton(stores, idx, bits: int, group: int, dtype):
+    """``kvevict.kernels.store.dequantize_from`` in one launch; NotImplemented for head sizes or
+    groups that are not powers of two."""
+    dk, dv = (stores[i].shape[-1] * 8 // bits for i in (0, 3))
+    if not (_pow2(dk) and _pow2(dv) and _pow2(group) and group <= min(dk, dv)):
+        return NotImplemented
+    b, h, j = idx.shape
+    k = torch.empty(b, h, j, dk, dtype=dtype, device=idx.device)
+    v = torch.empty(b, h, j, dv, dtype=dtype, device=idx.device)
+    if b * h * j:
+        strides = [*idx.stride()] + [s for st in stores for s in st.stride()[:3]]
+        _dequantize_from_kernel[(b * h * j,)](*stores, idx, k, v, h, j, *strides, DK=dk, DV=dv, GROUP=group, BITS=bits)
+    return k, v
