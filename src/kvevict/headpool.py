@@ -29,11 +29,13 @@ class HeadPool:
             self._ids = torch.arange(self.heads, device=self.device).view(1, -1, 1)
         return self._ids
 
-    def visible(self, tiers: list, valid_past: torch.Tensor | None, padded: bool) -> torch.Tensor:
+    def visible(self, tiers: list, valid_past: torch.Tensor | None, padded: bool, keep: bool = False) -> torch.Tensor:
         """(b, h, n_past): each head sees its own slots only (and, padded, the real ones: ``valid_past``).
-        The slots' head ids laid side by side are kept for this forward's ``pooled``."""
-        self._whose = cat_slots([t.head[:, :, : t.filled] for t in tiers])
-        mine = self._whose == self._head_ids()
+        ``keep``: the slots' head ids laid side by side are kept for this forward's ``pooled``."""
+        whose = cat_slots([t.head[:, :, : t.filled] for t in tiers])
+        if keep:
+            self._whose = whose
+        mine = whose == self._head_ids()
         return mine & valid_past if padded and valid_past is not None else mine
 
     def pooled(self, stats: dict, new: dict, n_past: int, tiers: list) -> tuple[dict, dict]:

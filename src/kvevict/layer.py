@@ -351,7 +351,7 @@ class EvictingLayer(BatchChanges, CacheLayerMixin):
             if self.window is not None or self.compact is not None:
                 pos_past = pos_all.long()
         if self.pool is not None:  # one row for every head: each head sees its own slots only
-            valid_past = self.pool.visible(parts, valid_past, masked)
+            valid_past = self.pool.visible(parts, valid_past, masked, keep=True)
         if self.compact is not None:
             assert valid_past is not None and pos_past is not None
             pieces, pos_past = self.compact.apply(pieces, pos_past, valid_past, self.n_real, self.keyspace)
