@@ -33,7 +33,7 @@ def agrees(device: str) -> tuple[bool, str]:
                 return False, f"the {bits}-bit write differs in {dtype}"
             got = dequantize_from_triton(stores, idx, bits, group, dtype)
             for part, out in zip((stores[:3], stores[3:]), got):
-                gathered = [t.gather(2, idx.unsqueeze(-1).expand(*idx.shape, t.shape[-1])) for t in part]
-                if not torch.equal(out, dequantize(*gathered, bits, group, dtype)):
+                codes, zero, step = (t.gather(2, idx.unsqueeze(-1).expand(*idx.shape, t.shape[-1])) for t in part)
+                if not torch.equal(out, dequantize(codes, zero, step, bits, group, dtype)):
                     return False, f"the {bits}-bit read differs in {dtype}"
     return True, ""
