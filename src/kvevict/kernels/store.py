@@ -15,8 +15,8 @@ A decode step rotates one key and query and quantizes one token per layer: dozen
 launches in torch (the butterflies, the groups' ranges, rounding, packing), one pass in a fused
 kernel, the way FlashInfer and vLLM append a token to a quantized cache. The compiled CPU backend
 (``decode_cpu``'s module, ``store_cpu.cpp``) runs each as one call, bit for bit the reference, and
-on CUDA the Triton programs of ``triton_store.py`` do (the rotation and the quantized write); where
-neither runs, the reference does. ``$KVEVICT_KERNEL=torch`` picks the reference everywhere
+on CUDA the Triton programs of ``triton_store.py`` do (the rotation, the quantized write and the
+read); where neither runs, the reference does. ``$KVEVICT_KERNEL=torch`` picks the reference everywhere
 (kvevict.kernels.resolve_backend)."""
 
 from __future__ import annotations
@@ -121,8 +121,8 @@ def quantize_into(
 ):
     """``stores`` (codes, zeros, steps of K, then of V; each (b, h, n, width) uint8) at slots ``idx``
     (b, h, j) take the quantized k and v (b, h, j, d) where ``take`` (b, h, j) is True (None:
-    everywhere), in one call on the compiled CPU backend. NotImplemented where that does not run: the
-    store's torch path (``quantize_pair`` and a scatter a tensor, its specification) then writes."""
+    everywhere), in one call on the compiled CPU backend or in Triton. NotImplemented where neither
+    runs: the store's torch path (``quantize_pair`` and a scatter a tensor, its specification) then writes."""
     where = backend(k)
     if where == "torch" or k.dtype != v.dtype or idx.dtype != torch.long or not idx.shape == k.shape[:3] == v.shape[:3]:
         return NotImplemented
