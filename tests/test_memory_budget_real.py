@@ -49,9 +49,9 @@ def test_the_recommended_call_answers_every_short_chat_as_the_full_cache_does(re
         cache = kvevict.make_cache(model, memory=0.2)
         assert _readme_call(model, tok, text, cache) == full, text
         assert cache.layers[0].evicted == 0 and cache.layers[0].storage.label == "fp16"
-    # generate picks kvzip-pool (the prompt is known): the same answer
+    # generate picks kvzip-probe (the prompt is known; kvevict ships SmolLM2's probe): the same answer
     known = generate(model, tok, [{"role": "user", "content": CHATS[0]}], memory=0.2, max_new_tokens=NEW)
-    assert known.policy == "kvzip-pool" and known.text == answers[CHATS[0]]
+    assert known.policy == "kvzip-probe" and known.text == answers[CHATS[0]]
 
 
 def test_a_bf16_copy_keeps_short_chats_whole_and_answers_the_readme_question():
@@ -60,7 +60,7 @@ def test_a_bf16_copy_keeps_short_chats_whole_and_answers_the_readme_question():
     full = generate(model, tok, msgs, "full", None, max_new_tokens=12)
     rec = generate(model, tok, msgs, memory=0.2, max_new_tokens=12)
     assert full.text == rec.text == "The capital of France is Paris."
-    assert rec.policy == "kvzip-pool" and rec.kv_bytes < 4 * rec.full_kv_bytes
+    assert rec.policy == "kvzip-probe" and rec.kv_bytes < 4 * rec.full_kv_bytes  # the probe holds whatever the dtype
     for text in CHATS[1:]:
         cache = kvevict.make_cache(model, memory=0.2)
         ids = encode_chat(tok, [{"role": "user", "content": text}])
@@ -80,7 +80,7 @@ def test_a_long_prompt_is_held_to_its_share_of_the_16_bit_stock_cache(real_model
     model, tok, memory = *real_model, 0.2
     text = "The quick brown fox jumps over the lazy dog. " * 60  # ~600 tokens
     r = generate(model, tok, [{"role": "user", "content": text + "\n\nWhat jumps?"}], memory=memory, max_new_tokens=4)
-    assert r.policy == "kvzip-pool" and r.storage.startswith("int8+int4, ")  # three tiers at 20%
+    assert r.policy == "kvzip-probe" and r.storage.startswith("int8+int4, ")  # three tiers at 20%
     assert 0.8 * memory * r.full_kv_bytes <= r.kv_bytes <= 1.02 * memory * r.full_kv_bytes
     kept, seen = (int(x) for x in r.storage.split(", ")[1].removesuffix(" tokens").split(" of "))
     assert kept < seen == r.prompt_tokens + r.new_tokens - 1

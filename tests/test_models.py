@@ -93,6 +93,7 @@ def test_the_one_shot_default_is_per_model_where_measured():
     there), kvzip-pool elsewhere; a streamed text MAS; a token budget H2O."""
     from types import SimpleNamespace
 
+    import torch
     from transformers import Qwen2Config
 
     from conftest import tiny_model
@@ -102,7 +103,8 @@ def test_the_one_shot_default_is_per_model_where_measured():
     qwen = SimpleNamespace(
         config=Qwen2Config(
             num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, hidden_size=1536, vocab_size=151936
-        )
+        ),
+        dtype=torch.bfloat16,  # a model's signature (kvevict.plans) names its dtype
     )
     tiny = tiny_model("qwen2")
     assert pick_policy(True, True, qwen, 0.2) == "ada-snapkv" and _observes("ada-snapkv", qwen, 0.3)

@@ -10,6 +10,7 @@ from conftest import tiny_model
 from kvevict.attention import _Segments, attend
 from kvevict.policies import Candidates, make_policy
 from kvevict.storage import stat_bytes
+from probe_helpers import tiny_probe
 
 # Attention of 6 queries over 6 keys (one head, causal, rows sum to 1), built by hand.
 A = torch.tensor(
@@ -139,7 +140,10 @@ def _policy(name, model, ids, mask=None):
     if name.startswith("kvzip"):
         if mask is not None:
             pytest.skip("kvzip records unpadded prompts only (its own test checks the error)")
-        return kvevict.POLICIES[name].record(model, lambda *a, **k: {"input_ids": torch.tensor([[7, 8, 9]])}, ids)
+        probe = {"probe": tiny_probe(model)} if name == "kvzip-probe" else {}  # a tiny model has none of its own
+        return kvevict.POLICIES[name].record(
+            model, lambda *a, **k: {"input_ids": torch.tensor([[7, 8, 9]])}, ids, **probe
+        )
     if name != "oracle":
         return name
     from kvevict.policies.oracle import Oracle

@@ -11,7 +11,7 @@ from transformers import DynamicCache
 
 from .cache import DEFAULT_BUDGET, make_cache
 from .input_checks import max_positions, no_new_tokens, warn_past_positions
-from .memory import PROMPT_POLICY, parse_memory, pick_policy
+from .memory import PROBE_POLICY, PROMPT_POLICY, parse_memory, pick_policy
 from .policies import policy_class
 from .policies.oracle import Oracle
 from .prefill import check_mode, fill_from, prefill
@@ -94,8 +94,13 @@ def _share(memory):
 
 def _observes(policy, model, share) -> bool:
     """Whether ``policy`` is the model's one-shot default at this share that scores the prompt by
-    its question (``kvevict.memory.ONE_SHOT_OF``; kvzip-pool scores it by reconstruction)."""
-    return isinstance(policy, str) and policy != PROMPT_POLICY and policy == pick_policy(True, True, model, share)
+    its question (``kvevict.memory.ONE_SHOT_OF``; kvzip-pool and kvzip-probe rank it whole, the
+    question among the rest)."""
+    return (
+        isinstance(policy, str)
+        and policy not in (PROMPT_POLICY, PROBE_POLICY)
+        and policy == pick_policy(True, True, model, share)
+    )
 
 
 def _question_or_none(tokenizer, prompt) -> int | None:

@@ -25,7 +25,8 @@ cuts a short prompt: at least ``MIN_TOKENS`` tokens per layer and KV head. The s
 
 Which policy a budget picks when none is named (``pick_policy``): a prompt-scoring one when the
 whole prompt is known before decoding (``kvevict.generate.generate``), a streaming one (``mas``,
-the RoCo paper's mean attention score) when it is not; per model where measured (``ONE_SHOT_OF``).
+the RoCo paper's mean attention score) when it is not; per model where measured (``ONE_SHOT_OF``),
+and ``kvzip-probe`` (``kvevict.probe``) on a model with a probe.
 A calibrated plan (``kvevict.plans``: the user's own, else one kvevict ships for a known model)
 names the kind of storage instead of the rule. Every constant cites the measurement that chose
 it: docs/results/memory-rule.md.
@@ -37,7 +38,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from . import plans
+from . import plans, probe
 from .budget import Budget
 from .shape import head_dim_of, text_config
 from .stock import STOCK_BYTES, kept_tokens, sliding_windows
@@ -84,6 +85,9 @@ def parse_memory(memory) -> float | int:
 
 MIN_TOKENS = 128  # a fractional memory budget keeps at least this many tokens per layer and KV head
 PROMPT_POLICY = "kvzip-pool"  # scores the whole prompt before decoding
+# KVzip's ranking from a model's probe (kvevict.probe) and the prompt's last 64 queries, where the
+# model has a probe: one prefill, where kvzip-pool runs the prompt again (docs/results/probe.md)
+PROBE_POLICY = "kvzip-probe"
 # scores what streams in: MAS, H2O's sum over how many queries saw the key, beat H2O on streaming LM
 # at 20% and 10% of a 16-bit cache (docs/results/quality-per-byte.md) at the same bytes (n_i from positions)
 STREAM_POLICY = "mas"
@@ -164,7 +168,8 @@ def pick_policy(prompt_known: bool, memory: bool = True, model=None, share=None)
     """The policy a memory budget uses when none is named (see the module's rule); without a memory
     budget (``memory=False``: a token budget), H2O. A prompt known in advance gets the model's
     measured one-shot policy (``ONE_SHOT_OF``) where the budget ``share`` (a fraction of a 16-bit
-    stock cache) is at least what it was measured at, else ``PROMPT_POLICY``."""
+    stock cache) is at least what it was measured at, else ``PROBE_POLICY`` where the model has a
+    probe (``kvevict.probe.find``), else ``PROMPT_POLICY``."""
     if not memory:
         return TOKEN_POLICY
     if not prompt_known:
@@ -172,7 +177,7 @@ def pick_policy(prompt_known: bool, memory: bool = True, model=None, share=None)
     found = ONE_SHOT_OF.get(model_key(model)) if model is not None else None
     if found is not None and isinstance(share, float) and share >= found[1] - 1e-9:
         return found[0]
-    return PROMPT_POLICY
+    return PROBE_POLICY if model is not None and probe.find(model) is not None else PROMPT_POLICY
 
 
 @dataclass(frozen=True, eq=False, repr=False)  # a float's equality, hash and repr: its share

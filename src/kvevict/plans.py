@@ -52,10 +52,14 @@ def default_path(model, policy: str | None = None) -> Path:
     ``$KVEVICT_PLANS`` or ``~/.cache/kvevict/plans``, one file per model signature for the default
     streaming policy (``policy`` None), and one per model and policy for any other, so a plan for a
     prompt-scoring policy sits beside the streaming one instead of replacing it."""
+    return plans_folder() / f"{signature_id(signature(model))}{'' if policy is None else '-' + policy}.json"
+
+
+def plans_folder() -> Path:
+    """The folder of a user's calibrated plans and probes: ``$KVEVICT_PLANS``, else plans/ in kvevict's cache."""
     import os
 
-    folder = Path(os.environ[PLANS_ENV]) if os.environ.get(PLANS_ENV) else cache_dir("plans")
-    return folder / f"{signature_id(signature(model))}{'' if policy is None else '-' + policy}.json"
+    return Path(os.environ[PLANS_ENV]) if os.environ.get(PLANS_ENV) else cache_dir("plans")
 
 
 def load(path, model) -> dict:
@@ -78,7 +82,7 @@ def load(path, model) -> dict:
     return data
 
 
-def _same_model(a: dict, b: dict) -> bool:
+def same_model(a: dict, b: dict) -> bool:
     """Two signatures of one architecture and shapes, whatever the dtype the weights were loaded in
     (storage quality follows the keys' shape, and budgets count 16-bit bytes either way)."""
     return {k: v for k, v in a.items() if k != "dtype"} == {k: v for k, v in b.items() if k != "dtype"}
@@ -94,7 +98,7 @@ def shipped(model, policy: str) -> dict | None:
     """The plan kvevict ships for this model and policy (``SHIPPED``), None where it ships none."""
     sig = signature(model)
     for data in _shipped_plans():
-        if data.get("policy") == policy and _same_model(data.get("signature") or {}, sig):
+        if data.get("policy") == policy and same_model(data.get("signature") or {}, sig):
             return data
     return None
 

@@ -29,10 +29,18 @@ def add_arguments(p):
     )
     # 4 windows of 1,024 tokens: with 2 of 512 SmolLM2's choice at 20% lost to the rule held out
     p.add_argument("--tokens", type=int, default=1024, help="tokens per calibration window")
-    p.add_argument("--windows", type=int, default=4, help="calibration windows (and as many held out)")
+    p.add_argument(
+        "--windows", type=int, help="calibration windows, and as many held out (default 4; with --probe, texts: 8)"
+    )
     p.add_argument("--chunk", type=int, default=32, help="tokens per streaming step")
     p.add_argument(
         "--out", help="plan file to write (default: the model's plan in kvevict's cache, which memory= reads)"
+    )
+    p.add_argument(
+        "--probe",
+        action="store_true",
+        help="fit the model's KVzip probe instead of a plan: kvzip-probe ranks a prompt by it without KVzip's "
+        "reconstruction pass (--tokens per text, --windows texts, 2 more held out)",
     )
     p.add_argument("--threads", type=int, help="torch threads (default: $OMP_NUM_THREADS, else half the cores)")
 
@@ -41,6 +49,7 @@ def run(args):
     from ..eval.calibrate import calibrate, default_path, save
     from ..memory import STREAM_POLICY, parse_memory
 
+    args.windows = args.windows if args.windows is not None else (8 if args.probe else 4)
     memories = []
     for item in (x.strip() for x in args.memory.split(",") if x.strip()):
         m = parse_memory(item)
@@ -53,6 +62,8 @@ def run(args):
         raise ValueError("--tokens must be >= 64, --windows >= 1 and --chunk >= 1.")
     setup_threads(args)
     model, tok = load_model_args(args)
+    if args.probe:
+        return _probe(model, tok, args)
     plan = calibrate(
         model,
         tok,
@@ -67,4 +78,19 @@ def run(args):
     own = None if plan["policy"] == STREAM_POLICY else plan["policy"]  # the streaming default's file is the model's
     path = save(plan, args.out or default_path(model, own))
     print(f"wrote {path}" + ("" if args.out else " (memory= uses it for this model; plan=False ignores it)"))
+    return 0
+
+
+def _probe(model, tok, args) -> int:
+    from ..eval.probe_fit import fit_probe
+    from ..probe import probe_path, save
+
+    probe, held = fit_probe(model, tok, args.tokens, args.windows)
+    if held:
+        print(
+            f"held out: Spearman {held['spearman']:.3f} with KVzip's scores, {held['top20']:.1%} of KVzip's top 20% "
+            "in the probe's (per layer and KV head)"
+        )
+    path = save(probe, args.out or probe_path(model))
+    print(f"wrote {path}" + ("" if args.out else " (kvzip-probe uses it for this model)"))
     return 0

@@ -10,6 +10,7 @@ from . import (  # noqa: F401  (register)
     kvzip,
     mas,
     oracle,
+    probe,
     pyramidkv,
     random,
     recency,

@@ -1,0 +1,85 @@
+"""``kvzip-probe``: KVzip's ranking and pooled budgets with its scores predicted by the model's probe
+(``kvevict.probe``) from the keys and values of the prompt's own prefill, not measured in a
+reconstruction pass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..probe import find, probe_path
+from ..record import record_attention_stats
+from .kvzip import KVzipPooled
+from .registry import register
+
+WINDOW = 64  # the prompt's last queries whose reads join the probe's scores (SnapKV's window)
+
+
+@register("kvzip-probe")
+@dataclass
+class KVzipProbe(KVzipPooled):
+    """KVzip pooled over heads and layers (``kvzip-pool``), each prompt key scored by the model's
+    probe (``kvevict.probe``: ``s_i = exp(w . x_i + b)``, ``x_i`` its values and its keys' rotary
+    pair norms) instead of KVzip's reconstruction maxima, each raised to the most the prompt's last
+    ``WINDOW`` queries read it (``record``'s ``window``). The scores come from the prefill's own
+    cache and its last ``WINDOW`` tokens run once more, where KVzip's reconstruction runs the whole
+    prompt again."""
+
+    name = "kvzip-probe"
+
+    @classmethod
+    @torch.no_grad()
+    def record(
+        cls,
+        model,
+        tokenizer,
+        input_ids,
+        attention_mask=None,
+        chunk: int = 4096,
+        context=None,
+        probe=None,
+        window: int = WINDOW,
+        **params,
+    ) -> "KVzipProbe":
+        """Score ``input_ids`` with ``probe`` (default: the model's, ``kvevict.probe.find``).
+        ``context``: a DynamicCache that already holds them (the caller's prefill, as for
+        ``KVzip.record``); without it the prompt runs once into a cache of every layer's keys.
+        ``chunk`` (KVzip's reconstruction piece) is taken for the same call and unused: nothing is
+        reconstructed. ``window`` > 0: the prompt's last ``window`` tokens run again over the
+        context, and a key's score is the larger of the probe's and the most any of those queries
+        gives it (SnapKV's observation window, as a max):
+
+            s_i = max(exp(w . x_i + b), max_{t in window, g in G(i)} a_{t,g}(i))
+
+        so what the prompt's end asks for (a question inside it) is kept beside what the probe ranks."""
+        from transformers import DynamicCache
+
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError("kvzip-probe records unpadded prompts only: give it one prompt per batch.")
+        probe = probe if probe is not None else find(model)
+        if probe is None:
+            raise ValueError(
+                f"kvzip-probe needs a probe fitted for this model: run `kvevict calibrate --probe --model ...` "
+                f"(it writes {probe_path(model)}), or use kvzip-pool, which scores by reconstruction."
+            )
+        if context is None:
+            context = DynamicCache()  # no config: a sliding layer keeps every key here, as KVzip scores them
+            model.set_attn_implementation("sdpa")  # the stock cache's own attention, as generate's prefill
+            model(input_ids, cache=context, use_cache=True, logits_to_keep=1)
+        elif context.get_seq_length() != input_ids.shape[1]:
+            raise ValueError(
+                f"the context cache holds {context.get_seq_length()} tokens, the prompt has {input_ids.shape[1]}."
+            )
+        if len(context.layers) != len(probe.weights):
+            raise ValueError(
+                f"the probe was fitted on {len(probe.weights)} layers, the model has {len(context.layers)}: "
+                "fit one for this model with `kvevict calibrate --probe`."
+            )
+        scores = [probe.scores(i, layer.keys, layer.values) for i, layer in enumerate(context.layers)]
+        n = input_ids.shape[1]
+        if 0 < window < n:
+            context.crop(-window)  # the window runs again on the rest: the cache holds n tokens after
+            seen = record_attention_stats(model, input_ids[:, -window:], ("max",), cache=context, observe=window)
+            scores = [torch.maximum(s, st["max"][..., :n].to(s.dtype)) for s, st in zip(scores, seen)]
+        return cls(scores=scores, **params)
