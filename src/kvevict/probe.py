@@ -109,8 +109,8 @@ def probe_path(model) -> Path:
 
 @functools.cache
 def _shipped() -> tuple:
-    """The package's probes, read once per process (the default policy asks on every call)."""
-    return tuple(json.loads(p.read_text()) for p in sorted(SHIPPED.glob("*.json")))
+    """The package's probes, read and built once per process (the default policy asks on every call)."""
+    return tuple(_from_json(json.loads(p.read_text())) for p in sorted(SHIPPED.glob("*.json")))
 
 
 def find(model) -> Probe | None:
@@ -119,10 +119,7 @@ def find(model) -> Probe | None:
     if own.exists():
         return load(own, model)
     sig = signature(model)
-    for data in _shipped():
-        if same_model(data.get("signature") or {}, sig):
-            return _from_json(data)
-    return None
+    return next((p for p in _shipped() if same_model(p.signature, sig)), None)
 
 
 def save(probe: Probe, path) -> Path:

@@ -79,7 +79,9 @@ class KVzipProbe(KVzipPooled):
         scores = [probe.scores(i, layer.keys, layer.values) for i, layer in enumerate(context.layers)]
         n = input_ids.shape[1]
         if 0 < window < n:
-            context.crop(-window)  # the window runs again on the rest: the cache holds n tokens after
+            # the window runs again on the rest: the cache holds n tokens after, the window's keys and
+            # values computed a second time (by the recording attention: equal up to rounding)
+            context.crop(-window)
             seen = record_attention_stats(model, input_ids[:, -window:], ("max",), cache=context, observe=window)
             scores = [torch.maximum(s, st["max"][..., :n].to(s.dtype)) for s, st in zip(scores, seen)]
         return cls(scores=scores, **params)
