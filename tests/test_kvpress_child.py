@@ -109,3 +109,21 @@ def test_the_question_apart_is_read_whole_after_the_pressed_context():
         model(ids[:, :25], past_key_values=full, use_cache=True)
         model(ids[:, 25:29], past_key_values=full, attention_mask=mask[:, :29], position_ids=torch.arange(25, 29)[None])
     assert got == _masked_greedy(model, full, ids, mask, 6)
+
+
+def test_every_press_name_resolves_and_adakv_wraps_the_named_score():
+    from types import SimpleNamespace
+
+    from kvevict.eval.kvpress_child import make_press
+    from kvevict.eval.peer_kvpress import PRESSES
+
+    def press(name):
+        return lambda compression_ratio=0.0, **kw: (name, compression_ratio, kw)
+
+    classes = ("SnapKVPress", "ExpectedAttentionPress", "KnormPress", "ObservedAttentionPress", "TOVAPress")
+    fake = SimpleNamespace(**{c: press(c) for c in (*classes, "KVzipPress")}, AdaKVPress=lambda inner: ("Ada", inner))
+    for name in PRESSES:  # every name the CLI takes is one the child can build
+        make_press(fake, name, 0.5)
+    assert make_press(fake, "adakv_expected_attention", 0.75) == (("Ada", ("ExpectedAttentionPress", 0.75, {})), "sdpa")
+    assert make_press(fake, "adakv_snapkv", 0.5)[0] == ("Ada", ("SnapKVPress", 0.5, {}))
+    assert make_press(fake, "observed_attention", 0.5) == (("ObservedAttentionPress", 0.5, {}), "eager")

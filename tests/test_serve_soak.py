@@ -108,3 +108,19 @@ def test_tree_rss_sums_a_process_and_its_children_and_is_zero_once_gone():
         parent.kill()
         parent.wait()
     assert tree_rss(parent.pid) == 0
+
+
+def test_a_chat_turn_carries_the_story_once_and_the_earlier_answers_in_order():
+    from benchmarks.serve_soak import chat_turn, label
+
+    first = chat_turn("A story.", [], "Who?")
+    assert first == (("user", "A story.\n\nWho?"),)
+    third = chat_turn("A story.", [("Who?", "The crow."), ("Where?", "A tree.")], "What?")
+    assert [r for r, _ in third] == ["user", "assistant", "user", "assistant", "user"]
+    assert third[0][1] == "A story.\n\nWho?" and third[2:] == (
+        ("user", "Where?"),
+        ("assistant", "A tree."),
+        ("user", "What?"),
+    )
+    assert third[0] == first[0]  # a later turn begins as the earlier one did: its stored prefix
+    assert label(third) == "[chat turn 3] What?" and label("plain prompt") == "plain prompt"

@@ -44,7 +44,7 @@ def add_arguments(p):
         "--peer-presses",
         default="snapkv,tova,knorm,expected_attention",
         help="kvpress presses for --peer: snapkv, tova, knorm, expected_attention, observed_attention, "
-        "adakv_snapkv, kvzip",
+        "adakv_snapkv, adakv_expected_attention, kvzip",
     )
     p.add_argument(
         "--peer-question",

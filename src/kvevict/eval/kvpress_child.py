@@ -24,8 +24,9 @@ from kvpress_presses import MASKING, PRESSES  # noqa: E402  (our name -> kvpress
 
 def make_press(kvpress, name, ratio):
     cls, attn = {**PRESSES, **MASKING}[name]
-    if name == "adakv_snapkv":  # Ada-KV's head-adaptive budgets over SnapKV's score (Feng et al. 2024)
-        return kvpress.AdaKVPress(kvpress.SnapKVPress(compression_ratio=ratio)), attn
+    if name.startswith("adakv_"):  # Ada-KV's head-adaptive budgets over another press's score (Feng et al. 2024)
+        inner = getattr(kvpress, PRESSES[name.removeprefix("adakv_")][0])
+        return kvpress.AdaKVPress(inner(compression_ratio=ratio)), attn
     return getattr(kvpress, cls)(compression_ratio=ratio), attn
 
 

@@ -26,7 +26,16 @@ from .apart import question_length
 from .tasks.base import GenerationTask
 
 CHILD = Path(__file__).with_name("kvpress_child.py")
-PRESSES = ("snapkv", "tova", "knorm", "expected_attention", "observed_attention", "adakv_snapkv", "kvzip")
+PRESSES = (
+    "snapkv",
+    "tova",
+    "knorm",
+    "expected_attention",
+    "observed_attention",
+    "adakv_snapkv",
+    "adakv_expected_attention",
+    "kvzip",
+)
 QUESTION = ("pressed", "apart")
 
 

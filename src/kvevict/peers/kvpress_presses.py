@@ -11,8 +11,10 @@ PRESSES = {  # our name -> (kvpress class name, attention implementation it need
 }
 
 # Presses that keep every key and mask the evicted ones out of attention instead of removing them:
-# they hold the whole prompt's bytes whatever their ratio. Ada-KV wraps SnapKV's score here.
+# they hold the whole prompt's bytes whatever their ratio. "adakv_X" is Ada-KV over press X's score
+# (kvpress's leaderboard runs expected attention so).
 MASKING = {
     "adakv_snapkv": ("AdaKVPress", "sdpa"),
+    "adakv_expected_attention": ("AdaKVPress", "sdpa"),
     "kvzip": ("KVzipPress", "sdpa"),
 }
