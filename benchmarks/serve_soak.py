@@ -334,7 +334,11 @@ async def load(a, url: str) -> tuple[list, list, dict]:
                 }
             )
         sampling.cancel()
-        prefix = {k: await asyncio.to_thread(metric, url, f"kvevict_prefix_cache_{k}") for k in PREFIX_METRICS if chats}
+        prefix = (
+            {k: await asyncio.to_thread(metric, url, f"kvevict_prefix_cache_{k}") for k in PREFIX_METRICS}
+            if a.chats
+            else {}
+        )
         return results, samples, {"pauses": pauses, "reference": reference, "prefix": prefix}
 
 
