@@ -45,14 +45,15 @@ def main(argv=None):
     p.add_argument("--out", default="results/answer_time.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    from kvevict.commands.demo import demo_prompt
     from kvevict.data.essays import haystack
-    from kvevict.data.passkey import for_tokenizer, passkey_prompt
+    from kvevict.data.passkey import passkey_prompt
     from kvevict.generate import generate
     from kvevict.models import load_model
 
     model, tok = load_model(args.model, dtype=getattr(torch, args.dtype))
     task = passkey_prompt(haystack(tok, args.tokens), args.depth, seed=args.tokens)
-    prompt = for_tokenizer(task.messages, task.lead, tok)
+    prompt = demo_prompt(task, tok)  # a base model (Gemma 3) completes "... The pass key is", as in the demo
     caches = [c.strip() for c in args.caches.split(";") if c.strip()]
     runs = {c: [] for c in caches}
     for c in caches:  # warm-up: the compiled kernel's first build, allocator growth

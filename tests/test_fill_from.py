@@ -90,3 +90,58 @@ def test_fill_from_refuses_what_it_cannot_give():
         fill_from(kvevict.make_cache(model, "h2o", budget=16), _context(model, ids))
     with pytest.raises(ValueError, match="holds 10 tokens, the prompt has"):
         KVzip.record(model, tok, ids, context=_context(model, ids[:, :10]))
+
+
+@pytest.mark.parametrize(
+    "kw", [dict(budget=20), dict(budget=16, kv_bits=8, evicted_bits=4), dict(budget=5, recent=2), dict(memory=0.3)]
+)
+def test_a_sliding_model_is_filled_from_a_cache_that_kept_only_its_windows(kw):
+    """Gemma 3's sliding layers: the scoring pass's cache keeps their last W - 1 tokens only, the
+    reconstruction crops back to them, and the budgeted cache filled from it keeps what the
+    prompt's own forward keeps, positions included, and decodes the same."""
+    from test_sliding import W, tiny_gemma3
+
+    model, tok = tiny_gemma3(), char_tokenizer()
+    ids = tok("a sliding window forgets what is far, " * 3, return_tensors="pt").input_ids
+    ctx = ids[:, :-1]
+    context = _context(model, ctx)
+    assert context.layers[0].keys.shape[2] == W - 1 < ctx.shape[1]  # the window only
+    recent = {"recent": kw.pop("recent")} if "recent" in kw else {}  # a budget inside the window: kvzip ranks there
+    policy = KVzip.record(model, tok, ctx, context=context, **recent)
+    assert context.get_seq_length() == ctx.shape[1] and context.layers[0].keys.shape[2] == W - 1
+    assert not context.layers[0].record_past  # left as given
+    whole = KVzip.record(model, tok, ctx, **recent)  # one pass over [context, repeat, context], every key held
+    assert torch.allclose(
+        torch.stack([s.float() for s in policy.scores]), torch.stack([s.float() for s in whole.scores]), atol=1e-5
+    )
+    filled, run = (kvevict.make_cache(model, policy, **kw) for _ in range(2))
+    fill_from(filled, context)
+    run.set_prompt_length(ctx.shape[1])
+    with torch.no_grad():
+        model(ctx, cache=run, use_cache=True)
+    for a, b in zip(filled.layers, run.layers):
+        assert a.seen == b.seen == ctx.shape[1] and torch.equal(a.n_real, b.n_real)
+        for ta, tb in zip(a.tiers, b.tiers):
+            assert torch.equal(ta.pos, tb.pos)  # the same tokens in the same slots
+    assert filled.kv_bytes() == run.kv_bytes()
+    outs = [
+        model.generate(
+            ids, cache=c, max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True
+        )
+        for c in (filled, run)
+    ]
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    # the keys and values were made by SDPA here, by kvevict's attention there: equal up to float
+    # rounding, which a quantized slot can carry across a rounding boundary
+    tol = 2e-3 if "kv_bits" in kw else 1e-4
+    assert torch.allclose(torch.stack(outs[0].logits), torch.stack(outs[1].logits), atol=tol)
+
+
+def test_only_a_sliding_layer_skips_tokens():
+    model, tok = tiny_model("llama-gqa"), char_tokenizer()
+    ids = tok("some prompt text " * 4, return_tensors="pt").input_ids
+    context = _context(model, ids)
+    context.layers[1].keys = context.layers[1].keys[:, :, -8:]  # as if it kept a window it does not have
+    context.layers[1].values = context.layers[1].values[:, :, -8:]
+    with pytest.raises(ValueError, match="holds 8 of its"):
+        fill_from(kvevict.make_cache(model, KVzip.record(model, tok, ids), budget=16), context)

@@ -49,6 +49,10 @@ def fused_backend(query) -> str:
 
 # Scores held per query chunk (floats): 2**21 fp32 = 8 MiB, small enough to stay in cache.
 _CHUNK_ELEMENTS = 1 << 21
+# bfloat16 scores go through softmax as they are: its kernel computes in float32 and rounds once to
+# bfloat16, the probabilities the output's matmul reads anyway, so the output is unchanged and two
+# float32 copies of the chunk's scores are not made (float16's range would underflow small ones)
+_SOFTMAX_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass
@@ -238,7 +242,7 @@ def _score_chunk(qs, kn_t, seg: _Segments, s, e, n_past, softcap, hidden):
         scores = torch.cat([torch.matmul(qc, p.keys().transpose(-1, -2)) for p in seg.pieces] + [scores], dim=-1)
     if seg.summary is not None:  # one more column, last: the evicted tokens' mean key
         scores = torch.cat([scores, torch.matmul(qc, seg.summary[0].transpose(-1, -2))], dim=-1)
-    if scores.dtype != torch.float32:
+    if scores.dtype not in _SOFTMAX_DTYPES:
         scores = scores.float()
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap

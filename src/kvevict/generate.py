@@ -15,7 +15,6 @@ from .memory import PROBE_POLICY, PROMPT_POLICY, parse_memory, pick_policy
 from .policies import policy_class
 from .policies.oracle import Oracle
 from .prefill import check_mode, fill_from, prefill
-from .shape import layer_windows
 from .spec import FULL, CacheSpec
 from .stock import STOCK_BYTES
 
@@ -337,7 +336,7 @@ def _record_prompt(model, tokenizer, ids, policy, policy_params, prefill_mode, w
     params = {**found[1], **policy_params}
     context = None
     ids_ctx = ids if whole else ids[:, :-1]
-    if prefill_mode == "full" and ids_ctx.shape[1] > 0 and all(w is None for w in layer_windows(model)):
+    if prefill_mode == "full" and ids_ctx.shape[1] > 0:
         # the prompt (but its last token, which generate feeds) runs once: scored on top of this
         # cache, which then fills the budgeted one (prefill.fill_from)
         context = DynamicCache(config=model.config)

@@ -66,17 +66,22 @@ def fill_from(cache, context) -> None:
     """Store the keys and values of ``context`` (a DynamicCache the model already ran the prompt
     into, e.g. to score it: ``KVzip.record(context=...)``) in the budgeted ``cache`` as the prompt's
     own forward would: each layer takes them in one chunk and evicts to its budget by its policy, so
-    the prompt runs through the model once. Only for a policy that reads no attention statistic (its
-    scores were recorded), on a model without sliding layers (their DynamicCache keeps the window
-    only); then ``model.generate(ids, cache=cache)`` goes on from the tokens given."""
+    the prompt runs through the model once. A sliding layer of ``context`` holds its window only
+    (the last W - 1 tokens): the budgeted layer takes those, its positions going on past the
+    tokens before them (``EvictingLayer.skip``), which no later query could see. Only for a policy
+    that reads no attention statistic (its scores were recorded); then ``model.generate(ids,
+    cache=cache)`` goes on from the tokens given."""
+    n = context.get_seq_length()
+    cache.set_prompt_length(n)  # fractional budgets: of the prompt, not of a sliding layer's window
     for i, src in enumerate(context.layers):
         layer = cache.layers[i]
-        if getattr(src, "is_sliding", False) or getattr(layer, "window", None) is not None:
-            raise ValueError(
-                "fill_from needs every token of every layer: this model has sliding-window layers; "
-                "run the prompt through the model instead (prefill / generate)."
-            )
         k, v = src.keys, src.values
+        skipped = n - k.shape[2]
+        if skipped and (layer.window is None or k.shape[2] < layer.window - 1):
+            raise ValueError(
+                f"layer {i} of the context holds {k.shape[2]} of its {n} tokens, fewer than the budgeted "
+                "layer's window keeps: fill from a cache that holds every token, or the window's."
+            )
         cache.update(k, v, i)
         layer = take_handoff(layer.returned_keys)
         wanted, _ = layer.attention_request()
@@ -85,5 +90,7 @@ def fill_from(cache, context) -> None:
                 f"{layer.policy.name} collects {', '.join(wanted)} from the prompt's attention; "
                 "fill_from has none to give: run the prompt through the model instead."
             )
+        if skipped:
+            layer.skip(skipped)
         seg = layer.segments(v, None, k.shape[2])
         layer.absorb({}, seg.valid_new, seg.pos_new)

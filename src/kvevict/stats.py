@@ -279,7 +279,7 @@ class Chunk:
     def pg(self) -> torch.Tensor:
         """(b, hkv, c, n): the probabilities summed over the query heads of each KV group."""
         if self._pg is None:
-            self._pg = self.row.unsqueeze(2) if self.row is not None else self.probs.sum(2)
+            self._pg = self.row.unsqueeze(2) if self.row is not None else self.probs.sum(2, dtype=torch.float32)
         return self._pg
 
     @property
@@ -291,7 +291,7 @@ class Chunk:
         if self.row is not None:  # one query: its row, bit for bit
             return self.row
         if self.f.one_pass:  # no pg built
-            return self.probs.sum(dim=(2, 3))
+            return self.probs.sum(dim=(2, 3), dtype=torch.float32)
         return (self.pg[:, :, lo:] if lo else self.pg).sum(2)
 
     @property

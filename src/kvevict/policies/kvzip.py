@@ -102,7 +102,9 @@ class KVzip(Policy):
         sharply (a pass key at the end of a 4,119-token prompt, in a 23-token piece, lost a digit).
         One piece is one pass over ``[context, repeat, context]``. ``context``: a DynamicCache that
         already holds ``input_ids`` (the caller's own prefill, kept to fill the budgeted cache from:
-        ``kvevict.prefill.fill_from``), so the context is not run again; it is left as given."""
+        ``kvevict.prefill.fill_from``), so the context is not run again; it is left as given. Its
+        sliding layers may hold their window only (the stock cache's): a key out of it scores 0,
+        as it is out of every reconstruction query's window."""
         from transformers import DynamicCache
 
         from ..record import record_attention_stats
@@ -130,13 +132,23 @@ class KVzip(Policy):
             record_attention_stats(model, input_ids, (), cache=context)
         elif context.get_seq_length() != n:
             raise ValueError(f"the context cache holds {context.get_seq_length()} tokens, the prompt has {n}.")
+        # a sliding layer keeps what a piece pushed out of its window until the crop (transformers'
+        # past recording), so the crop gives its window back; then it is left as it was
+        sliding = [layer for layer in context.layers if getattr(layer, "is_sliding", False)]
+        recording = [layer.record_past for layer in sliding]
+        for layer in sliding:
+            layer.activate_past_recording()
         scores = None
-        for s, e in zip(starts, starts[1:] + [n]):
-            piece = torch.cat([rep, input_ids[:, s:e]], dim=1)
-            stats = record_attention_stats(model, piece, ("max",), cache=context, observe=piece.shape[1])
-            context.crop(-piece.shape[1])  # the next piece reconstructs from the context alone
-            got = [st["max"][..., :n] for st in stats]
-            scores = got if scores is None else [torch.maximum(a, b) for a, b in zip(scores, got)]
+        try:
+            for s, e in zip(starts, starts[1:] + [n]):
+                piece = torch.cat([rep, input_ids[:, s:e]], dim=1)
+                stats = record_attention_stats(model, piece, ("max",), cache=context, observe=piece.shape[1])
+                context.crop(-piece.shape[1])  # the next piece reconstructs from the context alone
+                got = [_context_scores(st["max"], n, piece.shape[1]) for st in stats]
+                scores = got if scores is None else [torch.maximum(a, b) for a, b in zip(scores, got)]
+        finally:
+            for layer, was in zip(sliding, recording):
+                layer.record_past = was
         return cls(scores=scores, **params)
 
     def score(self, c: Candidates):
@@ -199,6 +211,14 @@ class KVzip(Policy):
                 out[i] += give[i]
             excess = sum(max(0, x - c) for x, c in zip(out, caps))
         return [min(x, c) for x, c in zip(out, caps)]
+
+
+def _context_scores(col: torch.Tensor, n: int, new: int) -> torch.Tensor:
+    """(b, h, n): a piece's column over [the context's cached keys, the piece's own ``new``] as
+    scores of the n context positions. A sliding layer's cache holds the last W - 1 only; the
+    earlier ones were out of every reconstruction query's window, where attention gives 0."""
+    held = col[..., : col.shape[-1] - new]
+    return F.pad(held, (n - held.shape[-1], 0)) if held.shape[-1] < n else held
 
 
 def max_pool(scores: torch.Tensor, k: int) -> torch.Tensor:
