@@ -136,3 +136,29 @@ def test_what_a_statistic_needs_is_declared_with_it():
         "knorm": 0,
         "expected": 0,
     }
+
+
+@pytest.mark.parametrize("wanted", [("sum",), ("sum", "sq"), ("max",), ("obs", "last")])
+def test_bfloat16_probabilities_leave_the_output_as_float32_ones_rounded_and_the_statistics_float32(wanted):
+    """A bfloat16 model's scores go through softmax in bfloat16 (its kernel computes in float32
+    and rounds once): the output is what float32 probabilities rounded to bfloat16 give, bit for
+    bit, and every statistic is summed in float32 to within bfloat16's rounding of the float32 one."""
+    query, key, value = (x.bfloat16() for x in _inputs(q=41, d=32))
+    q, scale = query.shape[2], query.shape[-1] ** -0.5
+    seg = generic_segments(key, value, q, None)
+    out, stats = attend(query, seg, scale, None, None, wanted, observe=q)
+    # the former path: the chunk's scores copied to float32, softmax, the probabilities back to bfloat16
+    b, hq, _, d = query.shape
+    g = hq // key.shape[1]
+    scores = (query * scale).view(b, 2, g * q, d) @ key.transpose(-1, -2)
+    scores = scores.view(b, 2, g, q, q).masked_fill(torch.ones(q, q, dtype=torch.bool).triu(1), float("-inf"))
+    probs = scores.float().softmax(-1)
+    former = (probs.bfloat16().view(b, 2, g * q, q) @ value).view(b, hq, q, d).transpose(1, 2)
+    assert torch.equal(out, former)
+    for name in wanted:
+        assert stats[name].dtype == torch.float32
+    pg = probs.sum(2)
+    want = {"sum": pg.sum(2), "sq": pg.square().sum(2), "max": probs.amax(dim=(2, 3)), "obs": pg.sum(2)}
+    want["last"] = pg[:, :, -1]
+    for name in wanted:
+        assert torch.allclose(stats[name], want[name], rtol=2e-2, atol=1e-3), name
