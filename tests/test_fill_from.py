@@ -143,5 +143,8 @@ def test_only_a_sliding_layer_skips_tokens():
     context = _context(model, ids)
     context.layers[1].keys = context.layers[1].keys[:, :, -8:]  # as if it kept a window it does not have
     context.layers[1].values = context.layers[1].values[:, :, -8:]
+    cache = kvevict.make_cache(model, KVzip.record(model, tok, ids), budget=16)
     with pytest.raises(ValueError, match="holds 8 of its"):
-        fill_from(kvevict.make_cache(model, KVzip.record(model, tok, ids), budget=16), context)
+        fill_from(cache, context)
+    with pytest.raises(ValueError, match="only a sliding-window layer can skip"):
+        cache.layers[0].skip(1)
