@@ -428,16 +428,12 @@ class EvictingLayer(BatchChanges, CacheLayerMixin):
         self._expose()  # a tier that grew a page holds new tensors
 
     def skip(self, m: int) -> None:
-        """Positions go on past ``m`` tokens this sliding layer was never given, as if its window
-        had evicted them: ``kvevict.prefill.fill_from`` fills it from a cache that kept only the
-        window (transformers' sliding layers keep the last W - 1 tokens). Between ``update`` and
-        ``segments``."""
+        """Positions go on past ``m`` tokens this sliding layer never held, as if its window had
+        evicted them (``kvevict.prefill.fill_from``); between ``update`` and ``segments``."""
         if self.window is None:
             raise ValueError("only a sliding-window layer can skip tokens: a full layer keeps or ranks every one.")
         self.n_real.add_(m)
-        self.progress.seen += m
-        self.progress.longest += m
-        self.progress.evicted += m
+        self.progress.skip(m)
 
     def _fit_positions(self, m: int) -> None:
         """Widen the positions to int32 once a row's own last position passes 32,767 (``n_real``

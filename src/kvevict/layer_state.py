@@ -59,6 +59,12 @@ class Progress:
     evicted: int = 0
     peak_entries: int = 0
 
+    def skip(self, m: int) -> None:
+        """``m`` tokens passed without being stored: seen, counted in the positions, evicted."""
+        self.seen += m
+        self.longest += m
+        self.evicted += m
+
     def join(self, other: "Progress") -> None:
         """Rows of ``other`` appended: the longer history, the larger counts."""
         for name in ("seen", "longest", "evicted", "peak_entries"):
