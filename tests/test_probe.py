@@ -12,7 +12,7 @@ from conftest import tiny_model
 from eval_helpers import tiny_tokenizer
 from kvevict.plans import signature
 from kvevict.policies.probe import KVzipProbe
-from kvevict.probe import Probe, features, find, fit, load, probe_path, save
+from kvevict.probe import EDGES, SINKS, Probe, features, find, fit, load, position_features, probe_path, save
 from probe_helpers import tiny_probe
 
 
@@ -150,7 +150,8 @@ def test_the_fit_on_calibration_texts_ranks_its_held_out_texts_as_kvzip_does():
 
     model, tok = tiny_model("llama-gqa"), tiny_tokenizer()
     probe, held = fit_probe(model, tok, tokens=96, texts=3, heldout=1, log=lambda m: None)
-    assert len(probe.weights) == 3 and probe.weights[0].shape == (2 * 12 + 1, 2)
+    assert probe.edges == EDGES  # a probe fitted now reads where its keys sit
+    assert len(probe.weights) == 3 and probe.weights[0].shape == (2 * 12 + len(EDGES) + 1 + 1, 2)
     assert probe.signature == signature(model)
     assert 0.0 < held["spearman"] <= 1.0 and 0.0 < held["top20"] <= 1.0
 
@@ -165,8 +166,10 @@ def test_every_shipped_probe_fits_the_shapes_of_the_model_it_names():
         sig = data["signature"]
         d, hkv = sig["head_dim"] or sig["hidden_size"] // sig["num_attention_heads"], sig["num_key_value_heads"]
         assert data["format"] == FORMAT and len(data["weights"]) == sig["num_hidden_layers"], path.name
+        edges = data.get("edges") or []
         for w in data["weights"]:
-            assert len(w) == hkv * (d + d // 2) + 1 and all(len(row) == hkv for row in w), path.name
+            assert len(w) == hkv * (d + d // 2) + (len(edges) + 1 if edges else 0) + 1, path.name
+            assert all(len(row) == hkv for row in w), path.name
 
 
 def test_the_prompt_default_is_the_probe_where_the_model_has_one(tmp_path, monkeypatch):
@@ -178,3 +181,71 @@ def test_the_prompt_default_is_the_probe_where_the_model_has_one(tmp_path, monke
     save(tiny_probe(model), probe_path(model))
     assert pick_policy(prompt_known=True, model=model, share=0.2) == "kvzip-probe"
     assert pick_policy(prompt_known=False, model=model, share=0.2) == "mas"  # streamed text: no prompt to rank
+
+
+def test_a_key_s_position_is_read_as_its_band_of_distance_from_the_end():
+    edges = (0, 8, 64, 512)
+    pos = torch.tensor([599, 592, 591, 536, 535, 88, 87, 0, SINKS - 1, SINKS])
+    got = position_features(pos, 600, edges)
+    band = got[:, :-1].argmax(1).tolist()
+    # distances 0, 7 | 8, 63 | 64, 511 | 512, 599 ...: the band each falls in, the last open-ended
+    assert band == [0, 0, 1, 1, 2, 2, 3, 3, 3, 3] and bool((got[:, :-1].sum(1) == 1).all())
+    assert got[:, -1].tolist() == [0, 0, 0, 0, 0, 0, 0, 1, 1, 0]  # the first SINKS positions
+    k, v = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    x = features(k, v, edges, total=600)  # a window's 5 keys: the last of 600
+    assert x.shape == (1, 5, 2 * 12 + len(edges) + 1)
+    assert torch.equal(x[0, :, -len(edges) - 1 :], position_features(torch.arange(595, 600), 600, edges))
+    assert torch.equal(x[..., : 2 * 12], features(k, v))  # the rest as before
+
+
+def test_a_sliding_model_s_probe_reads_the_window_a_stock_cache_kept():
+    """Gemma 3's sliding layers hold their window only: the probe scores what they hold by where it
+    sits, a key out of the window 0 (as KVzip's), the same as over a cache of every key; a context
+    that cannot give back the last ``window`` tokens is refused with what to do."""
+    from kvevict.policies.kvzip import past_recorded
+    from test_sliding import W, tiny_gemma3
+
+    model, tok = tiny_gemma3(), tiny_tokenizer()
+    probe = tiny_probe(model, edges=(0, 2, 4, 6))
+    ids = torch.randint(4, 128, (1, 30), generator=torch.Generator().manual_seed(5))
+    whole = KVzipProbe.record(model, tok, ids, probe=probe, window=4)  # its own cache: every key held
+    context = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids[:, :-4], cache=context, use_cache=True)
+        with past_recorded(context):
+            model(ids[:, -4:], cache=context, use_cache=True)
+            got = KVzipProbe.record(model, tok, ids, probe=probe, window=4, context=context)
+    assert context.get_seq_length() == 30 and context.layers[0].keys.shape[2] == W - 1  # back to its window
+    assert not context.layers[0].record_past
+    assert got.scores is not None and whole.scores is not None
+    for i, (a, b) in enumerate(zip(got.scores, whole.scores)):
+        assert a.shape == b.shape == (1, 1, 30)
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), i
+    for s in got.scores[:3]:  # the sliding layers: nothing out of the window
+        assert bool((s[..., : 30 - (W - 1)] == 0).all()) and bool((s[..., -(W - 1) :] > 0).all())
+    assert bool((got.scores[3] > 0).all())  # the global layer scores every key
+    plain = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, cache=plain, use_cache=True)
+    with pytest.raises(ValueError, match="past_recorded"):
+        KVzipProbe.record(model, tok, ids, probe=probe, window=4, context=plain)
+    assert plain.get_seq_length() == 30 and plain.layers[3].keys.shape[2] == 30  # refused before any crop
+
+
+def test_generate_on_a_sliding_model_scores_the_probe_over_one_prefill(tmp_path, monkeypatch):
+    from kvevict.generate import generate
+    from test_sliding import tiny_gemma3
+
+    monkeypatch.setenv("KVEVICT_PLANS", str(tmp_path))
+    model, tok = tiny_gemma3(), tiny_tokenizer()
+    save(tiny_probe(model, edges=(0, 2, 4, 6)), probe_path(model))
+    prompt = "a sliding window forgets what is far, " * 2
+    calls = []
+    hook = model.model.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        got = generate(model, tok, prompt, max_new_tokens=4, policy="kvzip-probe", budget=12, window=4)
+    finally:
+        hook.remove()
+    # the prompt in two forwards (its last 4 with their past kept), the window again, 4 decode steps
+    assert len(calls) == 2 + 1 + 4
+    assert got.new_tokens == 4 and got.kv_bytes < got.model_kv_bytes / 2

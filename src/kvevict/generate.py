@@ -13,6 +13,7 @@ from .cache import DEFAULT_BUDGET, make_cache
 from .input_checks import max_positions, no_new_tokens, warn_past_positions
 from .memory import PROBE_POLICY, PROMPT_POLICY, parse_memory, pick_policy
 from .policies import policy_class
+from .policies.kvzip import past_recorded
 from .policies.oracle import Oracle
 from .prefill import check_mode, fill_from, prefill
 from .spec import FULL, CacheSpec
@@ -341,8 +342,15 @@ def _record_prompt(model, tokenizer, ids, policy, policy_params, prefill_mode, w
         # cache, which then fills the budgeted one (prefill.fill_from)
         context = DynamicCache(config=model.config)
         model.set_attn_implementation("sdpa")
-        model(ids_ctx, cache=context, use_cache=True, logits_to_keep=1)
-        policy = found[0].record(model, tokenizer, ids_ctx, context=context, **params)
+        cut = ids_ctx.shape[1]
+        if any(getattr(layer, "is_sliding", False) for layer in context.layers):
+            cut -= min(cut, found[0].tail(params))  # a sliding layer can be cropped by what it recorded only
+        if cut:
+            model(ids_ctx[:, :cut], cache=context, use_cache=True, logits_to_keep=1)
+        with past_recorded(context):  # the tail the record crops off and runs again: its past kept
+            if cut < ids_ctx.shape[1]:
+                model(ids_ctx[:, cut:], cache=context, use_cache=True, logits_to_keep=1)
+            policy = found[0].record(model, tokenizer, ids_ctx, context=context, **params)
     else:
         policy = found[0].record(model, tokenizer, ids, **params)
     return policy, cache_params, context, time.perf_counter() - t0

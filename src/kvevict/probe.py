@@ -5,8 +5,13 @@ hidden state: per token and layer, the values of every KV head and the norms of 
 pairs, which rotary embeddings leave unchanged (a pair (k_j, k_{j + d/2}) is turned by an angle of
 its position, so ``|k_j|^2 + |k_{j + d/2}|^2`` does not depend on the position):
 
-    x_i = [v_i^(1..H), rho_i^(1..H)],   rho_{i,j} = sqrt(k_{i,j}^2 + k_{i,j+d/2}^2)
+    x_i = [v_i^(1..H), rho_i^(1..H), e_i],   rho_{i,j} = sqrt(k_{i,j}^2 + k_{i,j+d/2}^2)
     log s_i^(h) ~ w_h . x_i + b_h          (ridge regression on KVzip's log scores)
+
+``e_i`` (a probe fitted with ``edges``) says where the key sits: one indicator per band of its
+distance from the prompt's end, d_i = n - 1 - i in [edges_j, edges_{j+1}), and one for the first
+``SINKS`` positions. A sliding layer's KVzip scores are mostly where its key sits (a reconstruction
+query sees the keys of its own window only), which no value or key norm tells (docs/results/probe.md).
 
 and ``kvzip-probe`` ranks a prompt's keys by ``exp(w_h . x_i + b_h)`` as ``kvzip-pool`` ranks them by
 KVzip's own scores. ``kvevict calibrate --probe`` fits a model's probe
@@ -23,18 +28,39 @@ import torch
 
 from .plans import plans_folder, same_model, signature, signature_id
 
-FORMAT = "kvevict-probe/1"
+FORMAT = "kvevict-probe/1"  # ``edges`` is optional in it: a probe without them reads no position
+# the bands of a key's distance from the prompt's end that a probe fitted now reads (``features``)
+EDGES = (0, 8, 32, 64, 128, 256, 384, 448, 512)  # the last band open-ended
+SINKS = 4  # the first positions, where every model parks attention, one indicator of their own
 EPS = 1e-6  # the floor under a KVzip score before its log (scores are attention probabilities)
 SHIPPED = Path(__file__).with_name("shipped_probes")  # probes fitted for known models (package data)
 
 
-def features(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """(b, hkv, n, d) keys and values -> (b, n, hkv x 3d/2): each token's values and the norms of its
-    keys' rotary pairs (the module's ``x_i``), every KV head of the layer side by side."""
+def features(keys: torch.Tensor, values: torch.Tensor, edges: tuple = (), total: int | None = None) -> torch.Tensor:
+    """(b, hkv, n, d) keys and values -> (b, n, hkv x 3d/2 [+ len(edges) + 1]): each token's values and
+    the norms of its keys' rotary pairs (the module's ``x_i``), every KV head of the layer side by
+    side, then, with ``edges``, its position's indicators (``e_i``). The n keys are the last of a
+    prompt of ``total`` tokens (default n: all of it; fewer where a sliding layer holds its window)."""
     d = keys.shape[-1]
     k = keys.float()
     pairs = (k[..., : d // 2].square() + k[..., d // 2 :].square()).sqrt()
-    return torch.cat([values.float(), pairs], dim=-1).transpose(1, 2).flatten(2)
+    x = torch.cat([values.float(), pairs], dim=-1).transpose(1, 2).flatten(2)
+    if not edges:
+        return x
+    n = keys.shape[2]
+    pos = torch.arange((total or n) - n, total or n, device=keys.device)
+    return torch.cat([x, position_features(pos, total or n, edges).expand(x.shape[0], -1, -1)], dim=-1)
+
+
+def position_features(pos: torch.Tensor, total: int, edges: tuple) -> torch.Tensor:
+    """(n, len(edges) + 1) floats: for each position of a ``total``-token prompt, which band of
+    ``edges`` its distance from the end falls in (the last band open-ended), and whether it is one of
+    the first ``SINKS``."""
+    dist = (total - 1 - pos)[:, None]
+    lo = torch.tensor(edges, device=pos.device)
+    hi = torch.tensor(edges[1:] + (total + 1,), device=pos.device)
+    bands = (dist >= lo) & (dist < hi)
+    return torch.cat([bands, (pos < SINKS)[:, None]], dim=1).float()
 
 
 @dataclass(frozen=True)
@@ -44,11 +70,13 @@ class Probe:
     weights: list
     signature: dict
     fitted_on: str = ""  # what it was fitted on, for the record
+    edges: tuple = ()  # the position bands it reads (``features``); () for a probe fitted before them
 
-    def scores(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """Layer ``layer``'s predicted KVzip scores (b, hkv, n) of its keys and values (b, hkv, n, d)."""
+    def scores(self, layer: int, keys: torch.Tensor, values: torch.Tensor, total: int | None = None) -> torch.Tensor:
+        """Layer ``layer``'s predicted KVzip scores (b, hkv, n) of its keys and values (b, hkv, n, d),
+        the last n of a prompt of ``total`` tokens (default: n)."""
         w = self.weights[layer]
-        x = features(keys, values)
+        x = features(keys, values, self.edges, total)
         if x.shape[-1] + 1 != w.shape[0] or keys.shape[1] != w.shape[1]:
             raise ValueError(
                 f"the probe of layer {layer} reads {w.shape[0] - 1} features of {w.shape[1]} KV heads, the "
@@ -62,6 +90,7 @@ class Probe:
             "format": FORMAT,
             "signature": self.signature,
             "fitted_on": self.fitted_on,
+            "edges": list(self.edges),
             "weights": [[[float(f"{v:.6g}") for v in row] for row in w.tolist()] for w in self.weights],
         }
 
@@ -98,7 +127,8 @@ def load(path, model) -> Probe:
 
 
 def _from_json(data: dict) -> Probe:
-    return Probe([torch.tensor(w) for w in data["weights"]], data["signature"], data.get("fitted_on", ""))
+    edges = tuple(int(e) for e in data.get("edges") or ())
+    return Probe([torch.tensor(w) for w in data["weights"]], data["signature"], data.get("fitted_on", ""), edges)
 
 
 def probe_path(model) -> Path:

@@ -4,8 +4,11 @@ Each calibration text is essay text (from essay ``START`` on, which no shipped t
 cuts its haystack from: they start at essays 0-6) with one to three short facts of varied forms
 set at random depths (a code, a number, a word), so the probe sees what a later question may ask
 for. Per text: one prefill into a stock cache, KVzip's scores by reconstruction on top of it
-(``KVzip.record``), and per layer the probe's features of the cached keys and values against the
-scores' logs. The ridge fit is per layer; texts held out after the fitted ones report how well the
+(``KVzip.record``), and per layer the probe's features of the cached keys and values (their
+positions' bands included, ``kvevict.probe.EDGES``) against the scores' logs. A sliding layer is
+fitted and judged on the keys of its window only (the last W - 1, what a stock cache holds there): a
+key before it is in no cache, and its KVzip score is 0 for where it sits, not for what it says.
+The ridge fit is per layer; texts held out after the fitted ones report how well the
 probe ranks: the Spearman correlation of its scores with KVzip's, and the share of KVzip's top 20%
 of keys (per layer and KV head) that the probe's top 20% holds."""
 
@@ -19,7 +22,8 @@ from ..data.essays import haystack
 from ..data.passkey import insert_at
 from ..plans import signature
 from ..policies.kvzip import KVzip
-from ..probe import EPS, Probe, features, fit
+from ..probe import EDGES, EPS, Probe, features, fit
+from ..stock import stock_windows
 
 START = 24  # the first essay the calibration texts are cut from
 FACTS = (
@@ -54,9 +58,10 @@ def observe(model, tokenizer, ids: torch.Tensor) -> tuple[list, list]:
     model(ids, cache=context, use_cache=True, logits_to_keep=1)
     scores = KVzip.record(model, tokenizer, ids, context=context).scores
     assert scores is not None  # record fills them
-    xs = [features(layer.keys, layer.values)[0] for layer in context.layers]
+    xs = [features(layer.keys, layer.values, EDGES)[0] for layer in context.layers]
     ys = [torch.log(s[0].float().T + EPS) for s in scores]
-    return xs, ys
+    held = [len(y) if w is None else w for y, w in zip(ys, stock_windows(model.config))]
+    return [x[-h:] for x, h in zip(xs, held)], [y[-h:] for y, h in zip(ys, held)]
 
 
 def ranks(x: torch.Tensor) -> torch.Tensor:
@@ -81,12 +86,15 @@ def fit_probe(model, tokenizer, tokens: int = 1024, texts: int = 8, heldout: int
     xs: list = []
     ys: list = []
     for i in range(texts):
-        x, y = observe(model, tokenizer, calibration_ids(tokenizer, tokens, i))
+        ids = calibration_ids(tokenizer, tokens, i)
+        x, y = observe(model, tokenizer, ids)
         xs = x if not xs else [torch.cat([a, b]) for a, b in zip(xs, x)]
         ys = y if not ys else [torch.cat([a, b]) for a, b in zip(ys, y)]
-        log(f"calibration text {i + 1}/{texts}: {x[0].shape[0]} tokens")
+        log(f"calibration text {i + 1}/{texts}: {ids.shape[1]} tokens")
     weights = fit(xs, ys, ridge)
-    probe = Probe(weights, signature(model), f"{texts} texts of {tokens} tokens from essay {START} on, ridge {ridge}")
+    probe = Probe(
+        weights, signature(model), f"{texts} texts of {tokens} tokens from essay {START} on, ridge {ridge}", EDGES
+    )
     rho, top = [], []
     for i in range(texts, texts + heldout):
         x, y = observe(model, tokenizer, calibration_ids(tokenizer, tokens, i))

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -10,6 +12,24 @@ from .registry import register
 
 # KVzip's reconstruction request, appended after the context (Kim et al. 2025, Sec. 3)
 REPEAT = "\n\nRepeat the previous context exactly.\n"
+
+
+@contextmanager
+def past_recorded(cache) -> Iterator[None]:
+    """Within it, the sliding layers of ``cache`` (a transformers DynamicCache) keep what passes out
+    of their window until a crop (transformers' past recording), so a pass run on top of a context
+    can be cropped off again; after it they are cut back to their window and left as they were."""
+    sliding = [layer for layer in cache.layers if getattr(layer, "is_sliding", False)]
+    was = [layer.record_past for layer in sliding]
+    for layer in sliding:
+        layer.activate_past_recording()
+    try:
+        yield
+    finally:
+        for layer, flag in zip(sliding, was):
+            if layer.is_initialized:
+                layer.crop(0)  # a sliding layer's crop(0) cuts it back to its window
+            layer.record_past = flag
 
 
 @register("kvzip")
@@ -88,6 +108,12 @@ class KVzip(Policy):
             )
         self.ranked = [max_pool(s, self.pool) for s in self.scores]
 
+    @staticmethod
+    def tail(params: dict) -> int:
+        """The prompt's last tokens ``record`` crops off a given context and runs again: none here
+        (the pieces run after the context). A caller prefills those inside ``past_recorded``."""
+        return 0
+
     @classmethod
     @torch.no_grad()
     def record(
@@ -132,23 +158,14 @@ class KVzip(Policy):
             record_attention_stats(model, input_ids, (), cache=context)
         elif context.get_seq_length() != n:
             raise ValueError(f"the context cache holds {context.get_seq_length()} tokens, the prompt has {n}.")
-        # a sliding layer keeps what a piece pushed out of its window until the crop (transformers'
-        # past recording), so the crop gives its window back; then it is left as it was
-        sliding = [layer for layer in context.layers if getattr(layer, "is_sliding", False)]
-        recording = [layer.record_past for layer in sliding]
-        for layer in sliding:
-            layer.activate_past_recording()
         scores = None
-        try:
+        with past_recorded(context):  # a piece's crop gives a sliding layer its window back
             for s, e in zip(starts, starts[1:] + [n]):
                 piece = torch.cat([rep, input_ids[:, s:e]], dim=1)
                 stats = record_attention_stats(model, piece, ("max",), cache=context, observe=piece.shape[1])
                 context.crop(-piece.shape[1])  # the next piece reconstructs from the context alone
                 got = [_context_scores(st["max"], n, piece.shape[1]) for st in stats]
                 scores = got if scores is None else [torch.maximum(a, b) for a, b in zip(scores, got)]
-        finally:
-            for layer, was in zip(sliding, recording):
-                layer.record_past = was
         return cls(scores=scores, **params)
 
     def score(self, c: Candidates):
@@ -216,7 +233,8 @@ class KVzip(Policy):
 def _context_scores(col: torch.Tensor, n: int, new: int) -> torch.Tensor:
     """(b, h, n): a piece's column over [the context's cached keys, the piece's own ``new``] as
     scores of the n context positions. A sliding layer's cache holds the last W - 1 only; the
-    earlier ones were out of every reconstruction query's window, where attention gives 0."""
+    earlier ones were out of every reconstruction query's window, where attention gives 0. (``new``
+    0: every column is a context key's, the last of the n.)"""
     held = col[..., : col.shape[-1] - new]
     return F.pad(held, (n - held.shape[-1], 0)) if held.shape[-1] < n else held
 

@@ -10,7 +10,8 @@ import torch
 
 from ..probe import find, probe_path
 from ..record import record_attention_stats
-from .kvzip import KVzipPooled
+from ..stock import stock_windows
+from .kvzip import KVzipPooled, _context_scores
 from .registry import register
 
 WINDOW = 64  # the prompt's last queries whose reads join the probe's scores (SnapKV's window)
@@ -20,13 +21,19 @@ WINDOW = 64  # the prompt's last queries whose reads join the probe's scores (Sn
 @dataclass
 class KVzipProbe(KVzipPooled):
     """KVzip pooled over heads and layers (``kvzip-pool``), each prompt key scored by the model's
-    probe (``kvevict.probe``: ``s_i = exp(w . x_i + b)``, ``x_i`` its values and its keys' rotary
-    pair norms) instead of KVzip's reconstruction maxima, each raised to the most the prompt's last
+    probe (``kvevict.probe``: ``s_i = exp(w . x_i + b)``, ``x_i`` its values, its keys' rotary
+    pair norms and, in a probe fitted with them, its position's bands) instead of KVzip's reconstruction maxima, each raised to the most the prompt's last
     ``WINDOW`` queries read it (``record``'s ``window``). The scores come from the prefill's own
     cache and its last ``WINDOW`` tokens run once more, where KVzip's reconstruction runs the whole
     prompt again."""
 
     name = "kvzip-probe"
+
+    @staticmethod
+    def tail(params: dict) -> int:
+        """The prompt's last tokens ``record`` crops off a given context and runs again: its
+        ``window``."""
+        return int(params.get("window", WINDOW))
 
     @classmethod
     @torch.no_grad()
@@ -44,7 +51,9 @@ class KVzipProbe(KVzipPooled):
     ) -> "KVzipProbe":
         """Score ``input_ids`` with ``probe`` (default: the model's, ``kvevict.probe.find``).
         ``context``: a DynamicCache that already holds them (the caller's prefill, as for
-        ``KVzip.record``); without it the prompt runs once into a cache of every layer's keys.
+        ``KVzip.record``; its sliding layers may hold their window only, their keys before it
+        scoring 0, and must hold the last ``window`` tokens' past: see ``tail``); without it the
+        prompt runs once into a cache of every layer's keys.
         ``chunk`` (KVzip's reconstruction piece) is taken for the same call and unused: nothing is
         reconstructed. ``window`` > 0: the prompt's last ``window`` tokens run again over the
         context, and a key's score is the larger of the probe's and the most any of those queries
@@ -76,12 +85,30 @@ class KVzipProbe(KVzipPooled):
                 f"the probe was fitted on {len(probe.weights)} layers, the model has {len(context.layers)}: "
                 "fit one for this model with `kvevict calibrate --probe`."
             )
-        scores = [probe.scores(i, layer.keys, layer.values) for i, layer in enumerate(context.layers)]
         n = input_ids.shape[1]
+        scores = [
+            _context_scores(probe.scores(i, layer.keys, layer.values, n), n, 0)
+            for i, layer in enumerate(context.layers)
+        ]
         if 0 < window < n:
             # the window runs again on the rest: the cache holds n tokens after, the window's keys and
             # values computed a second time (by the recording attention: equal up to rounding)
+            short = [
+                i
+                for i, layer in enumerate(context.layers)
+                if getattr(layer, "is_sliding", False)
+                and layer.keys.shape[2] < min(n - window, layer.sliding_window - 1) + window
+            ]
+            if short:  # checked first: a cache cropped half-way would be left broken
+                raise ValueError(
+                    f"sliding layers {short} of the context hold their window only, so the last {window} tokens "
+                    "cannot be cropped off: prefill those inside kvevict.policies.kvzip.past_recorded(context), "
+                    "or give no context."
+                )
             context.crop(-window)
             seen = record_attention_stats(model, input_ids[:, -window:], ("max",), cache=context, observe=window)
-            scores = [torch.maximum(s, st["max"][..., :n].to(s.dtype)) for s, st in zip(scores, seen)]
+            scores = [torch.maximum(s, _context_scores(st["max"], n, 0).to(s.dtype)) for s, st in zip(scores, seen)]
+        for s, w in zip(scores, stock_windows(model.config)):
+            if w is not None and w < n:  # a key out of a sliding layer's last window: in no cache
+                s[..., : n - w] = 0
         return cls(scores=scores, **params)
