@@ -249,3 +249,14 @@ def test_generate_on_a_sliding_model_scores_the_probe_over_one_prefill(tmp_path,
     # the prompt in two forwards (its last 4 with their past kept), the window again, 4 decode steps
     assert len(calls) == 2 + 1 + 4
     assert got.new_tokens == 4 and got.kv_bytes < got.model_kv_bytes / 2
+
+
+def test_a_probe_file_whose_bands_are_not_increasing_distances_is_refused(tmp_path):
+    model = tiny_model("llama-gqa")
+    path = save(tiny_probe(model, edges=(0, 8)), tmp_path / "p.json")
+    for bad in ([8, 0], [0, -1], ["0", 8], "0,8"):
+        data = json.loads(path.read_text())
+        data["edges"] = bad
+        path.write_text(json.dumps(data))
+        with pytest.raises(ValueError, match="edges must be increasing token distances"):
+            load(path, model)

@@ -48,8 +48,9 @@ def features(keys: torch.Tensor, values: torch.Tensor, edges: tuple = (), total:
     if not edges:
         return x
     n = keys.shape[2]
-    pos = torch.arange((total or n) - n, total or n, device=keys.device)
-    return torch.cat([x, position_features(pos, total or n, edges).expand(x.shape[0], -1, -1)], dim=-1)
+    total = total or n
+    pos = torch.arange(total - n, total, device=keys.device)
+    return torch.cat([x, position_features(pos, total, edges).expand(x.shape[0], -1, -1)], dim=-1)
 
 
 def position_features(pos: torch.Tensor, total: int, edges: tuple) -> torch.Tensor:
@@ -121,6 +122,13 @@ def load(path, model) -> Probe:
         raise ValueError(f"{path} is not a kvevict probe file ({err}): {hint}.") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("weights"), list):
         raise ValueError(f"{path} is not a kvevict probe file (format {FORMAT}): {hint}.")
+    edges = data.get("edges") or []
+    if (
+        not isinstance(edges, list)
+        or not all(isinstance(e, int) and e >= 0 for e in edges)
+        or edges != sorted(set(edges))
+    ):
+        raise ValueError(f"{path}: its edges must be increasing token distances (>= 0), got {edges!r}: {hint}.")
     if not same_model(data.get("signature") or {}, signature(model)):
         raise ValueError(f"{path} was fitted for another model ({signature_id(data.get('signature') or {})}): {hint}.")
     return _from_json(data)

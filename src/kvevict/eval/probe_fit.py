@@ -60,8 +60,8 @@ def observe(model, tokenizer, ids: torch.Tensor) -> tuple[list, list]:
     assert scores is not None  # record fills them
     xs = [features(layer.keys, layer.values, EDGES)[0] for layer in context.layers]
     ys = [torch.log(s[0].float().T + EPS) for s in scores]
-    held = [len(y) if w is None else w for y, w in zip(ys, stock_windows(model.config))]
-    return [x[-h:] for x, h in zip(xs, held)], [y[-h:] for y, h in zip(ys, held)]
+    kept = [len(y) if w is None else w for y, w in zip(ys, stock_windows(model.config))]  # a stock cache's
+    return [x[-k:] for x, k in zip(xs, kept)], [y[-k:] for y, k in zip(ys, kept)]
 
 
 def ranks(x: torch.Tensor) -> torch.Tensor:

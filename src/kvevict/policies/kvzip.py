@@ -164,7 +164,7 @@ class KVzip(Policy):
                 piece = torch.cat([rep, input_ids[:, s:e]], dim=1)
                 stats = record_attention_stats(model, piece, ("max",), cache=context, observe=piece.shape[1])
                 context.crop(-piece.shape[1])  # the next piece reconstructs from the context alone
-                got = [_context_scores(st["max"], n, piece.shape[1]) for st in stats]
+                got = [context_scores(st["max"], n, piece.shape[1]) for st in stats]
                 scores = got if scores is None else [torch.maximum(a, b) for a, b in zip(scores, got)]
         return cls(scores=scores, **params)
 
@@ -230,7 +230,7 @@ class KVzip(Policy):
         return [min(x, c) for x, c in zip(out, caps)]
 
 
-def _context_scores(col: torch.Tensor, n: int, new: int) -> torch.Tensor:
+def context_scores(col: torch.Tensor, n: int, new: int) -> torch.Tensor:
     """(b, h, n): a piece's column over [the context's cached keys, the piece's own ``new``] as
     scores of the n context positions. A sliding layer's cache holds the last W - 1 only; the
     earlier ones were out of every reconstruction query's window, where attention gives 0. (``new``

@@ -11,7 +11,7 @@ import torch
 from ..probe import find, probe_path
 from ..record import record_attention_stats
 from ..stock import stock_windows
-from .kvzip import KVzipPooled, _context_scores
+from .kvzip import KVzipPooled, context_scores
 from .registry import register
 
 WINDOW = 64  # the prompt's last queries whose reads join the probe's scores (SnapKV's window)
@@ -22,8 +22,8 @@ WINDOW = 64  # the prompt's last queries whose reads join the probe's scores (Sn
 class KVzipProbe(KVzipPooled):
     """KVzip pooled over heads and layers (``kvzip-pool``), each prompt key scored by the model's
     probe (``kvevict.probe``: ``s_i = exp(w . x_i + b)``, ``x_i`` its values, its keys' rotary
-    pair norms and, in a probe fitted with them, its position's bands) instead of KVzip's reconstruction maxima, each raised to the most the prompt's last
-    ``WINDOW`` queries read it (``record``'s ``window``). The scores come from the prefill's own
+    pair norms and, in a probe fitted with them, its position's bands) instead of KVzip's
+    reconstruction maxima, each raised to the most the prompt's last ``WINDOW`` queries read it (``record``'s ``window``). The scores come from the prefill's own
     cache and its last ``WINDOW`` tokens run once more, where KVzip's reconstruction runs the whole
     prompt again."""
 
@@ -87,8 +87,7 @@ class KVzipProbe(KVzipPooled):
             )
         n = input_ids.shape[1]
         scores = [
-            _context_scores(probe.scores(i, layer.keys, layer.values, n), n, 0)
-            for i, layer in enumerate(context.layers)
+            context_scores(probe.scores(i, layer.keys, layer.values, n), n, 0) for i, layer in enumerate(context.layers)
         ]
         if 0 < window < n:
             # the window runs again on the rest: the cache holds n tokens after, the window's keys and
@@ -107,7 +106,7 @@ class KVzipProbe(KVzipPooled):
                 )
             context.crop(-window)
             seen = record_attention_stats(model, input_ids[:, -window:], ("max",), cache=context, observe=window)
-            scores = [torch.maximum(s, _context_scores(st["max"], n, 0).to(s.dtype)) for s, st in zip(scores, seen)]
+            scores = [torch.maximum(s, context_scores(st["max"], n, 0).to(s.dtype)) for s, st in zip(scores, seen)]
         for s, w in zip(scores, stock_windows(model.config)):
             if w is not None and w < n:  # a key out of a sliding layer's last window: in no cache
                 s[..., : n - w] = 0
