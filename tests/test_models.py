@@ -110,9 +110,10 @@ def test_the_one_shot_default_is_per_model_where_measured():
     assert pick_policy(True, True, qwen, 0.2) == "ada-snapkv" and _observes("ada-snapkv", qwen, 0.3)
     assert pick_policy(True, True, qwen, 0.1) == PROMPT_POLICY  # measured below its share: kvzip-pool
     assert pick_policy(True, True, qwen, None) == PROMPT_POLICY  # bytes: no share to compare
-    assert pick_policy(True, True, tiny, 0.2) == PROMPT_POLICY == "kvzip-pool" and not _observes(
-        "kvzip-pool", tiny, 0.2
+    assert pick_policy(True, True, tiny, 0.1) == PROMPT_POLICY == "kvzip-pool" and not _observes(
+        "kvzip-pool", tiny, 0.1
     )
+    assert pick_policy(True, True, tiny, 0.2) == "kvzip-sample" and not _observes("kvzip-sample", tiny, 0.2)
     assert not _observes("ada-snapkv", tiny, 0.2)  # named by the caller on another model: its own window
     assert pick_policy(False, True, qwen, 0.2) == "mas" and pick_policy(True, False, qwen) == "h2o"
 

@@ -177,7 +177,7 @@ def test_the_prompt_default_is_the_probe_where_the_model_has_one(tmp_path, monke
 
     monkeypatch.setenv("KVEVICT_PLANS", str(tmp_path))
     model = tiny_model("llama-gqa")
-    assert pick_policy(prompt_known=True, model=model, share=0.2) == PROMPT_POLICY
+    assert pick_policy(prompt_known=True, model=model, share=0.1) == PROMPT_POLICY
     save(tiny_probe(model), probe_path(model))
     assert pick_policy(prompt_known=True, model=model, share=0.2) == "kvzip-probe"
     assert pick_policy(prompt_known=False, model=model, share=0.2) == "mas"  # streamed text: no prompt to rank

@@ -177,7 +177,7 @@ def make_cache(
     (``kvevict.spec``: ``h2o/int4@0.2``, ``kvzip-pool@memory=0.1``); not given: ``h2o`` with a token budget, ``mas``
     with a memory budget (the streaming policy a cache handed to ``model.generate`` needs,
     ``kvevict.memory.pick_policy``; a prompt known in advance is better served by ``kvevict.generate.generate``,
-    which picks ``kvzip-pool``, or ``kvzip-probe`` for a model with a probe).
+    which picks ``kvzip-probe`` for a model with a probe, else ``kvzip-sample`` from 20%, else ``kvzip-pool``).
     memory: a budget in bytes instead: a fraction of what a stock cache would hold for the same tokens in 16 bits
     (0.2, '20%'; ``kvevict.stock``) or bytes per sequence ('64MiB'). It replaces ``budget`` with the split of tokens
     kept x bits per token measured best (``kvevict.memory.plan_memory``): the recommended way to bound a cache.

@@ -11,7 +11,7 @@ from transformers import DynamicCache
 
 from .cache import DEFAULT_BUDGET, make_cache
 from .input_checks import max_positions, no_new_tokens, warn_past_positions
-from .memory import PROBE_POLICY, PROMPT_POLICY, parse_memory, pick_policy
+from .memory import PROBE_POLICY, PROMPT_POLICY, SAMPLE_POLICY, parse_memory, pick_policy
 from .policies import policy_class
 from .policies.kvzip import past_recorded
 from .policies.oracle import Oracle
@@ -94,11 +94,11 @@ def _share(memory):
 
 def _observes(policy, model, share) -> bool:
     """Whether ``policy`` is the model's one-shot default at this share that scores the prompt by
-    its question (``kvevict.memory.ONE_SHOT_OF``; kvzip-pool and kvzip-probe rank it whole, the
+    its question (``kvevict.memory.ONE_SHOT_OF``; kvzip-pool, -probe and -sample rank it whole, the
     question among the rest)."""
     return (
         isinstance(policy, str)
-        and policy not in (PROMPT_POLICY, PROBE_POLICY)
+        and policy not in (PROMPT_POLICY, PROBE_POLICY, SAMPLE_POLICY)
         and policy == pick_policy(True, True, model, share)
     )
 

@@ -26,7 +26,8 @@ cuts a short prompt: at least ``MIN_TOKENS`` tokens per layer and KV head. The s
 Which policy a budget picks when none is named (``pick_policy``): a prompt-scoring one when the
 whole prompt is known before decoding (``kvevict.generate.generate``), a streaming one (``mas``,
 the RoCo paper's mean attention score) when it is not; per model where measured (``ONE_SHOT_OF``),
-and ``kvzip-probe`` (``kvevict.probe``) on a model with a probe.
+``kvzip-probe`` (``kvevict.probe``) on a model with a probe, and ``kvzip-sample`` (a probe fitted to
+the prompt itself) on one without, from 20% of a 16-bit cache.
 A calibrated plan (``kvevict.plans``: the user's own, else one kvevict ships for a known model)
 names the kind of storage instead of the rule. Every constant cites the measurement that chose
 it: docs/results/memory-rule.md.
@@ -88,6 +89,10 @@ PROMPT_POLICY = "kvzip-pool"  # scores the whole prompt before decoding
 # KVzip's ranking from a model's probe (kvevict.probe) and the prompt's last 64 queries, where the
 # model has a probe: one prefill, where kvzip-pool runs the prompt again (docs/results/probe.md)
 PROBE_POLICY = "kvzip-probe"
+# a model with no probe: KVzip's pass over a quarter of the prompt, the other keys scored by a probe
+# fitted to that quarter in the same call, from this share of a 16-bit cache on; below it, where it
+# lost 2 of SmolLM2's 15 needles at 10% that kvzip-pool kept, kvzip-pool (docs/results/probe.md)
+SAMPLE_POLICY, SAMPLE_FROM = "kvzip-sample", 0.2
 # scores what streams in: MAS, H2O's sum over how many queries saw the key, beat H2O on streaming LM
 # at 20% and 10% of a 16-bit cache (docs/results/quality-per-byte.md) at the same bytes (n_i from positions)
 STREAM_POLICY = "mas"
@@ -169,7 +174,8 @@ def pick_policy(prompt_known: bool, memory: bool = True, model=None, share=None)
     budget (``memory=False``: a token budget), H2O. A prompt known in advance gets the model's
     measured one-shot policy (``ONE_SHOT_OF``) where the budget ``share`` (a fraction of a 16-bit
     stock cache) is at least what it was measured at, else ``PROBE_POLICY`` where the model has a
-    probe (``kvevict.probe.find``), else ``PROMPT_POLICY``."""
+    probe (``kvevict.probe.find``), else ``SAMPLE_POLICY`` from ``SAMPLE_FROM`` on, else
+    ``PROMPT_POLICY``."""
     if not memory:
         return TOKEN_POLICY
     if not prompt_known:
@@ -177,7 +183,11 @@ def pick_policy(prompt_known: bool, memory: bool = True, model=None, share=None)
     found = ONE_SHOT_OF.get(model_key(model)) if model is not None else None
     if found is not None and isinstance(share, float) and share >= found[1] - 1e-9:
         return found[0]
-    return PROBE_POLICY if model is not None and probe.find(model) is not None else PROMPT_POLICY
+    if model is None:
+        return PROMPT_POLICY
+    if probe.find(model) is not None:
+        return PROBE_POLICY
+    return SAMPLE_POLICY if isinstance(share, float) and share >= SAMPLE_FROM - 1e-9 else PROMPT_POLICY
 
 
 @dataclass(frozen=True, eq=False, repr=False)  # a float's equality, hash and repr: its share

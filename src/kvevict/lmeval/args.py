@@ -49,8 +49,8 @@ class Settings:
 
     def policy_for(self, kind: str, model=None) -> str:
         """The policy requests of type ``kind`` run: the one named, else the one the memory budget
-        picks (``kvevict.memory.pick_policy``): the model's one-shot policy (``kvzip-pool`` unless
-        measured otherwise for ``model``) where a request's whole context is known before the cache
+        picks (``kvevict.memory.pick_policy``): the model's one-shot policy (a KVzip ranking:
+        ``kvzip-probe``, ``kvzip-sample`` or ``kvzip-pool``, unless measured otherwise for ``model``) where a request's whole context is known before the cache
         decodes (``generate_until`` and ``loglikelihood``, one request per batch, full prefill),
         ``mas`` where text streams in (``loglikelihood_rolling``, batches, chunked prefill), ``h2o``
         where no memory budget is given."""

@@ -15,6 +15,7 @@ from . import (  # noqa: F401  (register)
     random,
     recency,
     roco,
+    sample,
     scissorhands,
     snapkv,
     tova,

@@ -62,8 +62,6 @@ class KVzipProbe(KVzipPooled):
             s_i = max(exp(w . x_i + b), max_{t in window, g in G(i)} a_{t,g}(i))
 
         so what the prompt's end asks for (a question inside it) is kept beside what the probe ranks."""
-        from transformers import DynamicCache
-
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("kvzip-probe records unpadded prompts only: give it one prompt per batch.")
         probe = probe if probe is not None else find(model)
@@ -72,14 +70,7 @@ class KVzipProbe(KVzipPooled):
                 f"kvzip-probe needs a probe fitted for this model: run `kvevict calibrate --probe --model ...` "
                 f"(it writes {probe_path(model)}), or use kvzip-pool, which scores by reconstruction."
             )
-        if context is None:
-            context = DynamicCache()  # no config: a sliding layer keeps every key here, as KVzip scores them
-            model.set_attn_implementation("sdpa")  # the stock cache's own attention, as generate's prefill
-            model(input_ids, cache=context, use_cache=True, logits_to_keep=1)
-        elif context.get_seq_length() != input_ids.shape[1]:
-            raise ValueError(
-                f"the context cache holds {context.get_seq_length()} tokens, the prompt has {input_ids.shape[1]}."
-            )
+        context = prefilled(model, input_ids, context)
         if len(context.layers) != len(probe.weights):
             raise ValueError(
                 f"the probe was fitted on {len(probe.weights)} layers, the model has {len(context.layers)}: "
@@ -89,25 +80,55 @@ class KVzipProbe(KVzipPooled):
         scores = [
             context_scores(probe.scores(i, layer.keys, layer.values, n), n, 0) for i, layer in enumerate(context.layers)
         ]
-        if 0 < window < n:
-            # the window runs again on the rest: the cache holds n tokens after, the window's keys and
-            # values computed a second time (by the recording attention: equal up to rounding)
-            short = [
-                i
-                for i, layer in enumerate(context.layers)
-                if getattr(layer, "is_sliding", False)
-                and layer.keys.shape[2] < min(n - window, layer.sliding_window - 1) + window
-            ]
-            if short:  # checked first: a cache cropped half-way would be left broken
-                raise ValueError(
-                    f"sliding layers {short} of the context hold their window only, so the last {window} tokens "
-                    "cannot be cropped off: prefill those inside kvevict.policies.kvzip.past_recorded(context), "
-                    "or give no context."
-                )
-            context.crop(-window)
-            seen = record_attention_stats(model, input_ids[:, -window:], ("max",), cache=context, observe=window)
-            scores = [torch.maximum(s, context_scores(st["max"], n, 0).to(s.dtype)) for s, st in zip(scores, seen)]
-        for s, w in zip(scores, stock_windows(model.config)):
-            if w is not None and w < n:  # a key out of a sliding layer's last window: in no cache
-                s[..., : n - w] = 0
-        return cls(scores=scores, **params)
+        return cls(scores=raised(model, n, scores, window_reads(model, input_ids, context, window)), **params)
+
+
+def prefilled(model, input_ids, context=None):
+    """``context`` checked to hold ``input_ids``; without one, a DynamicCache the prompt is run into."""
+    from transformers import DynamicCache
+
+    if context is None:
+        context = DynamicCache()  # no config: a sliding layer keeps every key here, as KVzip scores them
+        model.set_attn_implementation("sdpa")  # the stock cache's own attention, as generate's prefill
+        model(input_ids, cache=context, use_cache=True, logits_to_keep=1)
+    elif context.get_seq_length() != input_ids.shape[1]:
+        raise ValueError(
+            f"the context cache holds {context.get_seq_length()} tokens, the prompt has {input_ids.shape[1]}."
+        )
+    return context
+
+
+def window_reads(model, input_ids, context, window: int) -> list | None:
+    """Per layer (b, hkv, n), the most the prompt's last ``window`` queries read each key, those
+    tokens run again over ``context`` (which holds the n tokens after, the window's keys and values
+    computed a second time by the recording attention: equal up to rounding); None when the window
+    is 0 or the whole prompt."""
+    n = input_ids.shape[1]
+    if not 0 < window < n:
+        return None
+    short = [
+        i
+        for i, layer in enumerate(context.layers)
+        if getattr(layer, "is_sliding", False)
+        and layer.keys.shape[2] < min(n - window, layer.sliding_window - 1) + window
+    ]
+    if short:  # checked first: a cache cropped half-way would be left broken
+        raise ValueError(
+            f"sliding layers {short} of the context hold their window only, so the last {window} tokens "
+            "cannot be cropped off: prefill those inside kvevict.policies.kvzip.past_recorded(context), "
+            "or give no context."
+        )
+    context.crop(-window)
+    seen = record_attention_stats(model, input_ids[:, -window:], ("max",), cache=context, observe=window)
+    return [context_scores(st["max"], n, 0) for st in seen]
+
+
+def raised(model, n: int, scores: list, reads: list | None) -> list:
+    """``scores`` (per layer (b, hkv, n)) raised to the window's ``reads`` (``window_reads``), and 0
+    for a key out of a sliding layer's last window (in no cache)."""
+    if reads is not None:
+        scores = [torch.maximum(s, r.to(s.dtype)) for s, r in zip(scores, reads)]
+    for s, w in zip(scores, stock_windows(model.config)):
+        if w is not None and w < n:
+            s[..., : n - w] = 0
+    return scores
