@@ -93,6 +93,21 @@ def test_kvzip_sample_runs_the_prompt_once_then_the_window_and_one_reconstructio
     assert got.name == "kvzip-sample" and got.layers and got.adaptive  # kvzip-pool's pooling
 
 
+def test_kvzip_sample_raises_the_fitted_scores_to_what_the_window_reads():
+    model, tok = tiny_model("llama-gqa"), tiny_tokenizer()
+    ids = torch.randint(4, 128, (1, 64), generator=torch.Generator().manual_seed(6))
+    got = KVzipSample.record(model, tok, ids, window=8, piece=8)
+    context = DynamicCache()
+    with torch.no_grad():
+        model(ids[:, :-8], cache=context, use_cache=True)
+        seen = record_attention_stats(model, ids[:, -8:], ("max",), cache=context, observe=8)
+    measured, sampled = reconstructed(model, tok, ids, context, 0.25, 8)
+    assert got.scores is not None
+    for a, layer, s, st in zip(got.scores, context.layers, measured, seen):
+        want = torch.maximum(fitted(layer.keys, layer.values, s, sampled), st["max"])
+        assert torch.allclose(a, want, rtol=1e-3, atol=1e-6)
+
+
 def test_kvzip_sample_keeps_a_sliding_layer_s_window_only():
     from kvevict.generate import generate
     from test_sliding import W, tiny_gemma3
