@@ -120,15 +120,18 @@ def warn_past_positions(positions: int, limit: int) -> None:
 
 
 def _user_level() -> int:
-    """``warnings.warn``'s stacklevel of the first frame outside kvevict, torch and transformers."""
+    """``warnings.warn``'s stacklevel of the first frame outside kvevict, torch, transformers and
+    the ``kernels`` package transformers may wrap layers with."""
     import os
     import sys
 
     import torch
     import transformers
 
-    # packages loaded from files (a module's __file__ is None only for namespaces and built-ins)
-    packages = (sys.modules[__package__], torch, transformers)
+    # packages loaded from files (a module's __file__ is None only for namespaces and built-ins);
+    # Hugging Face's ``kernels``, where transformers (5.25 on) wraps its layers' forwards with it
+    hub = sys.modules.get("kernels")
+    packages = (sys.modules[__package__], torch, transformers) + ((hub,) if getattr(hub, "__file__", None) else ())
     inside = tuple(str(Path(cast(str, m.__file__)).parent) + os.sep for m in packages)
     frame: FrameType | None = sys._getframe(1)
     level = 1  # the caller of _user_level, i.e. warn's own caller
