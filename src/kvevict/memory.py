@@ -153,20 +153,15 @@ TOKEN_POLICY = "h2o"  # a token budget's default (no memory budget): the library
 ONE_SHOT_OF: dict[tuple, tuple[str, float]] = {("qwen2", 28, 12, 2, 1536, 151936): ("ada-snapkv", 0.2)}
 
 
+_KEY_FIELDS = tuple(
+    "model_type num_hidden_layers num_attention_heads num_key_value_heads hidden_size vocab_size".split()
+)
+
+
 def model_key(model) -> tuple:
     """What ``ONE_SHOT_OF`` knows a model by: its architecture and shapes (not its path or dtype)."""
     config = text_config(model)
-    return tuple(
-        getattr(config, k, None)
-        for k in (
-            "model_type",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "hidden_size",
-            "vocab_size",
-        )
-    )
+    return tuple(getattr(config, k, None) for k in _KEY_FIELDS)
 
 
 def pick_policy(prompt_known: bool, memory: bool = True, model=None, share=None) -> str:
