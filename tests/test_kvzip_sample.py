@@ -6,7 +6,7 @@ from transformers import DynamicCache
 
 from conftest import tiny_model
 from eval_helpers import tiny_tokenizer
-from kvevict.memory import PROBE_POLICY, PROMPT_POLICY, SAMPLE_FROM, SAMPLE_POLICY, pick_policy
+from kvevict.default_policy import PROBE_POLICY, PROMPT_POLICY, SAMPLE_FROM, SAMPLE_POLICY, pick_policy
 from kvevict.policies.kvzip import REPEAT, context_scores
 from kvevict.policies.sample import KVzipSample, fitted, reconstructed, starts
 from kvevict.probe import EDGES, features, probe_path, save

@@ -97,8 +97,8 @@ def test_the_one_shot_default_is_per_model_where_measured():
     from transformers import Qwen2Config
 
     from conftest import tiny_model
+    from kvevict.default_policy import PROMPT_POLICY, pick_policy
     from kvevict.generate import _observes
-    from kvevict.memory import PROMPT_POLICY, pick_policy
 
     qwen = SimpleNamespace(
         config=Qwen2Config(

@@ -173,7 +173,7 @@ def test_every_shipped_probe_fits_the_shapes_of_the_model_it_names():
 
 
 def test_the_prompt_default_is_the_probe_where_the_model_has_one(tmp_path, monkeypatch):
-    from kvevict.memory import PROMPT_POLICY, pick_policy
+    from kvevict.default_policy import PROMPT_POLICY, pick_policy
 
     monkeypatch.setenv("KVEVICT_PLANS", str(tmp_path))
     model = tiny_model("llama-gqa")

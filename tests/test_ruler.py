@@ -107,7 +107,7 @@ def test_memory_cells_equal_generate_with_memory_and_kvzip_is_recorded_once(tok,
     original = KVzip.record.__func__
     monkeypatch.setattr(KVzip, "record", classmethod(lambda cls, *a, **k: calls.append(1) or original(cls, *a, **k)))
     recorded = {}
-    for share in (0.1, 0.05):  # kvzip-pool's shares (below kvevict.memory.SAMPLE_FROM)
+    for share in (0.1, 0.05):  # kvzip-pool's shares (below kvevict.default_policy.SAMPLE_FROM)
         got = _generate_cell(model, tok, prompt, "mem", share, 8, recorded)
         want = generate(model, tok, prompt, None, 0.2, 8, memory=share)  # records again: its own pass
         assert (got.text, got.kv_bytes, got.full_kv_bytes) == (want.text, want.kv_bytes, want.full_kv_bytes)

@@ -16,9 +16,10 @@ from transformers.cache_utils import Cache
 
 from .attention import ATTN_NAME, register
 from .budget import check_budget, layer_budgets, resolve_budget
+from .default_policy import pick_policy
 from .input_checks import max_positions, no_new_tokens, positions_after
 from .layer import EvictingLayer
-from .memory import MemoryPlan, pick_policy, plan_for_model, storage_kind
+from .memory import MemoryPlan, plan_for_model, storage_kind
 from .policies import Policy, make_policy
 from .rope import rope_inv_freq
 from .shape import check_hookable, head_dim_of, layer_windows
@@ -176,7 +177,7 @@ def make_cache(
     policy: a name (``kvevict.POLICIES``), a Policy, or a cache spec naming its storage and budget too
     (``kvevict.spec``: ``h2o/int4@0.2``, ``kvzip-pool@memory=0.1``); not given: ``h2o`` with a token budget, ``mas``
     with a memory budget (the streaming policy a cache handed to ``model.generate`` needs,
-    ``kvevict.memory.pick_policy``; a prompt known in advance is better served by ``kvevict.generate.generate``,
+    ``kvevict.default_policy.pick_policy``; a prompt known in advance is better served by ``kvevict.generate.generate``,
     which picks ``kvzip-probe`` for a model with a probe, else ``kvzip-sample`` from 20%, else ``kvzip-pool``).
     memory: a budget in bytes instead: a fraction of what a stock cache would hold for the same tokens in 16 bits
     (0.2, '20%'; ``kvevict.stock``) or bytes per sequence ('64MiB'). It replaces ``budget`` with the split of tokens

@@ -20,9 +20,9 @@ import torch
 
 from .attention import ATTN_NAME, register
 from .cache import DEFAULT_BUDGET, EvictingCache
+from .default_policy import PROMPT_POLICY
 from .fork import ForkCache, parent_view
 from .generate import Plan, Result, build_cache, spec_budget, spec_params, storage_label, warn_if_long
-from .memory import PROMPT_POLICY
 from .policies import policy_class
 from .prefill import check_mode
 from .spec import FULL, CacheSpec

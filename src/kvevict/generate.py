@@ -10,8 +10,9 @@ import torch
 from transformers import DynamicCache
 
 from .cache import DEFAULT_BUDGET, make_cache
+from .default_policy import PROBE_POLICY, PROMPT_POLICY, SAMPLE_POLICY, pick_policy
 from .input_checks import max_positions, no_new_tokens, warn_past_positions
-from .memory import PROBE_POLICY, PROMPT_POLICY, SAMPLE_POLICY, parse_memory, pick_policy
+from .memory import parse_memory
 from .policies import policy_class
 from .policies.kvzip import past_recorded
 from .policies.oracle import Oracle
@@ -94,7 +95,7 @@ def _share(memory):
 
 def _observes(policy, model, share) -> bool:
     """Whether ``policy`` is the model's one-shot default at this share that scores the prompt by
-    its question (``kvevict.memory.ONE_SHOT_OF``; kvzip-pool, -probe and -sample rank it whole, the
+    its question (``kvevict.default_policy.ONE_SHOT_OF``; kvzip-pool, -probe and -sample rank it whole, the
     question among the rest)."""
     return (
         isinstance(policy, str)
@@ -169,8 +170,8 @@ def generate(
     ``memory``: a budget in bytes instead of ``budget`` (see ``make_cache``).
     ``policy`` not given: with ``memory``, the model's one-shot policy when the whole prompt enters
     at once (it is known before decoding: ``kvzip-pool``, or where measured better for the model and
-    share, ``kvevict.memory.ONE_SHOT_OF``, a policy that observes the prompt's question) and ``mas``
-    under token or block prefill (``kvevict.memory.pick_policy``); without, ``h2o``.
+    share, ``kvevict.default_policy.ONE_SHOT_OF``, a policy that observes the prompt's question) and ``mas``
+    under token or block prefill (``kvevict.default_policy.pick_policy``); without, ``h2o``.
     ``question``: protect the prompt's last N tokens and observe them (``make_cache(question=N)``);
     True (or a spec with ``+q``) counts the question with ``question_tokens``.
     ``cache``: a compressed context (``kvevict.compress``): ``prompt`` is a question asked of it, read

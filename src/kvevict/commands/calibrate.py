@@ -46,8 +46,9 @@ def add_arguments(p):
 
 
 def run(args):
+    from ..default_policy import STREAM_POLICY
     from ..eval.calibrate import calibrate, default_path, save
-    from ..memory import STREAM_POLICY, parse_memory
+    from ..memory import parse_memory
 
     args.windows = args.windows if args.windows is not None else (8 if args.probe else 4)
     memories = []

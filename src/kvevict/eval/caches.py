@@ -5,7 +5,8 @@ from __future__ import annotations
 from transformers import DynamicCache
 
 from ..cache import make_cache
-from ..memory import MemoryPlan, pick_policy, storage_kind
+from ..default_policy import pick_policy
+from ..memory import MemoryPlan, storage_kind
 from ..policies import policy_class
 from ..spec import FULL, CacheSpec
 from ..storage import Storage
@@ -18,7 +19,7 @@ def memory_spec(policy) -> bool:
 
 def memory_policy(spec: str, prompt_known: bool, model=None, share=None) -> str:
     """The policy of a memory cell: the one it names, else what the plan picks
-    (``kvevict.memory.pick_policy``: prompt-scoring when the prompt is known, streaming when not)."""
+    (``kvevict.default_policy.pick_policy``: prompt-scoring when the prompt is known, streaming when not)."""
     return CacheSpec.parse(spec).policy or pick_policy(prompt_known=prompt_known, model=model, share=share)
 
 

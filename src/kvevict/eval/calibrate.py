@@ -3,7 +3,7 @@ text, the streaming NLL each way of spending a memory budget costs, and write th
 to a plan file that ``memory=`` then uses for that model.
 
 For a memory share m of a 16-bit stock cache and a streaming policy (by default the one a memory
-budget picks for streamed text, ``memory.STREAM_POLICY``), the
+budget picks for streamed text, ``default_policy.STREAM_POLICY``), the
 candidates are the ways the bytes can be spent (r_b: a b-bit slot's bytes over a 16-bit token's,
 ``Storage.slot_bytes``; the same arithmetic as ``kvevict.memory.plan_memory``):
 
@@ -41,7 +41,8 @@ import torch
 
 from ..data.essays import haystack
 from ..data.passkey import for_tokenizer, passkey_prompt
-from ..memory import STREAM_POLICY, SlotShape, Spending, head_from, plan_memory
+from ..default_policy import STREAM_POLICY
+from ..memory import SlotShape, Spending, head_from, plan_memory
 from ..plans import FORMAT, KINDS, default_path, load, save, signature  # noqa: F401  (the plan file's API)
 from ..policies import make_policy, policy_class
 from ..shape import head_dim_of

@@ -49,14 +49,14 @@ class Settings:
 
     def policy_for(self, kind: str, model=None) -> str:
         """The policy requests of type ``kind`` run: the one named, else the one the memory budget
-        picks (``kvevict.memory.pick_policy``): the model's one-shot policy (a KVzip ranking:
+        picks (``kvevict.default_policy.pick_policy``): the model's one-shot policy (a KVzip ranking:
         ``kvzip-probe``, ``kvzip-sample`` or ``kvzip-pool``, unless measured otherwise for ``model``) where a request's whole context is known before the cache
         decodes (``generate_until`` and ``loglikelihood``, one request per batch, full prefill),
         ``mas`` where text streams in (``loglikelihood_rolling``, batches, chunked prefill), ``h2o``
         where no memory budget is given."""
         if self.policy is not None:
             return self.policy
-        from ..memory import pick_policy
+        from ..default_policy import pick_policy
 
         known = kind != "loglikelihood_rolling" and self.batch_size == 1 and self.prefill == "full"
         share = self.memory if isinstance(self.memory, float) else None
