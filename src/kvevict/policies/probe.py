@@ -17,6 +17,12 @@ from .registry import register
 WINDOW = 64  # the prompt's last queries whose reads join the probe's scores (SnapKV's window)
 
 
+def window_tail(params: dict) -> int:
+    """The prompt's last tokens a window-raised ``record`` (``kvzip-probe``, ``kvzip-sample``) crops
+    off a given context and runs again: its ``window``."""
+    return int(params.get("window", WINDOW))
+
+
 @register("kvzip-probe")
 @dataclass
 class KVzipProbe(KVzipPooled):
@@ -29,11 +35,7 @@ class KVzipProbe(KVzipPooled):
 
     name = "kvzip-probe"
 
-    @staticmethod
-    def tail(params: dict) -> int:
-        """The prompt's last tokens ``record`` crops off a given context and runs again: its
-        ``window``."""
-        return int(params.get("window", WINDOW))
+    tail = staticmethod(window_tail)
 
     @classmethod
     @torch.no_grad()

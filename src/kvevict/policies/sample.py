@@ -11,7 +11,7 @@ import torch
 from ..probe import EDGES, EPS, features, fit
 from ..record import record_attention_stats
 from .kvzip import REPEAT, KVzipPooled, context_scores, past_recorded
-from .probe import WINDOW, prefilled, raised, window_reads
+from .probe import WINDOW, prefilled, raised, window_reads, window_tail
 from .registry import register
 
 SHARE = 0.25  # the prompt's share reconstructed (docs/results/probe.md, "A probe fitted on the prompt itself")
@@ -37,11 +37,7 @@ class KVzipSample(KVzipPooled):
 
     name = "kvzip-sample"
 
-    @staticmethod
-    def tail(params: dict) -> int:
-        """The prompt's last tokens ``record`` crops off a given context and runs again: its
-        ``window`` (as ``kvzip-probe``'s)."""
-        return int(params.get("window", WINDOW))
+    tail = staticmethod(window_tail)
 
     @classmethod
     @torch.no_grad()
