@@ -125,11 +125,11 @@ class Switches:
     the tile before it is computed; ``lowp``: bf16 queries dequantize in bf16 arithmetic (the
     same single rounding; not in the interpreter, whose bf16 arithmetic is not torch's); ``magic``:
     the factored read turns 2- and 4-bit codes into bf16 / fp16 numbers by their bits
-    (``triton_kernels._unpack``), not by int -> float conversions; ``zwords``: the factored read
+    (``triton_words._unpack``), not by int -> float conversions; ``zwords``: the factored read
     loads a token's zeros and steps as 32-bit words where they fill whole words; ``fold`` (bf16,
     with ``magic``): those numbers keep their bias, taken off with the zeros once per token and
     group (``_split_rows_kernel``'s FOLD); ``vpairs`` (with ``magic``): the values' numbers are
-    paired along the tokens, as the value product takes them (``triton_kernels._unpack_pairs``);
+    paired along the tokens, as the value product takes them (``triton_words._unpack_pairs``);
     ``trans``: the factored read's two products transposed, the codes their first operand
     (``_split_rows_kernel``'s TRANS: on an sm_90 GPU warpgroup MMAs, the keys' words loaded where
     they are multiplied); None: on where it was timed faster (``trans_default``), in tiles of 64
@@ -179,7 +179,7 @@ class Config:
     split: int  # keys per split program
     trans: bool  # the factored read's products transposed
     cdt: object  # q's dtype as triton's: the compute dtype
-    emu: bool  # triton's interpreter (a CPU tensor): see _rnd and _operand in triton_kernels
+    emu: bool  # triton's interpreter (a CPU tensor): see _rnd and _operand in triton_softmax
     sw: Switches
 
     @property
@@ -480,7 +480,7 @@ def _grouped(bits: int, group: int, d: int) -> bool:
 
 
 def _factored(bits: int, group: int, d: int) -> bool:
-    """Whether a packed operand can be read factored (``triton_kernels._split_rows_kernel``): the
+    """Whether a packed operand can be read factored (``triton_rows._split_rows_kernel``): the
     codes go to the tensor cores as they are, only a step and a zero per (token, group) are
     arithmetic, not every channel. Needs a power-of-two head dim and group and whole 32-bit words
     of codes per token."""
@@ -489,7 +489,7 @@ def _factored(bits: int, group: int, d: int) -> bool:
 
 def _as_words(kt: tuple, vt: tuple, zw: bool):
     """((kt, vt), zw): their codes viewed as int32 words (no copy), and with ``zw`` their zeros and
-    steps too (``triton_kernels._per_group``'s ZW; False where their strides or offset are not
+    steps too (``triton_words._per_group``'s ZW; False where their strides or offset are not
     whole words); None where the codes cannot be viewed so."""
 
     def words(t, parts):
