@@ -206,7 +206,7 @@ def test_the_transposed_read_is_sm90s_default(monkeypatch):
     """trans=None: transposed where ``trans_default`` says (an sm_90 GPU), in 128-key tiles only, with
     half as many splits; untransposed elsewhere (here: a CPU tensor) and in the 32-key tiles past head
     dim 128, which were not timed transposed."""
-    from kvevict.kernels import triton_decode
+    from kvevict.kernels import triton_config
     from kvevict.kernels.triton_decode import plan
 
     gen = torch.Generator().manual_seed(0)
@@ -218,9 +218,9 @@ def test_the_transposed_read_is_sm90s_default(monkeypatch):
         return {la.kwargs["TRANS"] for la in launches if "TRANS" in la.kwargs}, launches[0].grid
 
     here = {d: launched(d) for d in (128, 256)}
-    default = triton_decode.trans_default(torch.device(DEVICE))
+    default = triton_config.trans_default(torch.device(DEVICE))
     assert here[128][0] == {default} and here[256][0] == {False}
-    monkeypatch.setattr(triton_decode, "trans_default", lambda device: True)
+    monkeypatch.setattr(triton_config, "trans_default", lambda device: True)
     sm90 = {d: launched(d) for d in here}
     assert sm90[128][0] == {True} and sm90[256] == here[256]
     if not default:  # the transposed read's splits are twice as long: half as many programs

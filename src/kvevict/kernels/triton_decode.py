@@ -15,7 +15,7 @@ The programs are in ``triton_kernels.py``: per run one launch of a split program
 cores, a step and a zero per token and group the only arithmetic: ``_factored``), else
 ``_split_kernel`` (each channel dequantized in registers) -- then one launch of ``_finish`` (the
 new key, the splits merged into out, and pg from the saved scores). ``plan`` lays the launches
-out: ``configure`` chooses the step's ``Config`` (tile sizes, keys per split, the read), then one
+out: ``configure`` (``triton_config``) chooses the step's ``Config`` (tile sizes, keys per split, the read), then one
 function per kind of launch. Its timings are in docs/results/performance.md ("On a GPU: the Triton
 kernel") and docs/results/performance-notes.md. The factored read computes with the exact
 dequantized keys and values, where the torch reference (and ``_split_kernel``) rounds them to a
@@ -30,23 +30,21 @@ which sets ``BACKENDS["triton"] = decode_attention_triton``. Runs on CUDA tensor
 tensors only under triton's interpreter (``TRITON_INTERPRET=1`` set before triton is first
 imported; what the tests use). Returns ``NotImplemented`` (the dispatcher then uses the torch
 reference) for CPU tensors outside the interpreter, and for query dtypes other than fp16 / bf16 /
-fp32. Bad input raises ValueError.
+fp32. Bad input raises ValueError (``triton_checks``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import os
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-PACKED = (8, 4, 2)
-DENSE = (16, 32)
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from .triton_checks import _DTYPES, PACKED, _check
+from .triton_config import Config, Switches, _pow2, _pow2_ok, configure, triton_cdiv
+
 _FINISH_KEYS = 256  # keys of pg per _finish program
 
 
@@ -110,91 +108,6 @@ def unknown_switches(switches: dict, fixed: tuple = ()) -> str | None:
     return f"unknown switch(es) {', '.join(unknown)}: the JSON may name {', '.join(known)}." if unknown else None
 
 
-@dataclass(frozen=True)
-class Switches:
-    """``plan``'s keyword switches, all for tuning on a GPU (``benchmarks/triton_decode.py`` sweeps
-    them; the defaults are what was timed best, docs/results/performance.md).
-
-    ``split``: keys per program (a multiple of the key tile; None picks one from the GPU's size);
-    ``warps``: warps per split program (None: triton's default); ``block``: keys per tile (a power
-    of two >= 16; None: 128 where 2- or 4-bit codes are made from their bits, else 64; 32 past
-    head dim 128); ``regs``: registers per thread the split program may use (triton's
-    ``maxnreg``; None: the compiler's choice);
-    ``factored``: packed runs are read factored where they can be (``_factored``), else every
-    channel is dequantized in registers first; ``prefetch``: each tile's bytes are loaded while
-    the tile before it is computed; ``lowp``: bf16 queries dequantize in bf16 arithmetic (the
-    same single rounding; not in the interpreter, whose bf16 arithmetic is not torch's); ``magic``:
-    the factored read turns 2- and 4-bit codes into bf16 / fp16 numbers by their bits
-    (``triton_words._unpack``), not by int -> float conversions; ``zwords``: the factored read
-    loads a token's zeros and steps as 32-bit words where they fill whole words; ``fold`` (bf16,
-    with ``magic``): those numbers keep their bias, taken off with the zeros once per token and
-    group (``_split_rows_kernel``'s FOLD); ``vpairs`` (with ``magic``): the values' numbers are
-    paired along the tokens, as the value product takes them (``triton_words._unpack_pairs``);
-    ``trans``: the factored read's two products transposed, the codes their first operand
-    (``_split_rows_kernel``'s TRANS: on an sm_90 GPU warpgroup MMAs, the keys' words loaded where
-    they are multiplied); None: on where it was timed faster (``trans_default``), in tiles of 64
-    keys or more; ``pg``: pg too (False: out only, no scores saved, one ``_finish`` program per
-    sequence and KV head)."""
-
-    split: int | None = None
-    warps: int | None = None
-    block: int | None = None
-    factored: bool = True
-    prefetch: bool = True
-    lowp: bool = True
-    magic: bool = True
-    regs: int | None = None
-    zwords: bool = True
-    fold: bool = True
-    vpairs: bool = True
-    pg: bool = True
-    trans: bool | None = None
-
-    def check(self) -> None:
-        """ValueError naming the first switch out of its range: block, warps, regs, split."""
-        for name, value, least in (("block", self.block, 16), ("warps", self.warps, 1)):
-            if value is not None and (_not_int(value) or value < least or not _pow2_ok(value)):
-                raise ValueError(f"{name} must be a power of two >= {least}, got {value!r}.")
-        regs = self.regs
-        if regs is not None and (_not_int(regs) or not 24 <= regs <= 248 or regs % 8):
-            raise ValueError(f"regs must be a multiple of 8 from 24 to 248 (registers per thread), got {regs!r}.")
-        split = self.split
-        if split is not None and (_not_int(split) or split < 16 or split % 16):
-            raise ValueError(f"split must be a positive multiple of 16 (keys per program), got {split!r}.")
-
-
-@dataclass(frozen=True)
-class Config:
-    """One decode step's launch configuration, as ``configure`` chose it from the shapes, the device
-    and the ``Switches``: what every launch of the step shares."""
-
-    b: int
-    hkv: int
-    g: int  # query heads per KV head
-    d: int
-    dv: int
-    n_total: int  # stored slots, all runs
-    block_n: int  # keys per tile: the per-channel read (``_split_kernel``), and the factored one without magic
-    rows_block: int  # keys per tile: the factored read of codes made from their bits
-    split: int  # keys per split program
-    trans: bool  # the factored read's products transposed
-    cdt: object  # q's dtype as triton's: the compute dtype
-    emu: bool  # triton's interpreter (a CPU tensor): see _rnd and _operand in triton_softmax
-    sw: Switches
-
-    @property
-    def gp(self) -> int:
-        return max(16, _pow2(self.g))  # tl.dot needs at least 16 rows: the group's heads padded
-
-    @property
-    def d_p(self) -> int:
-        return max(16, _pow2(self.d))
-
-    @property
-    def dv_p(self) -> int:
-        return max(16, _pow2(self.dv))
-
-
 class Buffers(NamedTuple):
     """What one step's launches write, and the split programs hand ``_finish``."""
 
@@ -236,26 +149,6 @@ def plan(q, runs, k_new, v_new, mask, scale, softcap=None, summary=None, **switc
         split_off += ns
     launches.append(_finish_launch(q, k_new, v_new, bufs, cfg, scale, softcap, summary))
     return bufs.out, bufs.probs, launches
-
-
-def configure(q, shape: tuple, sw: Switches) -> Config:
-    """The ``Config`` of one decode step: q and ``_check``'s shape (b, hq, hkv, d, dv, n_total) under
-    the switches ``sw`` (already checked)."""
-    from . import triton_kernels as tk  # imports triton
-
-    b, hq, hkv, d, dv, n_total = shape
-    widest = max(16, _pow2(d), _pow2(dv))
-    # keys per tile, chosen by timing on an H100 (docs/results/performance.md, "On a GPU"): 128 for
-    # the factored read of codes made from their bits up to head dim 128, else 64 (the per-channel
-    # read spills at 128, int8 is slower), 32 past head dim 128
-    block_n = _block(sw.split, sw.block or (64 if widest <= 128 else 32))
-    rows_block = _block(sw.split, sw.block or (128 if widest <= 128 else 32))
-    trans = sw.trans
-    if trans is None:  # timed in 128-key tiles; the 32-key tiles past head dim 128 stay as they were
-        trans = trans_default(q.device) and rows_block >= 64
-    split = _split(sw.split, max(block_n, rows_block), b * hkv, max(1, n_total), q.device, 2 if trans else 4)
-    cdt = {torch.float16: tk.tl.float16, torch.bfloat16: tk.tl.bfloat16, torch.float32: tk.tl.float32}[q.dtype]
-    return Config(b, hkv, hq // hkv, d, dv, n_total, block_n, rows_block, split, bool(trans), cdt, not q.is_cuda, sw)
 
 
 def _buffers(q, cfg: Config, n_splits: int) -> Buffers:
@@ -457,22 +350,6 @@ def _summary_args(summary, k_new) -> tuple:
     return tuple(t.reshape(b, hkv, -1).float().contiguous() for t in summary)
 
 
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _pow2(x: int) -> int:
-    return 1 << max(0, int(x) - 1).bit_length()
-
-
-def _pow2_ok(x: int) -> bool:
-    return x > 0 and x & (x - 1) == 0
-
-
-def _not_int(x) -> bool:
-    return isinstance(x, bool) or not isinstance(x, int)
-
-
 def _grouped(bits: int, group: int, d: int) -> bool:
     """Whether a packed tile can be read group by group (``_tile``'s fast path): power-of-two head
     dim and group, each group inside one of the 8 / bits byte parts of a token."""
@@ -507,46 +384,6 @@ def _as_words(kt: tuple, vt: tuple, zw: bool):
     return codes, False
 
 
-def _block(split, block_n: int) -> int:
-    """Keys per tile: ``block_n``, or the largest power of two >= 16 below it dividing ``split`` (a
-    checked one: a multiple of 16)."""
-    if split is None:
-        return block_n
-    while split % block_n:
-        block_n //= 2
-    return block_n
-
-
-def trans_default(device) -> bool:
-    """Whether ``plan`` transposes the factored read's products when not told: on an sm_90 GPU (the
-    H100 / H200), where its warpgroup MMAs timed faster (docs/results/performance-notes.md, "The
-    Triton kernel's defaults"); off elsewhere (untimed there) and in the interpreter (a CPU tensor)."""
-    return device.type == "cuda" and _gpu(_index(device))[0] == (9, 0)
-
-
-def _index(device) -> int:
-    return torch.cuda.current_device() if device.index is None else device.index
-
-
-@functools.lru_cache(maxsize=None)
-def _gpu(index: int) -> tuple:
-    """(compute capability, multiprocessors) of CUDA device ``index``, asked once: plan runs every
-    layer of every decode step."""
-    props = torch.cuda.get_device_properties(index)
-    return (props.major, props.minor), props.multi_processor_count
-
-
-def _split(split, block_n: int, programs: int, n_keys: int, device, per_sm: int = 4) -> int:
-    """Keys per split: the caller's, or enough splits for ~``per_sm`` programs per multiprocessor
-    (on an H100 fewer, longer splits measured faster: 2 or 3 programs fit on one at a time; the
-    transposed read, 2: docs/results/performance-notes.md, "The Triton kernel's defaults")."""
-    if split is not None:
-        return split
-    sms = _gpu(_index(device))[1] if device.type == "cuda" else 4
-    want = max(1, (per_sm * sms) // max(1, programs))
-    return max(4 * block_n, triton_cdiv(triton_cdiv(n_keys, want), block_n) * block_n)
-
-
 def _operand(t: tuple, paged: bool = False) -> tuple:
     """(codes, zeros, steps) pointers then their (b, h, n, d) strides; a head stride of 0 for a pooled
     (one-head) run; dense runs pass their keys three times (zeros and steps are never read). Paged
@@ -565,101 +402,3 @@ def _page_rows(kt: tuple, vt: tuple) -> int:
     if len(got) != 1 or any(x.stride(0) % x.stride(2) for x in (*kt, *vt)):
         raise ValueError("a paged run's pools must be contiguous (pages, heads, page, width) tensors.")
     return got.pop()
-
-
-def _check(q, runs, k_new, v_new, mask):
-    """Shapes, dtypes and devices against the interface; ValueError saying what to change. Returns
-    (b, hq, hkv, d, dv, n_total)."""
-    b, hq, hkv, d, dv = _check_new(q, k_new, v_new)
-    n_total = 0
-    for i, r in enumerate(runs):
-        _check_run(i, r, q, b, hkv, d, dv)
-        n_total += r.n
-    if mask is not None:
-        if (
-            mask.dtype != torch.bool
-            or mask.dim() != 3
-            or mask.shape[0] != b
-            or mask.shape[1] not in (hkv, 1)
-            or mask.shape[2] != n_total
-            or mask.device != q.device
-        ):
-            raise ValueError(
-                f"mask must be bool ({b}, {hkv} or 1, {n_total}) on {q.device} over the stored slots, "
-                f"got {mask.dtype} {tuple(mask.shape)} on {mask.device}."
-            )
-    return b, hq, hkv, d, dv, n_total
-
-
-def _check_new(q, k_new, v_new) -> tuple:
-    """The query and the new key and value: (b, hq, hkv, d, dv)."""
-    if q.dim() != 4 or q.shape[2] != 1:
-        raise ValueError(f"q must be (batch, query heads, 1, head_dim) for one decode step, got {tuple(q.shape)}.")
-    b, hq, _, d = q.shape
-    if k_new.dim() != 4 or k_new.shape[0] != b or k_new.shape[2] != 1 or k_new.shape[3] != d:
-        raise ValueError(f"k_new must be ({b}, kv heads, 1, {d}), got {tuple(k_new.shape)}.")
-    hkv = k_new.shape[1]
-    if hq % hkv:
-        raise ValueError(f"the {hq} query heads must be a multiple of the {hkv} KV heads (GQA).")
-    if v_new.dim() != 4 or tuple(v_new.shape[:3]) != (b, hkv, 1):
-        raise ValueError(f"v_new must be ({b}, {hkv}, 1, head_dim_v), got {tuple(v_new.shape)}.")
-    for name, t in (("k_new", k_new), ("v_new", v_new)):
-        if t.dtype != q.dtype or t.device != q.device:
-            raise ValueError(f"{name} must be {q.dtype} on {q.device} like q, got {t.dtype} on {t.device}.")
-    return b, hq, hkv, d, v_new.shape[3]
-
-
-def _check_run(i: int, r, q, b: int, hkv: int, d: int, dv: int) -> None:
-    """runs[i]: its bits and length, then per side (keys, values) its tensors' count, group, table,
-    shapes, devices and dtypes."""
-    if r.bits not in PACKED + DENSE:
-        raise ValueError(f"runs[{i}].bits must be one of {PACKED + DENSE}, got {r.bits!r}.")
-    if r.n < 0:
-        raise ValueError(f"runs[{i}].n must be >= 0, got {r.n}.")
-    parts = 3 if r.bits in PACKED else 1
-    table = getattr(r, "table", None)
-    for side, t, width in (("k", r.k, d), ("v", r.v, dv)):
-        if len(t) != parts:
-            raise ValueError(f"runs[{i}].{side} must hold {parts} tensor(s) for bits={r.bits}, got {len(t)}.")
-        shapes = _stored_shapes(i, r, width)
-        if table is not None and (
-            table.dim() != 2
-            or table.shape[0] != b
-            or table.dtype != torch.long
-            or table.shape[1] * r.page < r.n
-            or table.device != q.device
-        ):
-            raise ValueError(
-                f"runs[{i}].table must be int64 ({b}, >= {-(-r.n // max(1, r.page))}) on "
-                f"{q.device}, got {table.dtype} {tuple(table.shape)}."
-            )
-        for x, (last, dtype) in zip(t, shapes):
-            _check_stored(f"runs[{i}].{side}", x, r, table is not None, (b, hkv, last), q.device)
-            if dtype is not None and x.dtype != dtype:
-                raise ValueError(f"runs[{i}].{side} (bits={r.bits}) must be {dtype}, got {x.dtype}.")
-            if dtype is None and x.dtype not in _DTYPES:
-                raise ValueError(f"runs[{i}].{side} (bits=32) must be a float dtype, got {x.dtype}.")
-
-
-def _stored_shapes(i: int, r, width: int) -> list:
-    """(last dimension, dtype) of each tensor of run i's side of head dim ``width``: codes, zeros and
-    steps (uint8) of a packed run, after its group is checked; a dense run's keys (fp16 for 16
-    bits, None: any float dtype, for 32)."""
-    if r.bits not in PACKED:
-        return [(width, torch.float16 if r.bits == 16 else None)]
-    if not isinstance(r.group, int) or r.group <= 0 or width % r.group or (width * r.bits) % 8:
-        raise ValueError(
-            f"runs[{i}].group={r.group!r} must divide the head dimension {width} "
-            f"(and {width} * {r.bits} bits must fill whole bytes)."
-        )
-    return [(width * r.bits // 8, torch.uint8), (width // r.group, torch.uint8), (width // r.group, torch.uint8)]
-
-
-def _check_stored(name: str, x, r, paged: bool, want: tuple, device) -> None:
-    """One stored tensor's shape and device: (b, hkv or 1, >= n, last), or a page pool (pages, hkv
-    or 1, page, last) for a paged run; ``want`` is (b, hkv, last)."""
-    b, hkv, last = want
-    rows_ok = x.shape[2] == r.page if paged else x.shape[0] == b and x.shape[2] >= r.n
-    if x.dim() != 4 or not rows_ok or x.shape[1] not in (hkv, 1) or x.shape[3] != last or x.device != device:
-        shape = f"pools (pages, {hkv} or 1, {r.page}, {last})" if paged else f"({b}, {hkv} or 1, >= {r.n}, {last})"
-        raise ValueError(f"{name} tensors must be {shape} on {device}, got {tuple(x.shape)} on {x.device}.")
