@@ -160,6 +160,32 @@ def test_a_fork_counts_its_own_tail(tok):
     assert fork.full_kv_bytes() == stock
 
 
+def test_a_fork_holds_no_more_slots_than_its_question_and_answer(tok):
+    model = tiny_model("llama-gqa")
+    ctx = kvevict.compress(model, tok, TEXT, "h2o/int4@0.3")
+    q, new = ctx.question_ids(QUESTIONS[1]).shape[1], 6
+    assert q > new  # so doubling past the question would reserve q slots more than asked for
+    caps = {}
+    for limit in (None, q + new):
+        fork = ctx.fork(1, limit=limit)
+        model.generate(**ctx.inputs([QUESTIONS[1]]), cache=fork, max_new_tokens=new, min_new_tokens=new)
+        caps[limit] = {layer.tail.k.shape[2] for layer in fork.layers}
+        assert {layer.tail.filled for layer in fork.layers} == {q + new - 1}  # the last token is never fed
+    assert caps == {None: {2 * q}, q + new: {q + new}}
+    # answer() knows both: the fork's bytes are those of at most the question and max_new_tokens
+    res = ctx.answer(QUESTIONS[1], max_new_tokens=new)
+    h, dk, dv = ctx.cache.layers[0].dims
+    per_layer = (q + new) * (h * (dk + dv) * 4 + 1 + 8) + 8  # keys, values (fp32), validity, position; n_real
+    assert res.kv_bytes - ctx.kv_bytes() <= len(ctx.cache.layers) * per_layer
+
+
+@pytest.mark.parametrize("limit", [0, -3, 2.5, True])
+def test_a_fork_refuses_a_limit_that_is_not_a_count(limit, tok):
+    ctx = kvevict.compress(tiny_model("llama-gqa"), tok, TEXT, "h2o/int4@0.3")
+    with pytest.raises(ValueError, match="limit is the tokens a row appends"):
+        ctx.fork(1, limit=limit)
+
+
 def test_generate_answers_a_question_over_a_compressed_context(tok):
     model = tiny_model("llama-gqa")
     ctx = kvevict.compress(model, tok, TEXT, memory=0.2)

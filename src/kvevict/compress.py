@@ -169,10 +169,11 @@ class CompressedContext:
         """A 16-bit stock cache's bytes for the context alone (``EvictingCache.full_kv_bytes``)."""
         return self.cache.full_kv_bytes(dtype_bytes)
 
-    def fork(self, batch: int = 1) -> ForkCache:
-        """A fresh cache of ``batch`` rows over this context (see ``kvevict.fork``). The model's
-        attention is switched (back) to kvevict's, which reads it."""
-        fork = ForkCache(self.cache, batch, self.views)
+    def fork(self, batch: int = 1, limit: int | None = None) -> ForkCache:
+        """A fresh cache of ``batch`` rows over this context (see ``kvevict.fork``; ``limit``: the
+        most tokens a row appends, where known). The model's attention is switched (back) to
+        kvevict's, which reads it."""
+        fork = ForkCache(self.cache, batch, self.views, limit)
         register()
         if self.model.config._attn_implementation != ATTN_NAME:  # another call may have switched it
             self.model.set_attn_implementation(ATTN_NAME)
@@ -240,7 +241,8 @@ class CompressedContext:
         if self.tokenizer is None:
             raise ValueError("answers are decoded to text: give compress() a tokenizer (or generate from fork()).")
         inputs = self.inputs(questions)
-        fork = self.fork(inputs["input_ids"].shape[0])
+        width = inputs["input_ids"].shape[1] - self.length  # the longest question, padding included
+        fork = self.fork(inputs["input_ids"].shape[0], limit=width + max_new_tokens)
         kwargs = {"do_sample": False, "pad_token_id": self._pad_id(), **kwargs}
         out = self.model.generate(**inputs, cache=fork, max_new_tokens=max_new_tokens, **kwargs)
         n = inputs["input_ids"].shape[1]

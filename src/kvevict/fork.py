@@ -78,9 +78,12 @@ def parent_view(layer: EvictingLayer) -> ParentView:
 
 class Tail:
     """A fork layer's own tokens, every one kept: keys, values (b, h, capacity, d) in the model's
-    dtype, each slot's validity (padding: False) and position (b, capacity), filled to ``filled``."""
+    dtype, each slot's validity (padding: False) and position (b, capacity), filled to ``filled``.
+    ``limit``: the most slots the tail will take (a question and its longest answer), where the
+    caller knows it: growth stops there, so the slots held are never more than those asked for."""
 
-    def __init__(self, batch: int, device) -> None:
+    def __init__(self, batch: int, device, limit: int | None = None) -> None:
+        self.limit = limit
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self.valid = torch.zeros(batch, 0, dtype=torch.bool, device=device)
@@ -91,7 +94,8 @@ class Tail:
     def append(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None, pos: torch.Tensor) -> None:
         m, end = k.shape[2], self.filled + k.shape[2]
         if self.k is None or end > self.k.shape[2]:
-            self._grow(k, v, max(end, 2 * self.filled, _GROW))
+            cap = max(end, 2 * self.filled, _GROW)
+            self._grow(k, v, cap if self.limit is None or end > self.limit else min(cap, self.limit))
         assert self.k is not None and self.v is not None
         self.k[:, :, self.filled : end] = k
         self.v[:, :, self.filled : end] = v
@@ -147,11 +151,11 @@ class ForkLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, view: ParentView, batch: int) -> None:
+    def __init__(self, view: ParentView, batch: int, limit: int | None = None) -> None:
         super().__init__()
-        self.view, self.batch = view, batch
+        self.view, self.batch, self.limit = view, batch, limit
         self.parent = view.layer
-        self.tail = Tail(batch, self.parent.device)
+        self.tail = Tail(batch, self.parent.device, limit)
         self.new: tuple | None = None  # this forward's keys and values, from update to absorb
         self.returned_keys = None  # what update handed the model (attention checks it is the same)
         self.position_check = None  # a decode step's deferred positions check (kvevict.input_checks)
@@ -262,7 +266,7 @@ class ForkLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         """Forget the tail: the fork reads the bare context again."""
-        self.tail = Tail(self.batch, self.device)
+        self.tail = Tail(self.batch, self.device, self.limit)
         self.new = self.returned_keys = self.position_check = None
         self._padded = False
 
@@ -271,11 +275,15 @@ class ForkCache(Cache):
     """A cheap cache over a compressed context (``kvevict.compress``): ``batch`` rows that each go on
     from the whole context. Pass it to ``model(...)`` or ``model.generate(..., cache=fork)`` with the
     context's ids followed by the new tokens (generate feeds the tokens past the context's length).
-    See the module doc for what it reads and what its ``kv_bytes`` counts."""
+    See the module doc for what it reads and what its ``kv_bytes`` counts. ``limit``: the most
+    tokens a row will append (its question and the most new tokens), where known: each layer's tail
+    stops growing there instead of doubling past it (``Tail``)."""
 
-    def __init__(self, parent, batch: int = 1, views: list | None = None) -> None:
+    def __init__(self, parent, batch: int = 1, views: list | None = None, limit: int | None = None) -> None:
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
             raise ValueError(f"a fork has batch >= 1 rows (one per question), got batch={batch!r}.")
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ValueError(f"a fork's limit is the tokens a row appends, an int >= 1 (or None), got {limit!r}.")
         layers = getattr(parent, "layers", None)
         if not layers or not all(getattr(x, "is_initialized", False) and hasattr(x, "tiers") for x in layers):
             raise ValueError(
@@ -288,7 +296,7 @@ class ForkCache(Cache):
                 "each context alone and fork it once per batch of questions."
             )
         views = views if views is not None else [parent_view(x) for x in layers]
-        super().__init__(layers=[ForkLayer(v, batch) for v in views])
+        super().__init__(layers=[ForkLayer(v, batch, limit) for v in views])
         self.parent, self.batch = parent, batch
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
