@@ -95,7 +95,9 @@ class Tail:
         m, end = k.shape[2], self.filled + k.shape[2]
         if self.k is None or end > self.k.shape[2]:
             cap = max(end, 2 * self.filled, _GROW)
-            self._grow(k, v, cap if self.limit is None or end > self.limit else min(cap, self.limit))
+            if self.limit is not None and end <= self.limit:
+                cap = min(cap, self.limit)  # never past what the caller said a row appends
+            self._grow(k, v, cap)
         assert self.k is not None and self.v is not None
         self.k[:, :, self.filled : end] = k
         self.v[:, :, self.filled : end] = v
@@ -153,7 +155,7 @@ class ForkLayer(CacheLayerMixin):
 
     def __init__(self, view: ParentView, batch: int, limit: int | None = None) -> None:
         super().__init__()
-        self.view, self.batch, self.limit = view, batch, limit
+        self.view, self.batch = view, batch
         self.parent = view.layer
         self.tail = Tail(batch, self.parent.device, limit)
         self.new: tuple | None = None  # this forward's keys and values, from update to absorb
@@ -266,7 +268,7 @@ class ForkLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         """Forget the tail: the fork reads the bare context again."""
-        self.tail = Tail(self.batch, self.device, self.limit)
+        self.tail = Tail(self.batch, self.device, self.tail.limit)
         self.new = self.returned_keys = self.position_check = None
         self._padded = False
 
