@@ -377,6 +377,9 @@ def main(argv=None):
     device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
+    # every compiled cache kind, context and batch here compiles its own variants of the model's one
+    # forward (2-5 each, compile_check.py), past dynamo's default of 8 per function
+    torch._dynamo.config.recompile_limit = 256
     if device.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA GPU here: nothing to time (--device cpu --tiny checks the script)")
         return 0

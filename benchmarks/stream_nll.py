@@ -50,13 +50,16 @@ def main(argv=None) -> int:
     p.add_argument("--windows", type=int, default=4)
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument(
+        "--dtype", default=None, help="the model's dtype (bfloat16 for Qwen2.5-1.5B on a CPU with AVX-512 BF16)"
+    )
     p.add_argument("--out", default="results/stream_nll.json")
     a = p.parse_args(argv)
     import kvevict
     from kvevict.data.needle_once import _wikipedia_text
 
     torch.set_num_threads(a.threads)
-    model, tok = kvevict.load_model(a.model)
+    model, tok = kvevict.load_model(a.model, dtype=getattr(torch, a.dtype) if a.dtype else None)
     ids = tok(_wikipedia_text(), return_tensors="pt")["input_ids"]
     if ids.shape[1] < a.windows * a.tokens:
         raise ValueError(f"the text has {ids.shape[1]} tokens: give fewer --windows or --tokens.")
@@ -88,7 +91,11 @@ def main(argv=None) -> int:
         print(f"| `{r['cache']}` | {r['nll']:.4f} | {r['ppl_x_full']:.4f} | {r['diff']:+.4f} [{lo:+.4f}, {hi:+.4f}] |")
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": a.model, "tokens": a.tokens, "threads": a.threads, "rows": rows}, indent=1))
+    out.write_text(
+        json.dumps(
+            {"model": a.model, "dtype": a.dtype, "tokens": a.tokens, "threads": a.threads, "rows": rows}, indent=1
+        )
+    )
     return 0
 
 

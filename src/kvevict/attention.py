@@ -82,7 +82,8 @@ def kvevict_mask(
     what it made already (generate makes a compileable cache's masks before the forward), that."""
     if isinstance(attention_mask, PaddingInfo):
         return attention_mask
-    if attention_mask is not None and attention_mask.dim() == 2:
+    # compiled, kv_length is the host's count without the compiled steps (EvictingLayer.get_mask_sizes)
+    if attention_mask is not None and attention_mask.dim() == 2 and not torch.compiler.is_compiling():
         check_mask_length(attention_mask.shape[-1], kv_offset + kv_length - q_length, q_length)
     padding = attention_mask
     if padding is not None and bool(padding.all()):

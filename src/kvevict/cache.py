@@ -12,8 +12,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import torch
 from transformers.cache_utils import Cache
 
+from . import capture
 from .attention import ATTN_NAME, register
 from .budget import check_budget, layer_budgets, resolve_budget
 from .default_policy import pick_policy
@@ -65,6 +67,9 @@ class EvictingCache(Cache):
         and inductor still fails on some batched shapes. Returns the cache."""
         for layer in self.layers:
             layer.is_compileable = on
+            layer.wide_positions = on and capture.wide_positions(self.max_positions)
+            if on:
+                capture.prepare(layer, layer.wide_positions)
         return self
 
     def set_prompt_length(self, n: int) -> None:
@@ -84,7 +89,7 @@ class EvictingCache(Cache):
         # multi-token forward before any one-token (decoding) step means the prompt came in chunks
         # (generate's prefill_chunk_size): the budget was a fraction of its first chunk only.
         first = self.layers[0]
-        if layer_idx == 0 and self.max_positions is not None:
+        if layer_idx == 0 and self.max_positions is not None and not torch.compiler.is_compiling():
             self.max_positions = positions_after(first, key_states.shape[2], self.max_positions)
         if layer_idx == 0 and isinstance(first.budget_spec, float):
             if not first.is_initialized:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from . import capture
 from .attention import PaddingInfo, _Segments, hand_off
 from .budget import resolve_budget
 from .headpool import HeadPool, cat_slots
@@ -29,7 +30,6 @@ from .policies.window import Windowed, window_recency
 from .rope import CompactPositions
 from .rows import Rows
 from .storage import Storage, check_group
-from .storage.layout import POS16_MAX
 from .storage.rect import DenseStore
 from .tier import Tier
 from .turnover import slack_and_recent
@@ -42,6 +42,7 @@ class EvictingLayer(BatchChanges, CacheLayerMixin):
     is_sliding = False
     # EvictingCache.compileable() turns it on per layer: generate then compiles a step by itself on CUDA
     is_compileable = False
+    wide_positions = False  # compileable: int32 positions before a captured step (capture.wide_positions)
     is_croppable = False
 
     def __init__(
@@ -123,8 +124,8 @@ class EvictingLayer(BatchChanges, CacheLayerMixin):
     shared = property(lambda self: self._fixed().shared)
     budget = property(lambda self: None if self.shape is None else self.shape.budget)
     recent_cost = property(lambda self: 0 if self.shape is None else self.shape.recent_cost)
-    seen = property(lambda self: self.progress.seen)
-    evicted = property(lambda self: self.progress.evicted)
+    seen = property(lambda self: self.progress.count("seen"))
+    evicted = property(lambda self: self.progress.count("evicted"))
     peak_entries = property(lambda self: self.progress.peak_entries)
     returned_keys = property(lambda self: self.io.returned_keys)
 
@@ -262,10 +263,10 @@ class EvictingLayer(BatchChanges, CacheLayerMixin):
         return keys, values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.seen + query_length, 0
+        return self.progress.mask_seen() + query_length, 0
 
-    def get_seq_length(self) -> int:
-        return self.seen  # positions go on from every token seen, kept or evicted
+    def get_seq_length(self):
+        return self.progress.seq_length()  # positions go on from every token seen, kept or evicted
 
     def get_max_length(self) -> int:
         return -1  # any number of tokens can stream through
@@ -317,8 +318,9 @@ class EvictingLayer(BatchChanges, CacheLayerMixin):
         if query is not None:
             self.io.group = query.shape[1] // k_new.shape[1]
         valid_new = None
-        if info is not None and info.padding is not None:
-            valid_new = info.real_upto(self.seen + q_len)[:, self.seen :]
+        if info is not None and info.padding is not None:  # compiled: the mask covers seen + new (generate's)
+            seen = info.padding.shape[-1] - q_len if torch.compiler.is_compiling() else self.seen
+            valid_new = info.real_upto(seen + q_len)[:, seen:]
             self._padded = True
         knorm_new = None
         if self.keyspace is not None:  # stored and attended in the rotated basis (kvevict.keyspace)
@@ -382,7 +384,9 @@ class EvictingLayer(BatchChanges, CacheLayerMixin):
             self._prompt_end = RowTensor((self.n_real + ((self.prompt_len or m) - m)).view(-1, 1, 1))
         parts = self._parts()  # as segments() laid them out for attention
         n_past = sum(t.filled for t in parts)
-        self._fit_positions(m)
+        evicted = max(0, self.tiers[0].filled + m * self.shared - budget * self.shared) // self.shared
+        self.progress.advance(m, evicted, self.device)
+        self.progress.fit_positions(self.tiers, self.n_real)
         if valid_new is not None:  # a padding token's position is -1: a slot that holds no token
             pos_new = pos_new.masked_fill(~valid_new, -1)
         new = {"k": k_new, "v": v_new, "pos": pos_new.view(-1, 1, m).expand(b, h, m)}
@@ -400,7 +404,6 @@ class EvictingLayer(BatchChanges, CacheLayerMixin):
             "layer_idx": self.layer_idx,
             "prompt_len": self.prompt_end,
         }
-        self.progress.evicted += max(0, self.tiers[0].filled + m * self.shared - budget * self.shared) // self.shared
         merge = self.summary is not None
         # an unpadded decode step: rows advance together, so a tier out of room is full of tokens
         # in every row and what it evicts is real: no host read to cut it to its valid entries
@@ -422,10 +425,11 @@ class EvictingLayer(BatchChanges, CacheLayerMixin):
                 )
         if gone is not None and self.summary is not None:  # what left the last tier leaves the cache: into the summary
             self.summary.add(gone, self.shared)
-        self.progress.seen += m
         for tier in self.tiers:  # paged bookkeeping: no rectangle outlives the step
             tier.drop_views()
         self._expose()  # a tier that grew a page holds new tensors
+        if self.is_compileable:
+            capture.prepare(self, self.wide_positions)
 
     def skip(self, m: int) -> None:
         """Positions go on past ``m`` tokens this sliding layer never held, as if its window had
@@ -434,17 +438,3 @@ class EvictingLayer(BatchChanges, CacheLayerMixin):
             raise ValueError("only a sliding-window layer can skip tokens: a full layer keeps or ranks every one.")
         self.n_real.add_(m)
         self.progress.skip(m)
-
-    def _fit_positions(self, m: int) -> None:
-        """Widen the positions to int32 once a row's own last position passes 32,767 (``n_real``
-        already counts this step's tokens). ``longest`` bounds it on the host (every new entry
-        counted, padding included); the exact count is read from the device only when that bound
-        would widen, so neither padding nor a history that outlived its rows (``seen``) widens, and
-        decoding far from the limit reads nothing."""
-        progress = self.progress
-        progress.longest += m
-        if progress.longest - 1 <= POS16_MAX or all(t.pos_dtype != torch.int16 for t in self.tiers):
-            return
-        progress.longest = int(self.n_real.max())  # near the limit: one host read, then the bound is exact
-        for tier in self.tiers:
-            tier.widen_positions(progress.longest - 1)

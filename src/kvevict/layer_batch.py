@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from . import capture
 from .layer_state import LayerShape, Progress, RowTensor
 from .merge import Summary
 from .rope import CompactPositions
@@ -29,6 +30,8 @@ class BatchChanges:
     summary: Summary | None
     _prompt_end: RowTensor | None
     _padded: bool
+    is_compileable: bool
+    wide_positions: bool
 
     def _per_row(self) -> list:
         raise NotImplementedError
@@ -57,6 +60,7 @@ class BatchChanges:
     def _map_batch(self, fn) -> None:
         if not self.is_initialized:
             return
+        self.progress.fold()
         for tier in self.tiers:
             tier.settle()
         if any(t.holes for t in self.tiers):
@@ -73,13 +77,15 @@ class BatchChanges:
         for tier in self.tiers:  # statistics only the rows that left read: dropped with them
             tier.keep_stats(wanted)
         self._fixed().budget = self.tiers[0].budget // self.shared
-        if any(t.pos_dtype != torch.int16 for t in self.tiers):
+        if any(t.pos_dtype != torch.int16 for t in self.tiers) and not self.wide_positions:
             # the rows past 32,767 may have left: back to int16 once every row's positions fit (one
             # host read per batch change of a widened batch), so no row pays for one that left
             self.progress.longest = int(self.n_real.max()) if self.n_real.numel() else 0
             for tier in self.tiers:
                 tier.narrow_positions(self.progress.longest - 1)
         self._expose()
+        if self.is_compileable:  # the rows' new tensors, at static addresses again
+            capture.prepare(self, self.wide_positions)
 
     def reorder_cache(self, beam_idx) -> None:
         self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))

@@ -13,6 +13,7 @@ import torch
 
 from .policies import Policy
 from .storage import Storage
+from .storage.layout import POS16_MAX
 
 
 @dataclass
@@ -48,25 +49,100 @@ class LayerShape:
     recent_cost: int = 0
 
 
+# the counts a compiled step advances on the device, in ``Progress.owed``'s order
+OWED = ("seen", "longest", "evicted")
+
+
 @dataclass
 class Progress:
     """Host-side counts: tokens given (padding included), the most real tokens any row holds (an
     upper bound on the host: exact when read, above it by the padding fed since), tokens that left
-    the first tier per (sequence, head), and the most key/value entries held at once."""
+    the first tier per (sequence, head), and the most key/value entries held at once.
+
+    A compiled step (``torch.compile``) counts on the device instead, in ``owed``: a captured graph
+    that wrote a host int would take it as an input, and CUDA graphs record one graph per value of
+    an int input, so one every step. The next eager forward folds ``owed`` into the host counts; a
+    read in between adds it (``count``: one host read), leaving the host counts, which compiled
+    steps read as constants, as they are."""
 
     seen: int = 0
     longest: int = 0
     evicted: int = 0
     peak_entries: int = 0
+    owed: torch.Tensor | None = None  # (3,) int64 on the layer's device, OWED's order
+    pending: bool = False  # compiled steps counted in ``owed`` since the last fold
+
+    def advance(self, m: int, evicted: int, device: torch.device) -> None:
+        """A forward's ``m`` entries (padding included), ``evicted`` of them leaving the first tier."""
+        if torch.compiler.is_compiling():
+            if self.owed is None:
+                raise RuntimeError("kvevict: a compiled step needs an eager forward first (the prompt).")
+            self.owed.add_(torch.tensor((m, m, evicted), dtype=torch.long, device=device))
+            self.pending = True
+            return
+        self.fold()
+        if self.owed is None:
+            self.owed = torch.zeros(len(OWED), dtype=torch.long, device=device)
+        self.seen += m
+        self.longest += m
+        self.evicted += evicted
+
+    def fold(self) -> None:
+        """Add what compiled steps counted to the host counts (one host read), before an eager write."""
+        if not self.pending:
+            return
+        assert self.owed is not None, "pending counts live in owed"
+        for name, n in zip(OWED, self.owed.tolist()):
+            setattr(self, name, getattr(self, name) + n)
+        self.owed.zero_()
+        self.pending = False
+
+    def count(self, name: str) -> int:
+        """The count ``name`` now: the host's, plus what compiled steps counted since (a host read)."""
+        n = getattr(self, name)
+        if self.pending and name in OWED:
+            assert self.owed is not None, "pending counts live in owed"
+            n += int(self.owed[OWED.index(name)])
+        return n
+
+    def mask_seen(self) -> int:
+        """Tokens seen, for mask sizes. Compiled, the host's count (its compiled steps apart): a
+        constant of the graph, as StaticLayer's max_cache_len is; ``kvevict_mask``, its only
+        reader, checks nothing there."""
+        return self.seen if torch.compiler.is_compiling() else self.count("seen")
+
+    def seq_length(self):
+        """Tokens seen; compiled, a 0-d tensor (as StaticLayer's), the device's steps included."""
+        if torch.compiler.is_compiling() and self.owed is not None:
+            return self.owed[0] + self.seen
+        return self.count("seen")
+
+    def fit_positions(self, tiers: list, n_real: torch.Tensor) -> None:
+        """Widen ``tiers``' positions to int32 once a row's own last position passes 32,767
+        (``n_real`` and ``longest`` already count this step's tokens). ``longest`` bounds it on the
+        host (every new entry counted, padding included); the exact count is read from the device
+        only when that bound would widen, so neither padding nor a history that outlived its rows
+        (``seen``) widens, and decoding far from the limit reads nothing. Compiled, nothing:
+        ``capture.prepare`` widened them beforehand where the model's positions can pass int16's."""
+        if torch.compiler.is_compiling() or self.longest - 1 <= POS16_MAX:
+            return
+        if all(t.pos_dtype != torch.int16 for t in tiers):
+            return
+        self.longest = int(n_real.max())  # near the limit: one host read, then the bound is exact
+        for tier in tiers:
+            tier.widen_positions(self.longest - 1)
 
     def skip(self, m: int) -> None:
         """``m`` tokens passed without being stored: seen, counted in the positions, evicted."""
+        self.fold()
         self.seen += m
         self.longest += m
         self.evicted += m
 
     def join(self, other: "Progress") -> None:
         """Rows of ``other`` appended: the longer history, the larger counts."""
+        self.fold()
+        other.fold()
         for name in ("seen", "longest", "evicted", "peak_entries"):
             setattr(self, name, max(getattr(self, name), getattr(other, name)))
 

@@ -170,6 +170,19 @@ class Tier(TierBatch):
         if last <= POS16_MAX and self.pos_dtype != torch.int16:
             self._meta["pos"] = self._meta["pos"].astype(self.pools, torch.int16)
 
+    def slot_tensors(self) -> list:
+        """A rectangle's per-slot tensors (keys and values, then the bookkeeping); a paged tier's
+        are its pool's pages (none listed)."""
+        out: list = []
+
+        def collect(t):
+            out.append(t)
+            return t
+
+        if self.pools is None:
+            self._map_slots(collect)
+        return out
+
     def meta(self, name: str) -> torch.Tensor:
         return self._meta[name].rect(self.capacity)
 

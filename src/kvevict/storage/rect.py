@@ -85,6 +85,8 @@ class DenseStore:
         k, v = self.keys[:, :, :n], self.values[:, :, :n]
         if k.dtype == self.compute_dtype:  # views: no copy at all
             return [Piece(n, lambda: k, lambda: v)]
+        if torch.compiler.is_compiling():  # one piece: a loop over n's spans would make n a constant of the graph
+            return [Piece(n, lambda: k.to(self.compute_dtype), lambda: v.to(self.compute_dtype))]
 
         def piece(s, e):
             return Piece(
