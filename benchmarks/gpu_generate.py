@@ -164,6 +164,9 @@ def one_run(model, spec, ids, new, device, weights) -> dict:
     sync(device)
     t1 = time.perf_counter()
     held = cache_bytes(cache)
+    from torch._dynamo.utils import counters
+
+    skips = counters["inductor"]["cudagraph_skips"]  # graphs CUDA graph trees declined (GPU: logged why)
     out = decode(model, cache, ids, new, spec.startswith(COMPILED))
     sync(device)
     t2 = time.perf_counter()
@@ -176,6 +179,7 @@ def one_run(model, spec, ids, new, device, weights) -> dict:
         "cache_bytes_after_prompt": held,
         "cache_bytes_end": cache_bytes(cache),
         "peak_above_weights": peak,
+        "cudagraph_skips": counters["inductor"]["cudagraph_skips"] - skips,
     }
 
 
