@@ -64,12 +64,13 @@ class EvictingCache(Cache):
         """Declare the decode step compileable (``torch.compile(fullgraph=True)`` traces it, see
         docs/guide.md), so transformers' ``generate`` compiles it through its ``compile_config``, and on
         CUDA by itself (CUDA graphs). Off by default: a compiled step is not yet measured on a GPU,
-        and inductor still fails on some batched shapes. Returns the cache."""
+        and a compileable cache holds each tier's budget of slots from the prompt on
+        (``kvevict.capture``). Returns the cache."""
         for layer in self.layers:
             layer.is_compileable = on
             layer.wide_positions = on and capture.wide_positions(self.max_positions)
             if on:
-                capture.prepare(layer, layer.wide_positions)
+                capture.prepare(layer)
         return self
 
     def set_prompt_length(self, n: int) -> None:

@@ -6,8 +6,9 @@ did not allocate, unless it is marked a static address (``torch._dynamo.mark_sta
 transformers' ``StaticLayer`` marks its keys and values), and record one graph per value of each
 int input. So, after every eager forward and batch change of such a layer:
 
-- every tensor it keeps is marked a static address (its slots, their bookkeeping, its rows' state,
-  the counts its compiled steps advance on the device: ``layer_state.Progress.owed``);
+- every tensor a step writes in place is marked a static address (its slots, their bookkeeping,
+  its rows' real tokens, the counts its compiled steps advance on the device:
+  ``layer_state.Progress.owed``);
 - each tier holds its budget's slots now (as a ``StaticCache`` holds its length), so a captured
   step never grows one: its shapes stay those it was traced with;
 - a full tier's recent tier is made now, not by the first ranking inside a captured step;
@@ -30,9 +31,9 @@ def wide_positions(max_positions: int | None) -> bool:
 
 def layer_tensors(layer) -> list[torch.Tensor]:
     """The tensors a decode step of ``layer`` writes in place: its tiers' and their recent tiers'
-    slots, each row's real tokens and its device counts. (Marked static, each is guarded on its
-    address: one replaced every step would recompile every step, so what a step replaces is left
-    out; CUDA graphs own those as their outputs.)"""
+    slots, each row's real tokens and its device counts. (Marked unguarded, a moved one makes CUDA
+    graphs record again, not dynamo recompile; what a step replaces rather than writes is left out:
+    CUDA graphs own those as their outputs.)"""
     out: list[torch.Tensor] = []
     for tier in layer.tiers:
         for t in (tier, tier.recent):
@@ -44,17 +45,15 @@ def layer_tensors(layer) -> list[torch.Tensor]:
     return out
 
 
-def prepare(layer, wide: bool) -> None:
+def prepare(layer) -> None:
     """Ready ``layer`` for captured decode steps (eagerly, after a forward or a batch change)."""
     if torch.compiler.is_compiling() or not layer.is_initialized:
         return
     for tier in layer.tiers:
         tier.reserve(tier.budget)  # a captured step never grows a tier (its shapes stay as traced)
-        if wide:
-            tier.widen_positions(POS16_MAX + 1)
         if tier.filled >= tier.budget:  # full: its next step ranks, and makes the recent tier
             tier.make_recent()
-            if wide:
-                tier.widen_positions(POS16_MAX + 1)
+        if layer.wide_positions:  # the tier's and its recent tier's
+            tier.widen_positions(POS16_MAX + 1)
     for t in layer_tensors(layer):
-        torch._dynamo.mark_static_address(t)
+        torch._dynamo.mark_static_address(t, guard=False)

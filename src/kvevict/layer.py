@@ -429,7 +429,7 @@ class EvictingLayer(BatchChanges, CacheLayerMixin):
             tier.drop_views()
         self._expose()  # a tier that grew a page holds new tensors
         if self.is_compileable:
-            capture.prepare(self, self.wide_positions)
+            capture.prepare(self)
 
     def skip(self, m: int) -> None:
         """Positions go on past ``m`` tokens this sliding layer never held, as if its window had

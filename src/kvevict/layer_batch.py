@@ -85,7 +85,7 @@ class BatchChanges:
                 tier.narrow_positions(self.progress.longest - 1)
         self._expose()
         if self.is_compileable:  # the rows' new tensors, at static addresses again
-            capture.prepare(self, self.wide_positions)
+            capture.prepare(self)
 
     def reorder_cache(self, beam_idx) -> None:
         self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))

@@ -75,9 +75,11 @@ class Progress:
     def advance(self, m: int, evicted: int, device: torch.device) -> None:
         """A forward's ``m`` entries (padding included), ``evicted`` of them leaving the first tier."""
         if torch.compiler.is_compiling():
-            if self.owed is None:
-                raise RuntimeError("kvevict: a compiled step needs an eager forward first (the prompt).")
-            self.owed.add_(torch.tensor((m, m, evicted), dtype=torch.long, device=device))
+            step = torch.tensor((m, m, evicted), dtype=torch.long, device=device)
+            if self.owed is None:  # a compiled first forward (the prompt): the counts start here
+                self.owed = step
+            else:
+                self.owed.add_(step)
             self.pending = True
             return
         self.fold()
