@@ -21,7 +21,7 @@ import torch
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install 'kvevict[triton]')")
 
 from conftest import DEADLINE  # noqa: E402
-from kvevict.kernels.triton_decode import _factored, decode_attention_triton, interpreting, register  # noqa: E402
+from kvevict.kernels.triton_decode import _factored, decode_attention_triton, interpreting  # noqa: E402
 from kvevict.storage.codes import dequantize, quantize  # noqa: E402
 
 try:
@@ -316,9 +316,11 @@ def test_bad_input_says_what_to_change():
 
 
 def test_register():
+    from kvevict.kernels import triton_ops
+
     registry = {}
-    register(registry)
-    assert registry == {"triton": decode_attention_triton}
+    triton_ops.register(registry)
+    assert registry == {"triton": triton_ops.decode_attention}
 
 
 _COMPILE = r"""

@@ -9,7 +9,7 @@ over the query heads of its KV group). The semantics are ``reference.decode_atte
 the work (the Triton kernel then saves no scores and makes no probability pass).
 
 Backends: ``"torch"`` (the reference, always there), ``"cpu"`` (compiled at first use, fused: no
-dequantized copy of the cache), ``"triton"`` (GPU, registered by ``triton_decode`` when present).
+dequantized copy of the cache), ``"triton"`` (GPU, ``triton_decode``, registered by ``triton_ops`` when present).
 Selection: ``backend=``, else ``$KVEVICT_KERNEL`` (torch | cpu | triton | auto), else auto: triton
 for CUDA queries when it imports, cpu when the compiled extension builds, else torch. The first
 call logs one line saying which path runs, and why when a wanted compiled path is missing. A
@@ -78,10 +78,10 @@ register_backend("cpu", _cpu_fn, _cpu_available, "cpu", paged=True, summary=True
 
 
 def _load_triton() -> None:
-    """The triton backend, from ``triton_decode`` (which imports without triton installed)."""
+    """The triton backend, from ``triton_decode`` through ``triton_ops`` (both import without triton)."""
     mod = importlib.import_module(".triton_decode", __name__)
     got: dict = {}
-    mod.register(got)  # its own registration: {"triton": fn}
+    importlib.import_module(".triton_ops", __name__).register(got)  # {"triton": fn}: eager, or one op traced
     register_backend("triton", got["triton"], mod.available, "cuda", paged=True, summary=True, outonly=True)
 
 

@@ -87,9 +87,9 @@ def rotate(x: torch.Tensor, center: torch.Tensor | None = None) -> torch.Tensor:
     if where == "torch":
         return rotate_reference(x if center is None else x - center.unsqueeze(2).to(x.dtype))
     if where == "triton":
-        from .triton_store import rotate_triton
+        from . import triton_ops
 
-        return rotate_triton(x, center)
+        return triton_ops.rotate(x, center)
     n = d & -d
     rows = x.reshape(-1, d)
     c = _NO_CENTER if center is None else center.reshape(-1, d).contiguous()
@@ -130,9 +130,9 @@ def quantize_into(
         return NotImplemented
     k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
     if where == "triton":
-        from .triton_store import quantize_into_triton
+        from . import triton_ops
 
-        return quantize_into_triton(stores, idx, k, v, bits, group, take)
+        return triton_ops.quantize_into(stores, idx, k, v, bits, group, take)
     t = _NO_TAKE if take is None else take.expand(idx.shape).contiguous()
     op = torch.ops.kvevict.quantize_into_cpu if torch.compiler.is_compiling() else _module().quantize_into
     op(k, v, idx, t, list(stores), bits, group)
@@ -148,9 +148,9 @@ def dequantize_from(stores: Sequence[torch.Tensor], idx: torch.Tensor, bits: int
     if idx.dtype != torch.long or where == "torch" or any(t.stride(-1) != 1 for t in stores):
         return NotImplemented
     if where == "triton":
-        from .triton_store import dequantize_from_triton
+        from . import triton_ops
 
-        return dequantize_from_triton(stores, idx, bits, group, dtype)
+        return triton_ops.dequantize_from(stores, idx, bits, group, dtype)
     like = _LIKE[dtype]  # the outputs' dtype, as a tensor the module's signature takes
     op = torch.ops.kvevict.dequantize_from_cpu if torch.compiler.is_compiling() else _module().dequantize_from
     k, v = op(list(stores), idx, bits, group, like)

@@ -21,12 +21,9 @@ kernel") and docs/results/performance-notes.md. The factored read computes with 
 dequantized keys and values, where the torch reference (and ``_split_kernel``) rounds them to a
 bf16 / fp16 query's dtype first (tests/test_kernel_triton.py holds each path to the keys it uses).
 
-Registering it (the one line ``kvevict/kernels/__init__.py`` needs; this module imports without
-triton, ``available()`` says whether the backend can run)::
-
-    from .triton_decode import register as _register_triton; _register_triton(BACKENDS)
-
-which sets ``BACKENDS["triton"] = decode_attention_triton``. Runs on CUDA tensors, and on CPU
+The dispatcher registers it through ``triton_ops.register`` (this module imports without triton,
+``available()`` says whether the backend can run), as ``triton_ops.decode_attention``: this function eager, one custom op
+traced. Runs on CUDA tensors, and on CPU
 tensors only under triton's interpreter (``TRITON_INTERPRET=1`` set before triton is first
 imported; what the tests use). Returns ``NotImplemented`` (the dispatcher then uses the torch
 reference) for CPU tensors outside the interpreter, and for query dtypes other than fp16 / bf16 /
@@ -70,11 +67,6 @@ def interpreting() -> bool:
     return isinstance(tl.zeros, InterpretedFunction)
 
 
-def register(registry: dict) -> None:
-    """Add this backend to the dispatcher's registry under "triton"."""
-    registry["triton"] = decode_attention_triton
-
-
 class Launch(NamedTuple):
     """One program launch ``plan`` lays out: ``kernel[grid](*args, **kwargs)``."""
 
@@ -88,15 +80,21 @@ def decode_attention_triton(q, runs, k_new, v_new, mask, scale, softcap=None, su
     """The backend: ``plan``'s launches made (its docstring: arguments, switches, results);
     ``NotImplemented`` where triton cannot run these tensors (the dispatcher then uses the torch
     reference)."""
-    ok, why = available()
-    if not ok:
-        raise ModuleNotFoundError(why)
-    if not (q.is_cuda or interpreting()) or q.dtype not in _DTYPES:
+    if not takes(q):
         return NotImplemented
     out, probs, launches = plan(q, runs, k_new, v_new, mask, scale, softcap, summary=summary, pg=pg, **switches)
     for la in launches:
         la.kernel[la.grid](*la.args, **la.kwargs)
     return out, probs
+
+
+def takes(q) -> bool:
+    """Whether the programs run for query ``q``: CUDA (or triton's interpreter) and fp16 / bf16 / fp32.
+    ModuleNotFoundError, saying what to install, without triton."""
+    ok, why = available()
+    if not ok:
+        raise ModuleNotFoundError(why)
+    return (q.is_cuda or interpreting()) and q.dtype in _DTYPES
 
 
 def unknown_switches(switches: dict, fixed: tuple = ()) -> str | None:

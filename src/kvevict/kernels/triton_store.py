@@ -23,6 +23,12 @@ import triton.language as tl
 _MAGIC = 12582912.0  # 1.5 x 2^23
 
 
+def takes(dk: int, dv: int, group: int) -> bool:
+    """Whether the store programs take these head sizes: each holds a token's channels as one block,
+    so head sizes and the group must be powers of two, the group no wider than a head."""
+    return all(x > 0 and x & (x - 1) == 0 for x in (dk, dv, group)) and group <= min(dk, dv)
+
+
 @triton.jit
 def _rint(x):
     x = tl.minimum(tl.maximum(x, -1048576.0), 1048576.0)
@@ -139,10 +145,6 @@ def _quantize_into_kernel(
         )  # fmt: skip
 
 
-def _pow2(x: int) -> bool:
-    return x > 0 and x & (x - 1) == 0
-
-
 def rotate_triton(x: torch.Tensor, center: torch.Tensor | None = None, block: int = 16) -> torch.Tensor:
     """``kvevict.kernels.store.rotate`` in one launch: x (..., d), center (b, h, d) float16 for x
     (b, h, m, d), or None."""
@@ -173,7 +175,7 @@ def quantize_into_triton(stores, idx, k, v, bits: int, group: int, take=None):
     """``kvevict.kernels.store.quantize_into`` in one launch; NotImplemented for head sizes or groups
     that are not powers of two (a program holds a token's channels as one block)."""
     dk, dv = k.shape[-1], v.shape[-1]
-    if not (_pow2(dk) and _pow2(dv) and _pow2(group) and group <= min(dk, dv)):
+    if not takes(dk, dv, group):
         return NotImplemented
     b, h, j = idx.shape
     if b * h * j == 0:
@@ -232,7 +234,7 @@ def dequantize_from_triton(stores, idx, bits: int, group: int, dtype):
     """``kvevict.kernels.store.dequantize_from`` in one launch; NotImplemented for head sizes or
     groups that are not powers of two."""
     dk, dv = (stores[i].shape[-1] * 8 // bits for i in (0, 3))
-    if not (_pow2(dk) and _pow2(dv) and _pow2(group) and group <= min(dk, dv)):
+    if not takes(dk, dv, group):
         return NotImplemented
     b, h, j = idx.shape
     k = torch.empty(b, h, j, dk, dtype=dtype, device=idx.device)
