@@ -4,7 +4,8 @@ steps under ``torch.compile`` the graph variants made and those made after the w
 ranking, one turn-over and the next ranking: 2 x slack + 1 steps), which must be none; and the
 CUDA graphs those steps would record: inductor's CUDA graph trees record one per graph and distinct
 tuple of the graph's int inputs (``torch/_inductor/cudagraph_trees.py``, ``cudagraphify_impl``), so
-an int input that changes every step (a host count) records a new CUDA graph every step.
+an int input that changes every step (a host count) records a new CUDA graph every step, and so
+does a static input whose storage moved since the graph's last call.
 
     python benchmarks/compile_check.py                                  # the shipped caches
     python benchmarks/compile_check.py --caches 'h2o@0.2;memory=0.2' --out results/compile.json
@@ -41,14 +42,19 @@ def _step(model, tok, pos, cache):
 class CudaGraphRecorder:
     """A backend that compiles as AOTAutograd compiles for inductor (functionalized) and runs the
     graph eagerly, recording what decides CUDA graphs: per graph, each distinct tuple of its int
-    inputs seen when called (one recording each), and its inputs written in place that are not
-    static addresses (CUDA graph trees skip such a graph: ``check_for_mutation``)."""
+    inputs seen when called (one recording each), its inputs written in place that are not
+    static addresses (CUDA graph trees skip such a graph: ``check_for_mutation``), and the calls in
+    which a static input's storage moved since the graph's last call (CUDA graph trees record the
+    graph again: its static inputs are read where they were when recorded)."""
 
     def __init__(self):
         self.keys: set = set()
         self.graphs = 0
         self.names: set = set()
         self.mutated: set = set()
+        self.moves = 0  # calls in which a static input had moved
+        self.moved: set = set()  # the names of those inputs
+        self._ptrs: dict = {}
 
     def __call__(self, gm, example_inputs):
         from torch._functorch.aot_autograd import aot_module_simplified
@@ -59,10 +65,13 @@ class CudaGraphRecorder:
         names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         self.names.update(names[i] for i in at if i < len(names))
 
+        static_at: list = []  # the static inputs among the call's arguments
+
         def fw(g, inputs):
             meta = TracingContext.get().fw_metadata
             static = set(meta.static_input_indices)
             lifted = len(inputs) - len(names)  # the module's parameters and buffers come first
+            static_at.extend(i - lifted for i in sorted(static) if i >= lifted)
             for i, info in enumerate(meta.input_info):
                 if (info.mutates_data or info.mutates_metadata) and i not in static:
                     self.mutated.add(names[i - lifted] if i >= lifted else f"parameter {i}")
@@ -72,6 +81,12 @@ class CudaGraphRecorder:
 
         def call(*args):
             self.keys.add((graph, tuple(args[i] for i in at)))
+            ptrs = [args[i].data_ptr() if isinstance(args[i], torch.Tensor) else None for i in static_at]
+            last = self._ptrs.get(graph, ptrs)
+            moved = [names[i] for i, a, b in zip(static_at, last, ptrs) if a != b]
+            self.moves += bool(moved)
+            self.moved.update(moved)
+            self._ptrs[graph] = ptrs
             return run(*args)
 
         return call
@@ -106,12 +121,13 @@ def check(model, spec: str, batch: int, prompt: int) -> dict:
     counters.clear()
     keys = CudaGraphRecorder()
     step = torch.compile(_step, backend=keys)
-    steps, warm, late, late_records = 4 * slack, 2 * slack + 1, 0, 0
+    steps, warm, late, late_records, late_moves = 4 * slack, 2 * slack + 1, 0, 0, 0
     for i in range(steps):
-        before, recorded = _graphs(), len(keys.keys)
+        before, recorded, moves = _graphs(), len(keys.keys), keys.moves
         tok = step(model, tok, pos(), cache)[:, -1:].argmax(-1)
         late += (_graphs() - before) if i >= warm else 0
         late_records += (len(keys.keys) - recorded) if i >= warm else 0
+        late_moves += (keys.moves - moves) if i >= warm else 0
     return {
         "cache": spec,
         "slack": slack,
@@ -124,6 +140,8 @@ def check(model, spec: str, batch: int, prompt: int) -> dict:
         "cuda_graph_records": len(keys.keys),
         "cuda_graph_records_after_warmup": late_records,
         "mutated_not_static": sorted(keys.mutated),
+        "static_moves_after_warmup": late_moves,
+        "static_moved": sorted(keys.moved),
     }
 
 
@@ -145,14 +163,15 @@ def main(argv=None) -> int:
     rows = [check(model, s, a.batch, a.prompt) for s in a.caches.split(";") if s]
     print(
         "| cache | slack | steps | graph breaks | graph variants | recompiles after warm-up "
-        "| CUDA graphs recorded | of them after warm-up | int inputs | written in place, not static |"
+        "| CUDA graphs recorded | of them after warm-up | int inputs | written in place, not static "
+        "| static inputs moved, steps after warm-up |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| `{r['cache']}` | {r['slack']} | {r['steps']} | {r['graph_breaks']} | {r['variants']} "
             f"| {r['recompiles_after_warmup']} | {r['cuda_graph_records']} | {r['cuda_graph_records_after_warmup']} "
-            f"| {len(r['int_inputs'])} | {len(r['mutated_not_static'])} |"
+            f"| {len(r['int_inputs'])} | {len(r['mutated_not_static'])} | {r['static_moves_after_warmup']} |"
         )
         for why in r["break_reasons"]:
             print(f"|   break: {why} |")

@@ -109,10 +109,11 @@ def test_generate_compiles_the_decode_step_through_its_compile_config():
 
 @pytest.mark.parametrize("spec", ["h2o@0.2", "memory=0.2", "ada-snapkv/int4@memory=0.2", "h2o/int4@memory=0.25"])
 def test_a_captured_step_records_its_cuda_graphs_once_and_counts_on_the_device(spec):
-    """CUDA graph trees record a graph per distinct tuple of its int inputs and skip one that writes
-    in place into a tensor not at a static address: after the warm-up no step brings a new int
-    tuple, and every tensor a compileable cache's step writes is a static address. The counts the
-    steps advance (on the device) read as the eager steps' once read."""
+    """CUDA graph trees record a graph per distinct tuple of its int inputs, again when a static
+    input's storage moved, and skip one that writes in place into a tensor not at a static address:
+    after the warm-up no step brings a new int tuple or moves a static input, and every tensor a
+    compileable cache's step writes is a static address. The counts the steps advance (on the
+    device) read as the eager steps' once read."""
     model = tiny_model("qwen2").to(torch.bfloat16 if "memory=0.25" in spec else torch.float32)
     torch.manual_seed(0)
     prompt = torch.randint(0, 128, (2, 400))
@@ -128,11 +129,12 @@ def test_a_captured_step_records_its_cuda_graphs_once_and_counts_on_the_device(s
             slack = cache.layers[0].tiers[0].slack
             warm, logits = 2 * slack + 1, []
             for i in range(4 * slack + 1):
-                before = len(rec.keys)
+                before, moves = len(rec.keys), rec.moves
                 pos = torch.full((2, 1), prompt.shape[1] + i)  # counted here, as generate counts
                 logits.append(step(model, tok, pos, cache))
                 tok = logits[-1][:, -1:].argmax(-1)
                 assert i < warm or len(rec.keys) == before, f"step {i} recorded a new CUDA graph"
+                assert i < warm or rec.moves == moves, f"step {i} moved static inputs {sorted(rec.moved)}"
         caches.append((cache, torch.cat(logits, 1)))
         if compiled:
             assert rec.graphs and not rec.mutated

@@ -127,10 +127,11 @@ def test_a_compiled_step_on_the_triton_backend_traces_whole_and_records_once(mon
             slack = cache.layers[0].tiers[0].slack
             warm, got = 2 * slack + 1, []
             for i in range(3 * slack + 1):
-                before = len(rec.keys)
+                before, moves = len(rec.keys), rec.moves
                 got.append(step(model, tok, torch.full((2, 1), prompt.shape[1] + i, device=DEVICE), cache))
                 tok = got[-1][:, -1:].argmax(-1)
                 assert i < warm or len(rec.keys) == before, f"step {i} recorded a new CUDA graph"
+                assert i < warm or rec.moves == moves, f"step {i} moved static inputs {sorted(rec.moved)}"
         logits.append(torch.cat(got, 1))
     assert rec.graphs and not rec.mutated
     assert any("decode_triton" in op for op in ops), sorted(ops)
