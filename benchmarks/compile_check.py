@@ -45,7 +45,9 @@ class CudaGraphRecorder:
     inputs seen when called (one recording each), its inputs written in place that are not
     static addresses (CUDA graph trees skip such a graph: ``check_for_mutation``), and the calls in
     which a static input's storage moved since the graph's last call (CUDA graph trees record the
-    graph again: its static inputs are read where they were when recorded)."""
+    graph again: its static inputs are read where they were when recorded), and the tensors it
+    reads from module globals (on a GPU a CPU one there makes inductor skip CUDA graphs for the
+    graph, or split it: ``check_multiple_devices_or_any_cpu_nodes``)."""
 
     def __init__(self):
         self.keys: set = set()
@@ -53,6 +55,7 @@ class CudaGraphRecorder:
         self.names: set = set()
         self.mutated: set = set()
         self.moves = 0  # calls in which a static input had moved
+        self.globals: set = set()  # tensors read from module globals (a CPU one in a CUDA graph: skipped)
         self.moved: set = set()  # the names of those inputs
         self._ptrs: dict = {}
 
@@ -63,6 +66,9 @@ class CudaGraphRecorder:
         graph, self.graphs = self.graphs, self.graphs + 1
         at = [i for i, x in enumerate(example_inputs) if isinstance(x, (int, torch.SymInt))]
         names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        self.globals.update(
+            n for n, x in zip(names, example_inputs) if n.startswith("g_") and isinstance(x, torch.Tensor)
+        )
         self.names.update(names[i] for i in at if i < len(names))
 
         static_at: list = []  # the static inputs among the call's arguments
@@ -142,6 +148,7 @@ def check(model, spec: str, batch: int, prompt: int) -> dict:
         "mutated_not_static": sorted(keys.mutated),
         "static_moves_after_warmup": late_moves,
         "static_moved": sorted(keys.moved),
+        "global_tensors": sorted(keys.globals),
     }
 
 
