@@ -42,10 +42,10 @@ def _step(model, tok, pos, cache):
 class CudaGraphRecorder:
     """A backend that compiles as AOTAutograd compiles for inductor (functionalized) and runs the
     graph eagerly, recording what decides CUDA graphs: per graph, each distinct tuple of its int
-    inputs seen when called (one recording each), its inputs written in place that are not
-    static addresses (CUDA graph trees skip such a graph: ``check_for_mutation``), and the calls in
+    inputs seen when called (one recording each); its inputs written in place that are not
+    static addresses (CUDA graph trees skip such a graph: ``check_for_mutation``); the calls in
     which a static input's storage moved since the graph's last call (CUDA graph trees record the
-    graph again: its static inputs are read where they were when recorded), and the tensors it
+    graph again: its static inputs are read where they were when recorded); and the tensors it
     reads from module globals (on a GPU a CPU one there makes inductor skip CUDA graphs for the
     graph, or split it: ``check_multiple_devices_or_any_cpu_nodes``)."""
 
@@ -55,9 +55,9 @@ class CudaGraphRecorder:
         self.names: set = set()
         self.mutated: set = set()
         self.moves = 0  # calls in which a static input had moved
-        self.globals: set = set()  # tensors read from module globals (a CPU one in a CUDA graph: skipped)
         self.moved: set = set()  # the names of those inputs
-        self._ptrs: dict = {}
+        self._ptrs: dict = {}  # each graph's static inputs' addresses at its last call
+        self.globals: set = set()  # tensors read from module globals (a CPU one in a CUDA graph: skipped)
 
     def __call__(self, gm, example_inputs):
         from torch._functorch.aot_autograd import aot_module_simplified

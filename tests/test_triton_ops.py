@@ -72,6 +72,14 @@ def test_the_decode_op_traced_is_the_backend_and_its_fake_has_its_shapes(pg, sum
     torch.library.opcheck(torch.ops.kvevict.decode_triton.default, args)
 
 
+def test_a_traced_call_with_tuning_switches_says_they_are_for_eager_calls():
+    args = _decode_args()
+    torch._dynamo.reset()
+    traced = torch.compile(lambda *a: triton_ops.decode_attention(*a, split=32), fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match="switches \\(split\\) tune eager calls; a traced step takes the defaults"):
+        traced(*args)
+
+
 def test_the_store_ops_are_the_programs_traced_or_not():
     dtype, bits, group = torch.bfloat16, 4, 32
     x, c = _rand(2, 2, 3, 64, dtype=dtype, seed=11), _rand(2, 2, 64, dtype=torch.float16, seed=12)

@@ -22,9 +22,9 @@ dequantized keys and values, where the torch reference (and ``_split_kernel``) r
 bf16 / fp16 query's dtype first (tests/test_kernel_triton.py holds each path to the keys it uses).
 
 The dispatcher registers it through ``triton_ops.register`` (this module imports without triton,
-``available()`` says whether the backend can run), as ``triton_ops.decode_attention``: this function eager, one custom op
-traced. Runs on CUDA tensors, and on CPU
-tensors only under triton's interpreter (``TRITON_INTERPRET=1`` set before triton is first
+``available()`` says whether the backend can run), as ``triton_ops.decode_attention``: this
+function when eager, one custom op when traced. Runs on CUDA tensors, and on CPU tensors only
+under triton's interpreter (``TRITON_INTERPRET=1`` set before triton is first
 imported; what the tests use). Returns ``NotImplemented`` (the dispatcher then uses the torch
 reference) for CPU tensors outside the interpreter, and for query dtypes other than fp16 / bf16 /
 fp32. Bad input raises ValueError (``triton_checks``).
